@@ -93,7 +93,7 @@ class SimConfig:
     tool_call_parser: str = _knob(
         "", "vLLM --enable-auto-tool-choice --tool-call-parser, SGLang --tool-call-parser: answer a request "
         "that offers function tools with simulated calls (chat, Messages, Responses; see enginesim/tools.py); "
-        "empty: tools are ignored and the answer is text")
+        "empty: the answer is text (the tools still count in the prompt, as the engine renders them)")
     # -- LoRA adapters --------------------------------------------------------------------------
     enable_lora: bool = _knob(False, "serve LoRA adapters (vLLM --enable-lora; SGLang --enable-lora)")
     max_loras: int = _knob(4, "GPU slots for adapters (vLLM --max-loras, SGLang --max-loras-per-batch)")

@@ -105,22 +105,27 @@ class HFTokenizer:
             out.extend(ids)
         return out
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """``tools``: the chat request's, handed to the template as vLLM hands them (``tools``),
+        for it to render where it puts them (a template without ``tools`` ignores them)."""
         if self._template is None:
             raise ValueError("the tokenizer has no chat_template")
+        extra = {"tools": tools} if tools else {}
         return self._template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-                                     eos_token=self.eos_token)
+                                     eos_token=self.eos_token, **extra)
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        return self._encode_plain(self.render_chat(messages))
+    def encode_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self._encode_plain(self.render_chat(messages, tools))
 
-    def encode_open_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def encode_open_chat(self, messages: Sequence[dict[str, Any]],
+                         tools: list[dict[str, Any]] | None = None) -> list[int]:
         """``continue_final_message``: the conversation without a generation prompt, cut right
         after the last message's text (its end-of-turn tokens dropped), as transformers does."""
         if self._template is None:
             raise ValueError("the tokenizer has no chat_template")
+        extra = {"tools": tools} if tools else {}
         text = self._template.render(messages=messages, add_generation_prompt=False, bos_token=self.bos_token,
-                                     eos_token=self.eos_token)
+                                     eos_token=self.eos_token, **extra)
         content = messages[-1].get("content") if messages else None
         if isinstance(content, str) and content:
             cut = text.rfind(content)

@@ -71,7 +71,7 @@ from enginesim.frontend import (
 from enginesim.protocol import lax_bool, lax_int, parse_stop
 from enginesim.sequence import SamplingParams, Sequence
 from enginesim.tokenizer import content_text
-from enginesim.tools import ToolCalls, messages_tool_calls, sglang_call_id, vllm_call_id
+from enginesim.tools import ToolCalls, messages_tool_calls, rendered_tools, sglang_call_id, vllm_call_id
 from enginesim.tracing import trace_headers
 from enginesim.wire import json_response, read_json
 
@@ -199,7 +199,7 @@ class MessagesApi:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model")
 
     def _prompt_ids(self, body: dict[str, Any]) -> list[int]:
-        ids = self.engine.tokenizer.encode_chat(chat_messages(body))
+        ids = self.engine.tokenizer.encode_chat(chat_messages(body), rendered_tools(body.get("tools"), "input_schema"))
         limit = self.engine.max_prompt_tokens
         if len(ids) > limit:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your "
@@ -338,7 +338,7 @@ class SGLangMessagesApi(MessagesApi):
                 if isinstance(m, dict) and m.get("role") not in ("user", "assistant"):
                     raise ApiError(400, f"1 validation error:\n  messages.{i}.role: Input should be 'user' or "
                                    "'assistant'", type_="Bad Request")
-        return self.engine.tokenizer.encode_chat(chat_messages(body))
+        return self.engine.tokenizer.encode_chat(chat_messages(body), rendered_tools(body.get("tools"), "input_schema"))
 
     def _error(self, exc: ApiError) -> web.Response:
         if exc.status == 400 and exc.type_ == "Bad Request":     # the request's model refused it

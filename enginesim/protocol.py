@@ -14,6 +14,7 @@ from typing import Any
 
 from enginesim.errors import ApiError
 from enginesim.tokenizer import FakeTokenizer
+from enginesim.tools import rendered_tools
 
 _BAD = "Bad Request"
 
@@ -154,14 +155,15 @@ def completion_prompt_ids(prompt: Any, tokenizer: FakeTokenizer) -> list[int]:
 
 
 def chat_prompt_ids(messages: Any, tokenizer: FakeTokenizer, add_generation_prompt: bool = True,
-                    continue_final: bool = False) -> list[int]:
+                    continue_final: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The ids of a chat's prompt: its messages and the ``tools`` it offers, rendered."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise ApiError(400, "1 validation error:\n  messages: Input should be a valid list of messages",
                        type_=_BAD, param="messages")
     if not messages:
         raise ApiError(400, "Messages cannot be empty.", type_="BadRequestError", param="messages")
     # continue_final_message: the last message stays open, the model continues it
-    return tokenizer.encode_open_chat(messages) if continue_final else tokenizer.encode_chat(messages)
+    return tokenizer.encode_open_chat(messages, tools) if continue_final else tokenizer.encode_chat(messages, tools)
 
 
 def chat_template_flags(body: dict[str, Any], vllm: bool) -> tuple[bool, bool]:
@@ -184,7 +186,7 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
     echo: str | None = None
     if kind == "chat":
         agp, cont = chat_template_flags(body, vllm)
-        prompt_ids = chat_prompt_ids(body.get("messages"), tokenizer, agp, cont)
+        prompt_ids = chat_prompt_ids(body.get("messages"), tokenizer, agp, cont, rendered_tools(body.get("tools")))
         if vllm and bool_field(body, "echo", False):
             echo = _last_message_text(body["messages"], agp)
         max_tokens = _int_field(body, "max_completion_tokens", 1)

@@ -62,7 +62,7 @@ from enginesim.frontend import (
 from enginesim.protocol import bool_field, lax_int
 from enginesim.sequence import SamplingParams, Sequence
 from enginesim.tokenizer import content_text
-from enginesim.tools import ToolCalls, responses_tool_calls
+from enginesim.tools import ToolCalls, rendered_tools, responses_tool_calls
 from enginesim.tracing import trace_headers
 from enginesim.wire import SseWriter, drop_connection, json_response, read_json
 
@@ -189,7 +189,7 @@ class ResponsesApi:
         try:
             body = await read_json(request, require_json=True)
             messages, _prev = self._parse(body)
-            prompt_ids = engine.tokenizer.encode_chat(messages)
+            prompt_ids = engine.tokenizer.encode_chat(messages, rendered_tools(body.get("tools"), "parameters"))
             n = len(prompt_ids)
             if n > engine.max_prompt_tokens:
                 raise ApiError(400, f"The engine prompt length {n} exceeds the max_model_len "

@@ -19,6 +19,8 @@ from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import orjson
+
 # Pieces: optional whitespace run, then 1-4 non-space characters; or trailing whitespace.
 _PIECE = re.compile(r"\s*\S{1,4}|\s+")
 
@@ -84,21 +86,23 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [self._remember(p) for p in split_pieces(text)]
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
-        return render_chat(messages)
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        return render_chat(messages, tools=tools)
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        return self.encode(render_chat(messages))
+    def encode_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.encode(render_chat(messages, tools=tools))
 
-    def encode_open_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def encode_open_chat(self, messages: Sequence[dict[str, Any]],
+                         tools: list[dict[str, Any]] | None = None) -> list[int]:
         """A chat whose last message stays open (``continue_final_message``): no end of turn, no
         generation prompt. The open message's text is tokenized apart from its role header, as a
         real template's special tokens separate it, so a partial answer sent back as text gets the
         ids the model generated for it (output words are one piece each)."""
         if not messages:
-            return self.encode_chat(messages)
+            return self.encode_chat(messages, tools)
         last = messages[-1]
-        head = render_chat(messages[:-1], add_generation_prompt=False) + f"<|{last.get('role', 'user')}|>\n"
+        head = (render_chat(messages[:-1], add_generation_prompt=False, tools=tools)
+                + f"<|{last.get('role', 'user')}|>\n")
         return self.encode(head) + self.encode(content_text(last.get("content")))
 
     def piece(self, token_id: int) -> str:
@@ -135,8 +139,13 @@ def content_text(content: Any) -> str:
 
 
 def render_chat(messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                continue_final: bool = False) -> str:
+                continue_final: bool = False, tools: list[dict[str, Any]] | None = None) -> str:
     """A Llama-ish template: the same conversation prefix always renders to the same text.
+
+    ``tools`` (the chat request's, ``enginesim.tools.rendered_tools``) render first, as their JSON
+    under a ``<|tools|>`` header, where real templates put them in the system prompt: they are
+    prompt tokens, about one for every four characters, and requests offering the same tools share
+    that prefix.
 
     ``continue_final`` leaves the last message open (no end-of-turn newline, no generation
     prompt), so a partial assistant message renders exactly as the model's own output did after
@@ -149,7 +158,8 @@ def render_chat(messages: Sequence[dict[str, Any]], add_generation_prompt: bool 
         parts[-1] = parts[-1][:-1]
     elif add_generation_prompt:
         parts.append("<|assistant|>\n")
-    return "".join(parts)
+    head = "<|tools|>\n" + orjson.dumps(tools).decode() + "\n" if tools else ""
+    return head + "".join(parts)
 
 
 class OutputSource:

@@ -8,8 +8,9 @@ the Messages API) or leaves it to the model (``auto``, the default when tools ar
 conversation ends with the user's message: a turn that answers a call (a ``tool`` message, a
 ``tool_result`` block, a ``function_call_output`` item) gets text, as a model that read the
 result would write, and so does an assistant message left open to be continued
-(``continue_final_message``). ``none`` gets text always. Without a parser the tools are
-ignored and the answer is text, as before.
+(``continue_final_message``). ``none`` gets text always. Without a parser the answer is text,
+as before. Either way the tools are rendered into the prompt (``rendered_tools``), as the engines'
+chat templates render them, and count in its tokens.
 
 Which tools: a named one, else the first; with parallel calls allowed (chat's and Responses'
 ``parallel_tool_calls``, default true; the Messages API's ``tool_choice.disable_parallel_tool_use``,
@@ -47,6 +48,29 @@ def _flat_tool(tool: Any, schema_key: str) -> tuple[str, Any] | None:
     if tool.get("type") not in (None, "custom", "function"):
         return None
     return tool["name"], tool.get(schema_key)
+
+
+def rendered_tools(tools: Any, schema_key: str | None = None) -> list[dict[str, Any]] | None:
+    """The tools a request offers as the engine renders them into its prompt: the chat request's
+    ``tools`` (``{"type": "function", "function": {...}}``), which the chat template is given. A
+    chat's are its own (``schema_key`` None); a Messages request's (``input_schema``) and a
+    Responses request's function tools (``parameters``) are made chat tools, as both engines build
+    the chat request they run from them. None when it offers none."""
+    if not isinstance(tools, list) or not tools:
+        return None
+    if schema_key is None:
+        return [t for t in tools if isinstance(t, dict)] or None
+    out = []
+    for tool in tools:
+        got = _flat_tool(tool, schema_key)
+        if got is None:
+            continue
+        fn: dict[str, Any] = {"name": got[0]}
+        if tool.get("description") is not None:
+            fn["description"] = tool["description"]
+        fn["parameters"] = got[1]
+        out.append({"type": "function", "function": fn})
+    return out or None
 
 
 def _key(schema: Any) -> str:

@@ -38,7 +38,7 @@ from enginesim.lora import LoraError, LoraFull
 from enginesim.protocol import OpenAIRequest, parse_openai, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
 from enginesim.tokenizer import EOS_TOKEN_ID, ids_bytes
-from enginesim.tools import ToolCalls, chat_tool_calls, tool_deltas, vllm_call_id
+from enginesim.tools import ToolCalls, chat_tool_calls, rendered_tools, tool_deltas, vllm_call_id
 from enginesim.tracing import trace_headers
 from enginesim.wire import SseWriter, json_response, read_json
 
@@ -522,7 +522,7 @@ class VllmApi:
                 if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
                     raise ApiError(400, "1 validation error:\n  messages: Input should be a valid list of messages",
                                    type_="Bad Request", param="messages")
-                text = tok.render_chat(messages)
+                text = tok.render_chat(messages, rendered_tools(body.get("tools")))
             elif isinstance(body.get("prompt"), str):
                 text = body["prompt"]
             else:
