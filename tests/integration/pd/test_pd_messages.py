@@ -166,12 +166,11 @@ async def test_a_messages_requests_tools_count_in_its_prompt(sims, gateway):
     assert raw.headers["x-pd-decision"] == "decode; reason=short_prompt"
 
 
-@pytest.mark.parametrize("path", [MESSAGES, COUNT])
-async def test_an_sglang_pd_model_refuses_the_messages_api(sims, gateway, path):
+async def test_an_sglang_pd_model_refuses_the_messages_api(sims, gateway):
     p, d = await pd_pair(sims, "sglang")
     gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])])
-    body = {"model": "m", "max_tokens": 4, "messages": MSGS} if path == MESSAGES else {"model": "m", "messages": MSGS}
-    r = await post(gw, body, path=path)
+    path = MESSAGES
+    r = await post(gw, {"model": "m", "max_tokens": 4, "messages": MSGS}, path=path)
     assert r.status == 400 and r.headers["x-error-routing"] == "true"
     err = orjson.loads(r.body)
     assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
@@ -179,7 +178,30 @@ async def test_an_sglang_pd_model_refuses_the_messages_api(sims, gateway, path):
     c = anthropic_client(gw)
     with pytest.raises(anthropic.BadRequestError):
         await c.messages.create(model="m", max_tokens=4, messages=MSGS)
+    with pytest.raises(anthropic.BadRequestError):
+        async with c.messages.stream(model="m", max_tokens=4, messages=MSGS) as stream:
+            await stream.get_final_message()
     assert legs(await sim_state(p.url), path) == [] and legs(await sim_state(d.url), path) == []
+
+
+async def test_count_tokens_of_an_sglang_pd_model_runs_whole_on_the_decode(sims, gateway):
+    """count_tokens generates nothing: SGLang's handler renders the chat and counts its tokens,
+    without the scheduler a decode-mode server refuses a request without a bootstrap room in, so
+    the chosen decode answers it whole, as on a vLLM pair, although Messages themselves cannot pair
+    on SGLang (above)."""
+    p, d = await pd_pair(sims, "sglang")
+    gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])])
+    c = anthropic_client(gw)
+    raw = await c.messages.with_raw_response.count_tokens(model="m", system="Be brief.", messages=MSGS)
+    assert raw.headers["x-pd-decision"] == "decode; reason=no_generation"
+    assert raw.headers["target-pod"] == d.url.split("//")[1] and "prefill-target-pod" not in raw.headers
+    counted = await raw.parse()
+    assert counted.input_tokens > 0
+    ps, ds = await sim_state(p.url), await sim_state(d.url)
+    assert legs(ps, COUNT) == [] and legs(ds, COUNT) == [{"model": "m", "system": "Be brief.", "messages": MSGS}]
+    text = await gw.metrics_text()
+    assert 'switchyard_pd_decisions_total{mode="decode",model="m",reason="no_generation"} 1.0' in text
+    assert 'switchyard_path_requests_total{path="/v1/messages/count_tokens",status="200"} 1.0' in text
 
 
 @pytest.mark.parametrize("stream", [False, True])
