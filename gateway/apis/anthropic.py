@@ -26,8 +26,9 @@ says which engine serves which path), through the same pipeline as chat. What di
 
 Over prefill/decode pairs (docs/pd.md, Messages): an engine whose Messages request takes the P/D
 fields (vLLM's ``kv_transfer_params``) runs Messages disaggregated, its decode's stream scanned as
-here; count_tokens runs whole on the chosen decode (``generates``); an engine whose request cannot
-carry them (SGLang's has no bootstrap fields) is refused with its adapter's reason (``pd_refusal``).
+here; an engine whose request cannot carry them (SGLang's has no bootstrap fields) is refused with
+its adapter's reason (``pd_refusal``). count_tokens, which generates nothing, runs whole on the
+chosen decode on both (``generates``).
 
 Token counts follow Anthropic: ``input_tokens`` excludes prompt tokens read from or written to
 the prompt cache (``cache_read_input_tokens``, ``cache_creation_input_tokens``), so the prompt
@@ -267,8 +268,12 @@ class AnthropicApi(EngineSpecificApi):
 
     def pd_refusal(self, path: str, engines: set[str]) -> str | None:
         """Messages run on an engine's pairs when its Messages request takes the P/D fields (vLLM's
-        takes ``kv_transfer_params``); count_tokens, which generates nothing, runs whole on the
-        chosen decode of such a pair."""
+        takes ``kv_transfer_params``). count_tokens, which generates nothing, runs whole on the
+        chosen decode of any pair: both engines' handlers render the chat and count its tokens,
+        without the scheduler that pairs legs (where SGLang's decode-mode server refuses a request
+        without a bootstrap room)."""
+        if path == COUNT_TOKENS:
+            return None
         for engine in sorted(engines):
             why = adapter_for(engine).messages_pd_refusal
             if why is not None:

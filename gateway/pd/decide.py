@@ -25,7 +25,8 @@ SGLang's decode-mode server refuses a request without a bootstrap room); else on
 combined endpoint of the model; else the request is disaggregated anyway (``no_local_path``).
 
 A request that generates nothing (the Messages API's count_tokens) runs whole on the chosen decode
-(``no_generation``) before any rule, when its engine computes a prompt itself.
+(``no_generation``) before any rule, on either engine: it only renders and counts the prompt, which
+a decode-mode server does without the scheduler that would want the P/D fields.
 
 The decision is counted in ``switchyard_pd_decisions_total{model,mode,reason}`` (mode:
 ``disaggregated``, ``decode``, ``combined``; a ``pd`` choice of a combined endpoint by the
@@ -81,7 +82,7 @@ class PDDecider:
             self._record(ctx, "combined", d.reason or "pd_strategy", None)
             return candidates
         decode, n = d.endpoint, ireq.prompt_tokens_est
-        if ctx.api is not None and engine.decode_runs_whole and not ctx.api.generates(ireq.path):
+        if ctx.api is not None and not ctx.api.generates(ireq.path):
             d.prefill = None        # nothing to generate, no KV to move (count_tokens): whole on the decode
             self._record(ctx, "decode", "no_generation", None)
             return [decode]
