@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 
 import aiohttp
 import orjson
@@ -196,3 +197,41 @@ async def test_the_tools_a_request_offers_count_in_its_prompt_tokens(sims):
             assert resp.get("input_tokens", resp.get("prompt_tokens")) == chat, engine     # SGLang's: chat's names
             if engine == "vllm":
                 assert (await usage("/tokenize", {"messages": MSGS, "tools": CHAT_TOOLS}))["count"] == chat
+
+
+def _tool_turn(result: str) -> tuple[list[dict], list[dict]]:
+    """One conversation that called a tool and gives back its ``result``: as Messages blocks, and
+    as the chat both engines make of them (the call an assistant's ``tool_calls``, its input as
+    JSON; the result a ``tool`` message)."""
+    args = {"path": "routes.txt", "content": "route 10.0.0.0/8 via east\n" * 20}
+    blocks = [{"role": "user", "content": "Write the routing table, then read it back."},
+              {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "write_file",
+                                                 "input": args}]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                            "content": [{"type": "text", "text": result}]}]}]
+    chat = [blocks[0],
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "toolu_1", "type": "function", "function": {
+                "name": "write_file", "arguments": json.dumps(args)}}]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": result}]
+    return blocks, chat
+
+
+async def test_a_conversations_tool_calls_and_results_count_in_its_prompt_tokens(sims):
+    """An engine renders an earlier tool call (its arguments) and the tool's result into the
+    prompt: a Messages ``tool_use`` block and ``tool_result`` block are the chat's ``tool_calls``
+    and ``tool`` message they become, so a long result is a long prompt, on chat and on Messages."""
+    long = "route 10.0.0.0/8 via the east gateway, metric 20\n" * 40       # ~2,000 characters
+    for engine in ("vllm", "sglang"):
+        sim = await sims(engine, "m")
+        async with aiohttp.ClientSession() as s:
+            usage = functools.partial(_usage, s, sim.url)
+            counted = {}
+            for result in ("42", long):
+                blocks, chat = _tool_turn(result)
+                msg = await usage("/v1/messages", {"max_tokens": 1, "messages": blocks})
+                prompt = (await usage("/v1/chat/completions", {"max_tokens": 1, "messages": chat}))["prompt_tokens"]
+                assert msg["input_tokens"] == prompt, (engine, result[:10])
+                counted[result] = prompt
+            assert counted[long] - counted["42"] >= len(long) // 5, (engine, counted)
+            bare = (await usage("/v1/chat/completions", {"max_tokens": 1, "messages": chat[:1]}))["prompt_tokens"]
+            assert counted["42"] - bare >= len(chat[1]["tool_calls"][0]["function"]["arguments"]) // 5, engine
