@@ -49,6 +49,7 @@ answers in its own dialect, reproduced by ``SGLangMessagesApi``:
 
 from __future__ import annotations
 
+import json
 import uuid
 from contextlib import aclosing
 from typing import Any
@@ -163,17 +164,59 @@ def _system_text(system: Any) -> str:
     raise ApiError(400, "1 validation error:\n  system: Input should be a valid string or list", type_="Bad Request")
 
 
+def _tool_result_text(content: Any) -> str:
+    """A ``tool_result`` block's content as the tool message both engines make of it: a string,
+    or its text blocks joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(str(b.get("text") or "") for b in content if isinstance(b, dict) and b.get("type") == "text")
+    return ""
+
+
+def _chat_turns(role: Any, content: Any) -> list[dict[str, Any]]:
+    """The chat messages both engines make of one Messages message: a ``tool_use`` block an
+    assistant's ``tool_calls`` entry (its input as JSON), a user's ``tool_result`` block a ``tool``
+    message of its own (before the message's other content; an assistant's is text), the other
+    blocks the message's content. A user message left without content is dropped."""
+    if not isinstance(content, list):
+        return [{"role": role, "content": content_text(content)}]
+    out: list[dict[str, Any]] = []
+    parts: list[Any] = []
+    calls: list[dict[str, Any]] = []
+    for block in content:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "tool_use":
+            calls.append({"id": block.get("id") or "", "type": "function", "function": {
+                "name": block.get("name") or "", "arguments": json.dumps(block.get("input") or {})}})
+        elif kind == "tool_result" and role == "user":
+            out.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "",
+                        "content": _tool_result_text(block.get("content"))})
+        elif kind == "tool_result":
+            parts.append({"type": "text", "text": f"Tool result: {_tool_result_text(block.get('content'))}"})
+        else:
+            parts.append(block)
+    if parts or calls or role != "user":
+        msg: dict[str, Any] = {"role": role, "content": content_text(parts)}
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
 def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The chat conversation vLLM renders for a Messages body: the system prompt (top level, and
-    any system messages) first, then the user and assistant messages."""
+    any system messages) first, then the user and assistant messages, their tool calls and
+    results as chat's (``_chat_turns``)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise ApiError(400, "1 validation error:\n  messages: Input should be a valid list", type_="Bad Request")
     system = _system_text(body.get("system"))
     system += "".join(content_text(m.get("content")) for m in messages if m.get("role") == "system")
     out = [{"role": "system", "content": system}] if system else []
-    out += [{"role": m.get("role"), "content": content_text(m.get("content"))}
-            for m in messages if m.get("role") != "system"]
+    for m in messages:
+        if m.get("role") != "system":
+            out += _chat_turns(m.get("role"), m.get("content"))
     return out
 
 

@@ -138,10 +138,24 @@ def content_text(content: Any) -> str:
     return str(content)
 
 
+def calls_text(calls: Any) -> str:
+    """The tool calls of an assistant message as a template renders them after its text: each
+    call's name and its arguments (the JSON string the chat message carries)."""
+    if not isinstance(calls, list):
+        return ""
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            out.append(f"\n<|call|>{fn.get('name') or ''} {fn.get('arguments') or ''}")
+    return "".join(out)
+
+
 def render_chat(messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                 continue_final: bool = False, tools: list[dict[str, Any]] | None = None) -> str:
     """A Llama-ish template: the same conversation prefix always renders to the same text.
 
+    An assistant message's ``tool_calls`` render after its text (``calls_text``).
     ``tools`` (the chat request's, ``enginesim.tools.rendered_tools``) render first, as their JSON
     under a ``<|tools|>`` header, where real templates put them in the system prompt: they are
     prompt tokens, about one for every four characters, and requests offering the same tools share
@@ -153,7 +167,8 @@ def render_chat(messages: Sequence[dict[str, Any]], add_generation_prompt: bool 
     ``FakeTokenizer.encode_open_chat`` tokenizes such a prompt with the open message's text on its
     own, as a real template's role header (special tokens) separates it.
     """
-    parts = [f"<|{m.get('role', 'user')}|>\n{content_text(m.get('content'))}\n" for m in messages]
+    parts = [f"<|{m.get('role', 'user')}|>\n{content_text(m.get('content'))}{calls_text(m.get('tool_calls'))}\n"
+             for m in messages]
     if continue_final and parts:
         parts[-1] = parts[-1][:-1]
     elif add_generation_prompt:
