@@ -40,9 +40,9 @@ async def test_sick_engine_is_ejected_retried_around_and_comes_back(sims, gatewa
     good = await sims("vllm", "m")
     sick = await sims("vllm", "m", fault="status=500")
     gw = await gateway([model_block("m", "vllm", [sick.url, good.url])], routing={"strategy": "round-robin"},
-                       health={"interval_s": 60}, breaker=FAST_BREAKER)
+                       health={"interval_s": 60}, breaker={**FAST_BREAKER, "base_ejection_s": 2})
     client = openai_client(gw)
-    retried = 0
+    retried = 0                         # (the ejection outlasts the requests below on a slow machine)
     for _ in range(6):                  # every client sees a 200: the sick engine's 500s are retried
         raw = await client.chat.completions.with_raw_response.create(**body())
         assert raw.http_response.status_code == 200
@@ -61,7 +61,7 @@ async def test_sick_engine_is_ejected_retried_around_and_comes_back(sims, gatewa
     async def back() -> bool:
         await client.chat.completions.create(**body())
         return state_of(await gw.metrics_text(), sick.url) == 0
-    assert await wait_for(back, timeout=10)            # half-open after 0.3 s, one trial success closes
+    assert await wait_for(back, timeout=15)            # half-open after 2 s, one trial success closes
     for _ in range(4):
         await client.chat.completions.create(**body())
     assert (await sim_state(sick.url))["counts"]["started"] >= started + 2   # it serves its share again
@@ -72,9 +72,9 @@ async def test_broken_streams_count_as_faults(sims, gateway):
     good = await sims("vllm", "m")
     sick = await sims("vllm", "m", fault="drop_after=2")
     gw = await gateway([model_block("m", "vllm", [sick.url, good.url])], routing={"strategy": "round-robin"},
-                       health={"interval_s": 60}, breaker=FAST_BREAKER)
+                       health={"interval_s": 60}, breaker={**FAST_BREAKER, "base_ejection_s": 30})
     client = openai_client(gw)
-    broken = 0
+    broken = 0                          # (the ejection outlasts the test, however slow the machine)
     for _ in range(8):
         try:
             stream = await client.chat.completions.create(**body(stream=True, max_tokens=8))

@@ -643,7 +643,8 @@ async def test_a_sighup_that_comes_while_the_loop_starts_the_gateway_is_one_relo
     """A SIGHUP that comes once the event loop runs (its app being built, or listening) but before
     the reload's handler is in place is one reload once the gateway serves: not one for the note the
     start-up's handler took and another for the byte the loop's wakeup pipe got."""
-    from tests.integration.server.test_stop_starting import config, events, held_gateway, release
+    from tests.integration.server.test_stop_starting import config, events, held_gateway
+    from tests.support.waiting import release_held
 
     sim = await sims("vllm", "m")
     port = listen_port()
@@ -654,7 +655,7 @@ async def test_a_sighup_that_comes_while_the_loop_starts_the_gateway_is_one_relo
         async with asyncio.timeout(10):             # taken by the process, held where it is
             while _pending_sighup(proc.pid):
                 await asyncio.sleep(0.001)
-        release(fifo)
+        await release_held(fifo)
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         async with asyncio.timeout(20):
             while True:

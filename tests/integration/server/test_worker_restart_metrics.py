@@ -95,10 +95,15 @@ def config(path: Path, port: int, urls: list[str], model: str = "") -> Path:
 
 async def restarted(proc, victim: int, port: int, pages: Pages) -> str:
     """Scrapes on fresh connections until the parent started the victim again and both workers
-    answer; each scrape checked against the one before."""
+    answer; each scrape checked against the one before. A connection the kernel queued on the
+    killed worker's socket is reset (docs/deployment.md), and is tried again."""
     async with asyncio.timeout(30):
         while True:
-            status, text = await get_new(port, "/metrics")
+            try:
+                status, text = await get_new(port, "/metrics")
+            except (aiohttp.ClientConnectionError, ConnectionResetError):
+                await asyncio.sleep(0.05)
+                continue
             assert status == 200
             pages.saw(text)
             now = children_of(proc.pid)

@@ -188,7 +188,11 @@ async def test_metrics_and_status_show_the_whole_gateway(sims, tmp_path):
         os.kill(victim, signal.SIGKILL)
         async with asyncio.timeout(30):
             while True:
-                status, text, _ = await fresh_get(f"{base}/metrics")
+                try:
+                    status, text, _ = await fresh_get(f"{base}/metrics")
+                except (aiohttp.ClientConnectionError, ConnectionResetError):
+                    await asyncio.sleep(0.05)       # queued on the killed worker's socket: reset
+                    continue
                 assert status == 200
                 assert metric(text, "switchyard_requests_total", status="200") == n
                 now = children_of(proc.pid)
