@@ -318,6 +318,62 @@ def test_the_metric_check_knows_derived_names_and_families():
     assert _series_named("`switchyard_pd_*` and\nswitchyard_x_total.") == [(1, "switchyard_pd_*"), (2, "switchyard_x_total")]
 
 
+def _metrics_created() -> dict[str, str]:
+    """Each metric the code creates (``Counter("switchyard_x", ...)``, ``GaugeMetricFamily(...)``,
+    ...), its name without ``_total``, with the file that creates it."""
+    import ast
+
+    out = {}
+    for package in ("gateway", "k8s", "routers", "handlers"):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                        and isinstance(node.args[0].value, str)
+                        and re.fullmatch(r"switchyard_[a-z0-9_]+", node.args[0].value)):
+                    continue
+                func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                if func.endswith(("Counter", "Gauge", "Histogram", "Summary", "MetricFamily")):
+                    out.setdefault(node.args[0].value.removesuffix("_total"), str(path.relative_to(ROOT)))
+    return out
+
+
+def _metrics_listed(markdown: str) -> tuple[set[str], set[str]]:
+    """The metrics a page's tables list: the names a row gives whole, with those it gives as a tail
+    of the row's first name (``switchyard_engine_running_requests``, ``_waiting_requests``), each
+    read as any of the names the tail can end; and the families it gives (``switchyard_pd_*``)."""
+    names: set[str] = set()
+    families: set[str] = set()
+    for row in re.findall(r"^\|(.*)\|$", markdown, re.M):
+        whole = re.findall(r"`(switchyard_[a-z0-9_]+)`", row)
+        families |= set(re.findall(r"`(switchyard_[a-z0-9_]*)\*`", row))
+        names |= {n.removesuffix("_total") for n in whole}
+        for tail in re.findall(r"`(_[a-z0-9_]+)`", row.split("|")[0]):
+            if whole:
+                cuts = [i for i, ch in enumerate(whole[0]) if ch == "_"]
+                names |= {(whole[0][:i] + tail).removesuffix("_total") for i in cuts}
+    return names, families
+
+
+def test_every_metric_the_code_creates_is_in_the_observability_tables():
+    """docs/observability.md's tables are where a reader looks a metric up: each metric the gateway
+    creates is a row there, or falls in a family a row sends to the page that describes it."""
+    listed, families = _metrics_listed((ROOT / "docs" / "observability.md").read_text(encoding="utf-8"))
+    created = _metrics_created()
+    assert len(created) > 100 and "switchyard_requests" in created
+    missing = [f"{name} ({path})" for name, path in sorted(created.items())
+               if name not in listed and not any((name + "_total").startswith(f) for f in families)]
+    assert not missing, "metrics docs/observability.md does not list:\n" + "\n".join(missing)
+
+
+def test_the_metric_table_check_reads_tails_and_families():
+    md = ("| `switchyard_engine_running_requests`, `_waiting_requests` | gauge | `model` |\n"
+          "| P/D: `switchyard_pd_*` | | see |\n| `switchyard_a_total` | counter | `_not_a_tail` |\n")
+    names, families = _metrics_listed(md)
+    assert {"switchyard_engine_running_requests", "switchyard_engine_waiting_requests", "switchyard_a"} <= names
+    assert "switchyard_engine_waiting_requests_requests" not in names and families == {"switchyard_pd_"}
+    assert not any(n.endswith("_not_a_tail") for n in names)
+
+
 def _config_paths() -> tuple[set[str], set[str]]:
     """Every key path of the config (``models.endpoints.url``: lists' ``[]`` left out, a map's
     entry as ``*``), and the names of the keys that hold a block."""
