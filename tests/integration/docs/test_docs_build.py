@@ -575,6 +575,59 @@ def test_the_header_check_reads_names_families_and_values():
     assert _headers_named(md) == [(1, "x-retries"), (1, "x-request-id"), (5, "x-ratelimit-*")]
 
 
+def _code_strings() -> str:
+    """Every string literal of the gateway's code (an f-string's constant parts, its fields as NUL),
+    one a line: where a log line's event is written."""
+    import ast
+
+    out = []
+    for package in ("gateway", "k8s", "routers", "handlers"):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    out.append(node.value)
+                elif isinstance(node, ast.JoinedStr):
+                    out.append("".join(v.value if isinstance(v, ast.Constant) else "\0" for v in node.values))
+    return "\n".join(out)
+
+
+def _log_events_named(markdown: str) -> list[tuple[int, list[str]]]:
+    """The log lines' events a page quotes: inline code of two words or more right after "logs",
+    "logged", "event", "warning" or "line" (within the clause), as the pieces the page gives of
+    it: an elision (``...``, ``…``) splits it, and ``key=value`` fields after it are left out."""
+    text = _prose(markdown)
+    out, prev = [], 0
+    for m in re.finditer(r"`([^`]+)`", text):
+        before, prev = text[max(prev, m.start() - 40):m.start()], m.end()
+        quoted = " ".join(m.group(1).split())
+        if not re.search(r"\b(?:logs?|logged|event|warning|line)\b[^.;:]*$", before, re.I) \
+                or not re.search(r"[a-z]+ [a-z]+", quoted) or quoted.startswith(("python ", "curl ", "make ", "kill ")):
+            continue
+        pieces = [p.strip() for p in re.split(r"\.\.\.|…", re.sub(r" [a-z_]+=\S.*$", "", quoted)) if p.strip()]
+        out.append((text.count("\n", 0, m.start()) + 1, pieces))
+    return out
+
+
+def test_every_log_event_the_manual_quotes_is_one_the_code_writes():
+    """A reader greps the log for the event the manual quotes (`kubernetes pod not used`, `worker
+    stopped`): a message reworded in the code is reworded there too."""
+    code = _code_strings()
+    wrong = []
+    for page in _manual():
+        for line, pieces in _log_events_named(page.read_text(encoding="utf-8")):
+            if any(p not in code for p in pieces):
+                wrong.append(f"{page.relative_to(ROOT)}:{line}: {' ... '.join(pieces)}")
+    assert not wrong, "log events the manual quotes that the code does not write:\n" + "\n".join(wrong)
+
+
+def test_the_log_event_check_reads_quotes_elisions_and_fields():
+    md = ("logs `worker stopped` (with `worker`); a warning, `kv events: tiktoken encoded ...`;\n"
+          "logged (`config reload refused; the running config is kept key_path=models[0] ...`)\n"
+          "the event\n`a b`\n```\nlogs `not this one`\n```\nthe `routing-strategy` header, `a b` alone")
+    assert _log_events_named(md) == [(1, ["worker stopped"]), (1, ["kv events: tiktoken encoded"]),
+                                     (2, ["config reload refused; the running config is kept"]), (4, ["a b"])]
+
+
 # --- the index page's map of the config file ---------------------------------------------------
 
 def test_the_index_says_where_every_config_block_is_described():
