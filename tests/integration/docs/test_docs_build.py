@@ -628,6 +628,40 @@ def test_the_log_event_check_reads_quotes_elisions_and_fields():
                                      (2, ["config reload refused; the running config is kept"]), (4, ["a b"])]
 
 
+def _repo_paths_named(markdown: str, tops: set[str]) -> list[tuple[int, str]]:
+    """The repository paths a page gives in inline code (``gateway/server/edge.py``,
+    ``charts/switchyard/``, ``tests/...::test_x``): a code span whose first part is a top-level
+    entry of the repository, without a pattern in it (``*``, ``{...}``, ``<...>``)."""
+    text = _prose(markdown)
+    out = []
+    for m in re.finditer(r"`([^`\s]+)`", text):
+        path = re.split(r"[:#]", m.group(1))[0].rstrip("/")
+        if "/" in path and path.split("/")[0] in tops and not re.search(r"[*{}<>$]", path):
+            out.append((text.count("\n", 0, m.start()) + 1, path))
+    return out
+
+
+def test_every_repository_path_the_manual_names_exists():
+    """A module, test or chart file the manual points to (where a behaviour is tested, which file
+    to edit) is there: a file moved or renamed in the code is moved in the manual too. Paths the
+    repository ignores (``bench/out/``: what a benchmark writes) are made by running something."""
+    tops = {p.name for p in ROOT.iterdir() if not p.name.startswith(".")}
+    ignored = [line.rstrip("/") for line in (ROOT / ".gitignore").read_text().splitlines() if "/" in line.rstrip("/")]
+    wrong = []
+    for page in [*_manual(), ROOT / "enginesim" / "README.md", ROOT / "bench" / "README.md"]:
+        for line, path in _repo_paths_named(page.read_text(encoding="utf-8"), tops):
+            if not (ROOT / path).exists() and not any(path == i or path.startswith(i + "/") for i in ignored):
+                wrong.append(f"{page.relative_to(ROOT)}:{line}: {path}")
+    assert not wrong, "paths the manual names that the repository does not have:\n" + "\n".join(wrong)
+
+
+def test_the_path_check_reads_files_folders_and_test_ids():
+    md = ("`gateway/server/edge.py`, `charts/switchyard/` and `tests/a.py::test_b`; `docs/*.md`, `k8s/{a,b}.py`\n"
+          "`POST /v1/chat/completions`, `vllm/x.py`\n```\n`gateway/nope.py`\n```\n")
+    assert _repo_paths_named(md, {"gateway", "charts", "tests", "docs", "k8s"}) == [
+        (1, "gateway/server/edge.py"), (1, "charts/switchyard"), (1, "tests/a.py")]
+
+
 # --- the index page's map of the config file ---------------------------------------------------
 
 def test_the_index_says_where_every_config_block_is_described():
