@@ -8,6 +8,7 @@ import dataclasses
 import os
 import re
 import signal
+import socket
 import sys
 
 import aiohttp
@@ -311,3 +312,59 @@ async def test_the_demo_raises_the_file_descriptor_limit_as_a_start_does(tmp_pat
         demo.send_signal(signal.SIGINT)
         async with asyncio.timeout(15):
             await demo.wait()
+
+
+async def _demo_exit(port: int) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "--demo", "--port", str(port), "--log-format", "json",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        async with asyncio.timeout(30):
+            out, err = await proc.communicate()
+    except BaseException:
+        proc.kill()
+        await proc.wait()
+        raise
+    return proc.returncode, (out + err).decode()
+
+
+def _hold(port: int) -> socket.socket | None:
+    """A listening socket on ``port``, or None when something else holds it already."""
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        return None
+    sock.listen()
+    return sock
+
+
+async def test_a_demo_whose_port_is_taken_says_so_in_one_line():
+    """`make demo` where 8888 is taken (a Jupyter server's default port), or a port of its
+    simulated engines: exit 1 with one line that names the port and what to do, as a start with a
+    config file says `cannot listen on ...`, not a traceback. Before, both ended in a traceback
+    (ListenError from the gateway's bind, OSError or zmq's ZMQError from an engine's)."""
+    port = listen_port()
+    held = _hold(port)
+    assert held is not None
+    try:
+        code, out = await _demo_exit(port)
+    finally:
+        held.close()
+    assert code == 1 and "Traceback" not in out, out
+    line = out.strip().splitlines()[-1]
+    if "engine" not in line:        # the demo's engines started (their ports were free): the gateway's port
+        assert line.startswith(f"switchyard: cannot listen on 127.0.0.1:{port}: "), out
+        assert "--port" in line, out
+    kv_port = next(entry["kv_events"]["port"] for model, *_, entry in DEMO_ENGINES if model == "demo-kv")
+    held = _hold(kv_port)           # a KV-event publisher's port (ZMQ), bound after eight engines started
+    try:
+        code, out = await _demo_exit(listen_port())
+    finally:
+        if held is not None:
+            held.close()
+    assert code == 1 and "Traceback" not in out, out
+    line = out.strip().splitlines()[-1]
+    assert re.match(r"switchyard: the demo cannot start its simulated engine demo-[a-z-]+ on 127\.0\.0\.1:\d+: ", line), out
+    assert "8101-8150 and 8998" in line, out
