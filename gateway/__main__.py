@@ -84,8 +84,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)       # Ctrl-C stops the demo's engines too
         raise_nofile()      # the demo's config keeps server.raise_nofile_limit's default, true
+        from gateway.server.run import ListenError
         try:
             uvloop.run(run_demo(host=args.host, port=args.port, log_format=args.log_format or "auto"))
+        except ListenError as e:  # its port or an engine's taken: one line, as a start with a config file says it
+            hint = "" if "simulated engine" in str(e) else " (--port picks another: python -m gateway --demo --port 8080)"
+            print(f"switchyard: {e}{hint}", file=sys.stderr)
+            return 1
         except KeyboardInterrupt:
             pass
         return 0

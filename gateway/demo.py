@@ -10,6 +10,7 @@ there.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import shutil
 import tempfile
@@ -17,7 +18,7 @@ import tempfile
 from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.config.schema import config_from_dict
 from gateway.observability.tracing import TracingConfig, resolve
-from gateway.server.run import serve
+from gateway.server.run import ListenError, serve
 
 # each engine's tool-call parser, as `vllm serve --tool-call-parser` and SGLang's take it
 TOOL_CALL_PARSERS = {"vllm": "hermes", "sglang": "qwen25"}
@@ -47,6 +48,10 @@ DEMO_ENGINES = [
       "cache_output_blocks": True},
      {"kv_events": {"port": 8147, "replay_port": 8149, "data_parallel_size": 2}}),
 ]
+
+# every port the engines above take (HTTP, the P/D side ports, the KV-event publishers and their
+# replay ports, rank r of a data-parallel engine on port + r), as a newcomer whose port is taken reads them
+DEMO_ENGINE_PORTS = "8101-8150 and 8998"
 
 
 # an alias as a canary roll-out looks: most users on one model, a sticky 10% on the other
@@ -211,6 +216,8 @@ TRACING_ON = "Tracing: the gateway and every simulated engine send spans to {end
 
 
 async def run_demo(host: str | None = None, port: int | None = None, log_format: str = "auto") -> None:
+    import zmq
+
     from enginesim import SimConfig, start_sim
 
     # the engines answer requests offering tools with calls (TOOL_CALL_PARSERS)
@@ -221,12 +228,23 @@ async def run_demo(host: str | None = None, port: int | None = None, log_format:
     sims = []
     batch_dir = tempfile.mkdtemp(prefix="switchyard-demo-batch-")     # the demo's batches end with it
     try:
-        for model, engine, role, eport, kw, _entry in DEMO_ENGINES:
-            sims.append(await start_sim(SimConfig(engine=engine, model=model, role=role, port=eport,
-                                                  host="127.0.0.1", seed=eport, otlp_traces_endpoint=sim_traces,
-                                                  enable_responses_store=True,
-                                                  tool_call_parser=TOOL_CALL_PARSERS[engine], **kw)))
         cfg = config_from_dict(demo_config(host, port, log_format, batch_dir), source="<demo>")
+        if cfg.listen.port:     # its own port first: one taken (8888 is Jupyter's too) costs no engine start
+            try:
+                probe = await asyncio.get_running_loop().create_server(asyncio.Protocol, cfg.listen.host, cfg.listen.port)
+            except OSError as e:
+                raise ListenError(f"cannot listen on {cfg.listen.host}:{cfg.listen.port}: {e}") from None
+            probe.close()
+            await probe.wait_closed()
+        for model, engine, role, eport, kw, _entry in DEMO_ENGINES:
+            try:
+                sims.append(await start_sim(SimConfig(engine=engine, model=model, role=role, port=eport,
+                                                      host="127.0.0.1", seed=eport, otlp_traces_endpoint=sim_traces,
+                                                      enable_responses_store=True,
+                                                      tool_call_parser=TOOL_CALL_PARSERS[engine], **kw)))
+            except (OSError, zmq.ZMQError) as e:      # a port taken: its HTTP port, a side port, a KV-event port
+                raise ListenError(f"the demo cannot start its simulated engine {model} on 127.0.0.1:{eport}: {e} "
+                                  f"(the demo's engines listen on 127.0.0.1 ports {DEMO_ENGINE_PORTS})") from None
         note = TRACING_ON.format(endpoint=traces.endpoint) if traces.enabled else TRACING_OFF
         await serve(cfg, ready_message=BANNER.format(host=cfg.listen.host, tracing=note, users=" ".join(DEMO_USERS)))
     finally:

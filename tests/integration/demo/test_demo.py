@@ -354,9 +354,8 @@ async def test_a_demo_whose_port_is_taken_says_so_in_one_line():
         held.close()
     assert code == 1 and "Traceback" not in out, out
     line = out.strip().splitlines()[-1]
-    if "engine" not in line:        # the demo's engines started (their ports were free): the gateway's port
-        assert line.startswith(f"switchyard: cannot listen on 127.0.0.1:{port}: "), out
-        assert "--port" in line, out
+    assert line.startswith(f"switchyard: cannot listen on 127.0.0.1:{port}: "), out
+    assert "--port" in line and "simulated engine" not in out, out      # found before any engine started
     kv_port = next(entry["kv_events"]["port"] for model, *_, entry in DEMO_ENGINES if model == "demo-kv")
     held = _hold(kv_port)           # a KV-event publisher's port (ZMQ), bound after eight engines started
     try:
