@@ -23,8 +23,8 @@ errors are interleaved by time, each worker's discovery (its watches, its pods) 
 and the rest (endpoints' health, engine figures, tenants, the pods out of rotation) is the
 answering worker's view; ``gateway.workers`` says which worker answered and how many reported.
 
-Hooks for what does not exist yet: ``StatusSources.aliases`` (model aliases) and
-``breaker_state`` (per-endpoint circuit breakers) answer empty / ``None`` today.
+``StatusSources.aliases`` gives the config's model aliases (gateway/aliases.py), and
+``breaker_state`` an endpoint's circuit breaker as gateway/resilience/breaker.py last moved it.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class StatusSources:
     lifecycle: Lifecycle
     model_in_flight: dict[str, int]
     tenancy: Tenancy | None = None
-    # model aliases, once they exist: [{"name", "targets": [{"model", "weight"}], ...}]
+    # the model aliases: [{"name", "sticky", "targets": [{"model", "weight"}]}] (gateway/aliases.py)
     aliases: Callable[[], list[dict[str, Any]]] = _no_aliases
     started_at: float = field(default_factory=time.time)   # unix seconds
     # a model's admission rows (gateway.admission.service.Admission.status), None when off; its
