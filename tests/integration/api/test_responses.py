@@ -276,6 +276,27 @@ async def test_a_store_false_response_is_unknown_to_the_gateway_in_engine_state(
 
 
 @pytest.mark.parametrize("state", ["engine", "gateway"])
+async def test_a_body_request_id_cannot_take_over_another_users_response(sims, gateway, state):
+    """vLLM and SGLang name a response by the body's ``request_id`` when it has one: a client that
+    names an id the gateway holds would replace that response (its owner record, its history,
+    the engine's stored copy), another user's too. The field is refused before routing, as OpenAI
+    refuses a parameter it does not know, and the other user's conversation goes on."""
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS, responses={"state": state})
+    alice, bob = openai_client(gw, ALICE), openai_client(gw, BOB)
+    r = await alice.responses.create(model="m", input="My secret is 42", max_output_tokens=3)
+    with pytest.raises(openai.BadRequestError) as ei:
+        await bob.responses.create(model="m", input="mine now", max_output_tokens=3, extra_body={"request_id": r.id})
+    assert (ei.value.body["param"], ei.value.body["code"]) == ("request_id", "unknown_parameter")
+    assert len(posts(await sim_state(sim.url))) == 1
+    assert (await alice.responses.retrieve(r.id)).output_text == r.output_text
+    follow = await alice.responses.create(model="m", input="go on", previous_response_id=r.id, max_output_tokens=3)
+    assert follow.status == "incomplete"
+    with pytest.raises(openai.NotFoundError):
+        await bob.responses.retrieve(r.id)
+
+
+@pytest.mark.parametrize("state", ["engine", "gateway"])
 async def test_an_unknown_previous_response_id_names_that_field(sims, gateway, state):
     sim = await sims("vllm", "m", enable_responses_store=True)
     gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": state})
