@@ -180,6 +180,12 @@ def parse_responses(path: str, body: bytes, headers: Any, request_id: str) -> In
         raise _bad("'instructions' must be a string", "instructions")
     _bool_field(data, "store")
     _bool_field(data, "background")
+    if "request_id" in data:
+        # vLLM and SGLang make a body's request_id the new response's id: a client naming an id the
+        # gateway holds would replace that response (its owner or history record, the engine's
+        # copy), another user's too. OpenAI has no such parameter; the client's id for a request
+        # is its x-request-id header
+        raise _bad("Unknown parameter: 'request_id'.", "request_id", "unknown_parameter")
     prev = data.get("previous_response_id")
     if prev is not None and (not isinstance(prev, str) or not prev):
         raise _bad("'previous_response_id' must be a non-empty string", "previous_response_id")
