@@ -108,9 +108,9 @@ async def test_owner_gone_unknown_left_the_pool_or_not_ready(sims, gateway):
     b = await sims("vllm", "m", enable_responses_store=True)
     gw = await gateway([model_block("m", "vllm", [a.url, b.url])])
     c = openai_client(gw)
-    with pytest.raises(openai.NotFoundError) as ei:
+    with pytest.raises(openai.BadRequestError) as ei:
         await c.responses.create(model="m", input="x", previous_response_id="resp_unknown")
-    assert ei.value.body["message"] == "Response with id 'resp_unknown' not found."
+    assert ei.value.body["message"] == "Previous response with id 'resp_unknown' not found."
     with pytest.raises(openai.NotFoundError):
         await c.responses.retrieve("resp_unknown")
     r = await c.responses.create(model="m", input="hello", max_output_tokens=2)
@@ -198,8 +198,9 @@ async def test_gateway_history_survives_an_engine_restart(sims, gateway):
         with pytest.raises(openai.NotFoundError):           # another user's key does not see it
             await openai_client(gw, BOB).responses.retrieve(r1.id)
         await c.responses.delete(r1.id)
-        with pytest.raises(openai.NotFoundError):
+        with pytest.raises(openai.BadRequestError) as ei:
             await c.responses.create(model="m", input="again", previous_response_id=r1.id)
+        assert ei.value.body["code"] == "previous_response_not_found"
     finally:
         await sim2.close()
 
@@ -248,8 +249,9 @@ async def test_gateway_history_keeps_nothing_of_a_store_false_response(sims, gat
     with pytest.raises(openai.NotFoundError) as ei:
         await c.responses.retrieve(r.id)
     assert ei.value.body["code"] == "response_not_found"
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as ei:
         await c.responses.create(model="m", input="and?", previous_response_id=r.id, max_output_tokens=3)
+    assert ei.value.body["code"] == "previous_response_not_found"
     kept = await c.responses.create(model="m", input="keep this", max_output_tokens=3)     # store defaults to true
     assert (await c.responses.retrieve(kept.id)).id == kept.id
     text = await gw.metrics_text()
@@ -257,16 +259,17 @@ async def test_gateway_history_keeps_nothing_of_a_store_false_response(sims, gat
 
 
 async def test_a_store_false_response_is_unknown_to_the_gateway_in_engine_state(sims, gateway):
-    """store: false in engine state: the gateway records no owner for the id, so a follow-up and a
-    GET are the gateway's 404 response_not_found naming the field, never sent to the engine (whose
-    own 404 carried neither the code nor the param)."""
+    """store: false in engine state: the gateway records no owner for the id, so a follow-up is
+    OpenAI's 400 previous_response_not_found and a GET the gateway's 404 response_not_found, each
+    naming its field, never sent to the engine (whose own 404 carried neither the code nor the
+    param)."""
     sim = await sims("vllm", "m", enable_responses_store=True)
     gw = await gateway([model_block("m", "vllm", [sim.url])])
     c = openai_client(gw)
     r = await c.responses.create(model="m", input="do not keep this", store=False, max_output_tokens=3)
-    with pytest.raises(openai.NotFoundError) as ei:
+    with pytest.raises(openai.BadRequestError) as ei:
         await c.responses.create(model="m", input="and?", previous_response_id=r.id, max_output_tokens=3)
-    assert (ei.value.body["code"], ei.value.body["param"]) == ("response_not_found", "previous_response_id")
+    assert (ei.value.body["code"], ei.value.body["param"]) == ("previous_response_not_found", "previous_response_id")
     with pytest.raises(openai.NotFoundError) as ei:
         await c.responses.retrieve(r.id)
     assert (ei.value.body["code"], ei.value.body["param"]) == ("response_not_found", "response_id")
@@ -297,13 +300,24 @@ async def test_a_body_request_id_cannot_take_over_another_users_response(sims, g
 
 
 @pytest.mark.parametrize("state", ["engine", "gateway"])
-async def test_an_unknown_previous_response_id_names_that_field(sims, gateway, state):
+async def test_an_unknown_previous_response_id_is_openais_previous_response_not_found(sims, gateway, state):
+    """A follow-up whose previous response is not held (never seen, store: false, another user's)
+    is answered as OpenAI answers it, a 400 previous_response_not_found naming the field: the code
+    agents look for to send the whole conversation again. Another user's id gets the same answer
+    as an unknown one."""
     sim = await sims("vllm", "m", enable_responses_store=True)
-    gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": state})
-    c = openai_client(gw)
-    with pytest.raises(openai.NotFoundError) as ei:
+    gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": state}, auth=KEYS)
+    c = openai_client(gw, ALICE)
+    with pytest.raises(openai.BadRequestError) as ei:
         await c.responses.create(model="m", input="x", previous_response_id="resp_unknown", max_output_tokens=3)
-    assert ei.value.body["param"] == "previous_response_id" and ei.value.body["code"] == "response_not_found"
+    assert ei.value.body == {"message": "Previous response with id 'resp_unknown' not found.",
+                             "type": "invalid_request_error", "param": "previous_response_id",
+                             "code": "previous_response_not_found"}
+    bobs = await openai_client(gw, BOB).responses.create(model="m", input="mine", max_output_tokens=3)
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.responses.create(model="m", input="x", previous_response_id=bobs.id, max_output_tokens=3)
+    assert ei.value.body["message"] == f"Previous response with id '{bobs.id}' not found."
+    assert ei.value.body["code"] == "previous_response_not_found"
     with pytest.raises(openai.NotFoundError) as ei:     # GET names the path's id
         await c.responses.retrieve("resp_unknown")
     assert ei.value.body["param"] == "response_id"
