@@ -12,7 +12,7 @@ State, by ``responses.state``:
   so a follow-up must reach that engine. After each answer the gateway records response id →
   endpoint (the *affinity map*: in memory, or in Redis when ``state.redis_url`` is set, so every
   replica knows); ``previous_response_id`` and the calls on an id are sent to that endpoint. An id
-  the map does not know is a 404; an owner that left the pool is a 409, one that is not ready a 503.
+  the map does not know is a 404 (a follow-up's is OpenAI's 400 ``previous_response_not_found``); an owner that left the pool is a 409, one that is not ready a 503.
 * ``gateway``: the gateway stores each response's input and output items (memory or Redis, TTL and
   size caps) and expands ``previous_response_id`` into ``input`` itself, so any endpoint can serve
   the follow-up (prefix-cache routing keeps a conversation together while it can) and a
@@ -20,7 +20,7 @@ State, by ``responses.state``:
   ``GET``/``DELETE``/``input_items`` are answered from that store.
 
 With API keys on, a stored id belongs to the user whose key created it: another user's calls on
-it are answered 404, as for an unknown id.
+it are answered as for an unknown id.
 """
 
 from __future__ import annotations
@@ -106,14 +106,18 @@ class ResponsesMetrics:
                              "Entries held by the in-memory Responses state, by kind", ["kind"], registry=registry)
 
 
-async def _as_previous(lookup: Awaitable[dict[str, Any]]) -> dict[str, Any]:
-    """A lookup of a request's ``previous_response_id``: its 404 names that field, as OpenAI's does."""
+async def _as_previous(rid: str, lookup: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """A lookup of a request's ``previous_response_id``: an id not held (never seen, expired,
+    ``store: false``, deleted, another user's) is OpenAI's answer to it, a 400
+    ``previous_response_not_found`` naming that field, the code agents look for to send the whole
+    conversation again (a GET of such an id stays a 404)."""
     try:
         return await lookup
     except GatewayError as e:
-        if e.status == 404:
-            e.param = "previous_response_id"
-        raise
+        if e.status != 404:
+            raise
+        raise GatewayError(400, f"Previous response with id '{rid}' not found.", param="previous_response_id",
+                           code="previous_response_not_found", error_class=e.error_class) from None
 
 
 def _not_failed(rid: str, response: Any) -> None:
@@ -343,7 +347,7 @@ class ResponsesApi(ApiShape):
                                    "history of completed responses only)", param="background", error_class=ErrorClass.VALIDATION)
             history: list[Any] = []
             if prev is not None:
-                record = await _as_previous(self._record(prev, rec.user))
+                record = await _as_previous(prev, self._record(prev, rec.user))
                 _not_failed(prev, record.get("response"))
                 history = list(record.get("input") or ()) + output_as_input(record.get("output"))
                 self._follow(prev, record, ireq.model, candidates)
@@ -351,7 +355,7 @@ class ResponsesApi(ApiShape):
             return candidates
         if prev is None:
             return candidates
-        owner = await _as_previous(self._owner(prev, rec.user))
+        owner = await _as_previous(prev, self._owner(prev, rec.user))
         _not_failed(prev, owner.get("failed"))
         if owner["model"] != ireq.model:
             raise GatewayError(400, f"Response '{prev}' was produced by model '{owner['model']}'; continue it "
