@@ -205,6 +205,37 @@ async def test_gateway_history_survives_an_engine_restart(sims, gateway):
         await sim2.close()
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_a_follow_up_its_restarted_engine_no_longer_holds_is_previous_response_not_found(sims, gateway, engine):
+    """Engine state: the engine that held a response restarted, its store gone. The follow-up still
+    goes there (the gateway's record outlives it), and the engine's 404 naming the id is answered
+    as OpenAI answers a previous response it does not hold, the 400 previous_response_not_found an
+    agent resends the whole conversation on, streamed or not; a GET keeps the engine's 404."""
+    sim = await sims(engine, "m", enable_responses_store=True)
+    port = sim.port
+    gw = await gateway([model_block("m", engine, [sim.url])])
+    c = openai_client(gw)
+    r1 = await c.responses.create(model="m", input="hello", max_output_tokens=3)
+    await sim.close()
+    sim2 = await start_sim(SimConfig(engine=engine, model="m", port=port, host="127.0.0.1",
+                                     enable_responses_store=True, **FAST_SIM))
+    try:
+        ep = gw.gw.pool.endpoints("m")[0]
+        assert await wait_for(lambda: ep.ready, timeout=10)
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as ei:
+                await c.responses.create(model="m", input="again", previous_response_id=r1.id, max_output_tokens=3,
+                                         stream=stream)
+            assert ei.value.body == {"message": f"Previous response with id '{r1.id}' not found.",
+                                     "type": "invalid_request_error", "param": "previous_response_id",
+                                     "code": "previous_response_not_found"}
+        with pytest.raises(openai.NotFoundError):
+            await c.responses.retrieve(r1.id)
+        assert len(posts(await sim_state(sim2.url))) == 2       # the engine was asked, and said so
+    finally:
+        await sim2.close()
+
+
 async def test_gateway_history_continued_with_another_model_is_no_session_of_that_model(sims, gateway):
     """Gateway state lets a conversation go on with another model: the engine of its last turn serves
     the other model, so the follow-up starts a session of its own, neither kept nor counted gone
