@@ -289,7 +289,7 @@ class AnthropicApi(EngineSpecificApi):
     def stream_error(self, ctx: Any, status: int, message: str, code: str | None) -> bytes:
         return error_event(status, message)
 
-    def upstream_error(self, status: int, raw: bytes) -> tuple[int, bytes, str]:
+    def upstream_error(self, status: int, raw: bytes, ctx: Any = None) -> tuple[int, bytes, str]:
         status, err = normalize_upstream_error(status, raw)
         message = str(err["error"].get("message"))
         # the engine's own type when it is one of Anthropic's (vLLM's own are exception names);

@@ -77,9 +77,9 @@ class ApiShape:
         """The body of an error answered before the response headers."""
         return e.body_bytes()
 
-    def upstream_error(self, status: int, raw: bytes) -> tuple[int, bytes, str]:
-        """An engine's error answer re-shaped for the client: (status, body, message for the log).
-        Default: OpenAI's nested shape, whatever envelope the engine used."""
+    def upstream_error(self, status: int, raw: bytes, ctx: Any = None) -> tuple[int, bytes, str]:
+        """An engine's error answer to the request of ``ctx`` re-shaped for the client: (status, body,
+        message for the log). Default: OpenAI's nested shape, whatever envelope the engine used."""
         status, err = normalize_upstream_error(status, raw)
         return status, orjson.dumps(err), str(err["error"].get("message"))
 

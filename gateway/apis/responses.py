@@ -116,8 +116,12 @@ async def _as_previous(rid: str, lookup: Awaitable[dict[str, Any]]) -> dict[str,
     except GatewayError as e:
         if e.status != 404:
             raise
-        raise GatewayError(400, f"Previous response with id '{rid}' not found.", param="previous_response_id",
-                           code="previous_response_not_found", error_class=e.error_class) from None
+        raise _previous_not_found(rid, e.error_class) from None
+
+
+def _previous_not_found(rid: str, error_class: ErrorClass) -> GatewayError:
+    return GatewayError(400, f"Previous response with id '{rid}' not found.", param="previous_response_id",
+                        code="previous_response_not_found", error_class=error_class)
 
 
 def _not_failed(rid: str, response: Any) -> None:
@@ -255,6 +259,19 @@ class ResponsesApi(ApiShape):
         if not isinstance(ctx.api_state, Exchange):
             ctx.api_state = Exchange()
         return ctx.api_state
+
+    def upstream_error(self, status: int, raw: bytes, ctx: Any = None) -> tuple[int, bytes, str]:
+        """Engine state: the engine a follow-up was sent to no longer holds its previous response (it
+        restarted, its store gone): its 404 naming that id is OpenAI's answer to a previous response
+        it does not hold, the 400 ``previous_response_not_found`` the gateway gives an id it does not
+        hold itself, where the engine's carried its own code (vLLM: the number 404) and no param."""
+        status, body, message = super().upstream_error(status, raw)
+        ireq = ctx.ireq if ctx is not None else None
+        prev = ireq.data.get("previous_response_id") if ireq is not None else None
+        if status == 404 and prev.__class__ is str and prev and prev in message:
+            e = _previous_not_found(prev, ErrorClass.UPSTREAM_STATUS)
+            return e.status, e.body_bytes(), e.message
+        return status, body, message
 
     def scanner(self, ctx: RequestContext) -> ResponsesScanner:
         ex = self._exchange(ctx)

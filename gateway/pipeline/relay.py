@@ -434,7 +434,7 @@ class Relay:
             raise key_refused_error(resp.status)
         raw = await resp.read_limited(self.cfg.max_error_body_bytes)
         if ctx.api is not None:       # in the request's API shape (Anthropic's on /v1/messages)
-            status, body, message = ctx.api.upstream_error(resp.status, raw)
+            status, body, message = ctx.api.upstream_error(resp.status, raw, ctx)
         else:
             status, err = normalize_upstream_error(resp.status, raw)
             body, message = orjson.dumps(err), str(err["error"].get("message"))
