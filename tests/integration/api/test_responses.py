@@ -148,6 +148,29 @@ async def test_previous_response_id_across_two_replicas_on_one_redis(sims, gatew
     assert counts == [0, 5]
 
 
+async def test_a_follow_up_found_in_the_lineage_is_counted_shared_view_and_not_a_miss(sims, gateway, redis_server):
+    """Engine state on Redis: a record Redis lost (restarted empty) is found in the routing view's
+    lineage and the chain goes on. That lookup counts once, as shared_view; miss counts only the
+    ids nobody holds (the follow-ups refused), so a dashboard of misses shows lost chains."""
+    import redis.asyncio as aioredis
+
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], state={"redis_url": redis_server.url})
+    c = openai_client(gw)
+    r = await c.responses.create(model="m", input="Hello", max_output_tokens=3)
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await client.flushall()
+    finally:
+        await client.aclose()
+    r = await c.responses.create(model="m", input="again", previous_response_id=r.id, max_output_tokens=3)
+    with pytest.raises(openai.BadRequestError):
+        await c.responses.create(model="m", input="x", previous_response_id="resp_nobody", max_output_tokens=3)
+    text = await gw.metrics_text()
+    assert 'switchyard_responses_state_lookups_total{kind="affinity",result="shared_view"} 1.0' in text
+    assert 'switchyard_responses_state_lookups_total{kind="affinity",result="miss"} 1.0' in text
+
+
 async def test_an_error_after_headers_ends_the_stream_with_response_failed(sims, gateway):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])],
