@@ -477,7 +477,10 @@ class ResponsesApi(ApiShape):
         log.warning(event, error=str(e), since_last=self._unreachable_quiet)
         self._unreachable_at, self._unreachable_quiet = now, 0
 
-    async def _lookup(self, store, kind: str, rid: str, user: str | None) -> dict[str, Any]:
+    async def _lookup(self, store, kind: str, rid: str, user: str | None,
+                      elsewhere: Callable[[], dict[str, Any] | None] | None = None) -> dict[str, Any]:
+        """``rid``'s record for ``user``; one the store does not hold may be found ``elsewhere``
+        (counted so, where a miss counts an id nobody holds)."""
         try:
             raw = await store.get(rid)
         except StoreUnavailable as e:
@@ -486,25 +489,25 @@ class ResponsesApi(ApiShape):
             raise _store_unreachable() from None
         value = orjson.loads(raw) if raw is not None else None
         if not isinstance(value, dict) or (self.auth_on and value.get("user") != user):
+            found = elsewhere() if elsewhere is not None else None
+            if found is not None:
+                self.m.lookups.labels(kind, "shared_view").inc()
+                return found
             self.m.lookups.labels(kind, "miss").inc()
             raise _not_found(rid)
         self.m.lookups.labels(kind, "hit").inc()
         return value
 
     async def _owner(self, rid: str, user: str | None) -> dict[str, Any]:
-        try:
-            return await self._lookup(self.owners, "affinity", rid, user)
-        except GatewayError as e:
+        def in_lineage() -> dict[str, Any] | None:
             # the shared lineage holds what the map does not: a sibling worker's answer (the memory
             # map is this process's), or one whose record Redis lost (restarted empty, failed over)
             # or never took (written while it was unreachable); every replica's view has it
-            if e.status != 404:
-                raise
             hit = self.lineage.entry(RESPONSE + rid)
             if hit is None or (self.auth_on and hit[1] != user):
-                raise
-            self.m.lookups.labels("affinity", "shared_view").inc()
+                return None
             return {"url": hit[0].url, "model": hit[0].model, "user": hit[1]}
+        return await self._lookup(self.owners, "affinity", rid, user, in_lineage)
 
     async def _record(self, rid: str, user: str | None) -> dict[str, Any]:
         assert self.history is not None
