@@ -1,0 +1,52 @@
+"""The one-line messages ``python -m gateway`` writes to stderr (a config error, a port it cannot
+listen on) are each one whole write. With ``--workers N`` the parent and its workers share the one
+stderr, a pipe to the container runtime: a line written in two parts (its text, then its newline,
+as ``print`` does to an unbuffered stream) lets another process's log line land between them, and
+the log collector reads ``switchyard: cannot listen on …{"event": …}`` as one garbled line."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+from gateway.__main__ import main
+
+
+class Writes(io.RawIOBase):
+    """A stream that keeps each write it is given, as a pipe's reader would see them at worst."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.writes.append(bytes(b))
+        return len(b)
+
+
+def stderr_writes(monkeypatch, argv: list[str]) -> tuple[int, list[bytes]]:
+    raw = Writes()
+    # what Python makes of fd 2 when it is not a terminal: text over the file itself, each write passed on
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(raw, encoding="utf-8",
+                                                        write_through=True))
+    code = main(argv)
+    sys.stderr.flush()
+    return code, raw.writes
+
+
+def test_a_config_error_is_one_whole_write(monkeypatch, tmp_path):
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text("models: [{name: m, engine: vllm, endpoints: ['http://127.0.0.1:9']}]\nnot_a_key: 1\n")
+    code, writes = stderr_writes(monkeypatch, ["--config", str(cfg)])
+    assert code == 2
+    assert len(writes) == 1 and writes[0].startswith(b"switchyard: config error: ") and writes[0].endswith(b"\n"), writes
+
+
+def test_workers_below_one_is_one_whole_write(monkeypatch, tmp_path):
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text("models: [{name: m, engine: vllm, endpoints: ['http://127.0.0.1:9']}]\n")
+    code, writes = stderr_writes(monkeypatch, ["--config", str(cfg), "--workers", "0"])
+    assert code == 2
+    assert writes == [b"switchyard: --workers must be >= 1\n"], writes
