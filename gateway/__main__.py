@@ -46,6 +46,14 @@ def _port_arg(v: str) -> int:
     return port
 
 
+def say(line: str) -> None:
+    """One line to stderr in one write. With --workers the parent and its workers share stderr (a
+    pipe, for a container runtime); ``print`` writes a line's text and its newline apart, so another
+    process's log line could land between them and be read as one garbled line."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gateway", description="Switchyard LLM inference gateway")
     src = p.add_mutually_exclusive_group(required=True)
@@ -89,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             uvloop.run(run_demo(host=args.host, port=args.port, log_format=args.log_format or "auto"))
         except ListenError as e:  # its port or an engine's taken: one line, as a start with a config file says it
             hint = "" if "simulated engine" in str(e) else " (--port picks another: python -m gateway --demo --port 8080)"
-            print(f"switchyard: {e}{hint}", file=sys.stderr)
+            say(f"switchyard: {e}{hint}")
             return 1
         except KeyboardInterrupt:
             pass
@@ -111,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load(deprecated)
     except (ConfigError, ValueError) as e:
-        print(f"switchyard: config error: {e}", file=sys.stderr)
+        say(f"switchyard: config error: {e}")
         return 2
     configure_logging(config.server.log_format, config.server.log_level)
     log_deprecations(deprecated, args.config)
@@ -127,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.server.workers import WorkerInfo, adapters_apart, auto_count, auto_workers, per_process_state
     workers, single = auto_workers(args.workers if args.workers is not None else config.server.workers, config)
     if workers < 1:
-        print("switchyard: --workers must be >= 1", file=sys.stderr)
+        say("switchyard: --workers must be >= 1")
         return 2
     if single is not None:
         import structlog
@@ -155,10 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             uvloop.run(serve(config, reuse_port=worker is not None, loader=load, worker=worker))
         except ValueError as e:  # strategy names etc. validated at app build
-            print(f"switchyard: {e}", file=sys.stderr)
+            say(f"switchyard: {e}")
             return 2
         except ListenError as e:  # the port taken, the host unknown: one line, as a config error
-            print(f"switchyard: {e}", file=sys.stderr)
+            say(f"switchyard: {e}")
             return 1
         except KeyboardInterrupt:  # Ctrl-C before the loop handles it: stopped, without a traceback
             return 130
@@ -262,13 +270,13 @@ def check_config(path: str) -> int:
         config = load_config(path, deprecated)
     except (ConfigError, ValueError) as e:
         for note in deprecated:
-            print(f"switchyard: warning: {note}", file=sys.stderr)
-        print(f"switchyard: config error: {e}", file=sys.stderr)
+            say(f"switchyard: warning: {note}")
+        say(f"switchyard: config error: {e}")
         return 2
     for note in deprecated:
-        print(f"switchyard: warning: {note}", file=sys.stderr)
+        say(f"switchyard: warning: {note}")
     for note in no_effect(config):
-        print(f"switchyard: warning: {note}", file=sys.stderr)
+        say(f"switchyard: warning: {note}")
     n = len(config.models)
     found = ", models discovered through Kubernetes" if config.kubernetes.enabled else ""
     print(f"{path}: OK ({n} model{'' if n == 1 else 's'}{found})")
