@@ -557,7 +557,8 @@ async def test_an_engine_down_until_its_probes_notice_loses_no_line(sims, gatewa
 async def test_a_cursor_that_names_no_object_of_the_caller_is_a_400(sims, gateway, tmp_path):
     """``after`` must name an object of the caller's list: an unknown id (a typo, another user's)
     is a 400 naming the parameter, where it was ignored and the first page came
-    again, which a paginator reads as more objects."""
+    again, which a paginator reads as more objects. An empty ``after`` (``?after=``, a client
+    that sent the ``last_id`` of no page) names none either, as on the input items of a response."""
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path), auth=KEYS)
     alice, bob = openai_client(gw, ALICE), openai_client(gw, BOB)
@@ -566,7 +567,8 @@ async def test_a_cursor_that_names_no_object_of_the_caller_is_a_400(sims, gatewa
     assert (await alice.files.list(after=f.id)).data == [] and (await alice.batches.list(after=b.id)).data == []
     for call in (lambda: alice.files.list(after="file-000000000000000000000000"),
                  lambda: alice.batches.list(after="batch_nope"),
-                 lambda: bob.files.list(after=f.id), lambda: bob.batches.list(after=b.id)):
+                 lambda: bob.files.list(after=f.id), lambda: bob.batches.list(after=b.id),
+                 lambda: alice.files.list(after=""), lambda: alice.batches.list(after="")):
         with pytest.raises(openai.BadRequestError) as ei:
             await call()
         assert (ei.value.body["param"], ei.value.body["code"]) == ("after", "invalid_value")
