@@ -173,7 +173,7 @@ class BatchStore:
             where.append("purpose = ?")
             args.append(purpose)
         cmp, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
-        if after:
+        if after is not None:       # an empty one names no object either: a 400, not the first page
             row = self.db.execute("SELECT owner, created_at, rowid FROM files WHERE id = ?", (after,)).fetchone()
             if row is None:             # deleted or expired since it was listed: its place
                 row = self.db.execute("SELECT owner, created_at, pos FROM gone_files WHERE id = ?", (after,)).fetchone()
@@ -262,7 +262,7 @@ class BatchStore:
         if owner is not None:
             where.append("owner = ?")
             args.append(owner)
-        if after:
+        if after is not None:
             row = self.db.execute("SELECT owner, created_at, rowid FROM batches WHERE id = ?", (after,)).fetchone()
             if row is None or (owner is not None and row[0] != owner):
                 raise UnknownCursor(after)
