@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import resource
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,17 +38,22 @@ async def interrupt(procs: list[subprocess.Popen], timeout: float) -> None:
 @contextlib.asynccontextmanager
 async def gateway_process(path, port: int, *args: str, ready_workers: int = 1,
                           admin_token: str | None = None,
-                          file_size_limit: int | None = None) -> AsyncIterator[asyncio.subprocess.Process]:
+                          file_size_limit: int | None = None,
+                          read_only: tuple[str, ...] = ()) -> AsyncIterator[asyncio.subprocess.Process]:
     """Started, and ``/ready`` answered 200 by ``ready_workers`` distinct processes (``/status.json``'s
     pid, read with ``admin_token`` when the config has one); SIGTERM at exit. ``file_size_limit``:
     the largest file the process may write, in bytes (``RLIMIT_FSIZE``: a write past it fails with
-    EFBIG, as one on a full disk fails with ENOSPC)."""
+    EFBIG, as one on a full disk fails with ENOSPC). ``read_only``: existing directories the process
+    sees mounted read-only (a write there fails with EROFS, as on a file system the kernel remounted
+    read-only after an I/O error): it runs in a mount namespace of its own (``unshare_read_only``)."""
     err = tempfile.TemporaryFile()        # its log, shown when it does not come up
 
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(path), *args,
-                                                stderr=err, preexec_fn=limit if file_size_limit else None)
+    cmd = [sys.executable, "-m", "gateway", "--config", str(path), *args]
+    if read_only:
+        cmd = unshare_read_only(read_only, cmd)
+    proc = await asyncio.create_subprocess_exec(*cmd, stderr=err, preexec_fn=limit if file_size_limit else None)
     try:
         seen: set[int] = set()
         try:
@@ -69,6 +76,22 @@ async def gateway_process(path, port: int, *args: str, ready_workers: int = 1,
         async with asyncio.timeout(20):
             await proc.wait()
         err.close()
+
+
+def can_unshare_read_only() -> bool:
+    """Whether this machine lets a process have a mount namespace of its own (an unprivileged user
+    namespace, or root) with ``unshare``: ``read_only`` needs it."""
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-Urm", "true"], capture_output=True).returncode == 0
+
+
+def unshare_read_only(dirs: tuple[str, ...], cmd: list[str]) -> list[str]:
+    """``cmd`` run in a user and mount namespace of its own where each of ``dirs`` is bound on itself
+    read-only; nothing outside the process sees the mounts, and they go with it."""
+    mounts = " && ".join(f"mount --bind {shlex.quote(d)} {shlex.quote(d)} && mount -o remount,bind,ro {shlex.quote(d)}"
+                         for d in dirs)
+    return ["unshare", "-Urm", "sh", "-c", f'{mounts} && exec "$@"', "sh", *cmd]
 
 
 async def post_new(port: int, path: str, body: dict[str, Any], headers: dict[str, str] | None = None

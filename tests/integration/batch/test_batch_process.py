@@ -14,7 +14,13 @@ import orjson
 import pytest
 
 from tests.support.batch import jsonl, run_to_end
-from tests.support.gateway_process import gateway_process, get_new, metric_total, per_worker
+from tests.support.gateway_process import (
+    can_unshare_read_only,
+    gateway_process,
+    get_new,
+    metric_total,
+    per_worker,
+)
 from tests.support.http import sim_state
 from tests.support.ports import listen_port
 from tests.support.waiting import until
@@ -204,6 +210,31 @@ async def test_an_upload_the_disk_has_no_room_for_is_a_507_in_openai_shape(sims,
         assert metric_total((await get_new(port, "/metrics"))[1], "switchyard_internal_errors_total") == 0
         f = await c.files.create(file=("in.jsonl", jsonl(rows(2))), purpose="batch")
         assert [x.id for x in (await c.files.list()).data] == [f.id]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not can_unshare_read_only(), reason="needs a mount namespace of its own (unshare -Urm)")
+async def test_an_upload_a_read_only_file_system_refuses_is_a_storage_error(sims, tmp_path):
+    """A write of the upload the disk refuses other than for want of room (the file system the
+    kernel remounted read-only after an I/O error, EROFS; a failing disk, EIO) is the server's
+    storage failing, not a bug: a 500 ``storage_error`` in OpenAI's shape naming the error, not an
+    ``internal_error`` counted in switchyard_internal_errors_total; nothing is kept, and the rest of
+    the API (the job store beside it) still answers."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(config_text(port, sim.url, str(tmp_path / "batch")))
+    (tmp_path / "batch" / "tmp").mkdir(parents=True)
+    c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    async with gateway_process(cfg, port, read_only=(str(tmp_path / "batch" / "tmp"),)):
+        with pytest.raises(openai.APIStatusError) as ei:
+            await c.files.create(file=("in.jsonl", jsonl(rows(2))), purpose="batch")
+        assert ei.value.status_code == 500, ei.value.body
+        assert (ei.value.body["code"], ei.value.body["type"]) == ("storage_error", "api_error"), ei.value.body
+        assert "Read-only file system" in ei.value.body["message"]
+        assert set(ei.value.body) == {"message", "type", "param", "code"}
+        assert metric_total((await get_new(port, "/metrics"))[1], "switchyard_internal_errors_total") == 0
+        assert (await c.files.list()).data == [] and (await c.batches.list()).data == []
 
 
 @pytest.mark.timeout(60)
