@@ -464,6 +464,21 @@ def _no_room(e: BaseException) -> str | None:
     return None
 
 
+# what a disk or file system answers a write (or a read) it refuses for a reason other than room:
+# a file system read-only (the kernel remounts one so after an I/O error), a failing disk, batch.dir
+# or its tmp/ and files/ made unwritable, removed or moved elsewhere under the gateway
+STORAGE_FAULTS = frozenset({errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR,
+                            errno.EISDIR, errno.EXDEV, errno.ESTALE, errno.ENXIO, errno.ENODEV})
+
+
+def _storage_fault(e: BaseException) -> str | None:
+    """A disk or file system under ``batch.dir`` that refused an operation (``STORAGE_FAULTS``), or
+    None; the job store's own faults are ``_store_io_error``."""
+    if isinstance(e, OSError) and not isinstance(e, ConnectionError) and e.errno in STORAGE_FAULTS:
+        return e.strerror or str(e)
+    return None
+
+
 def _store_io_error(e: BaseException) -> str | None:
     """SQLite's "disk I/O error" on the job store, or None: a write the disk refused for a reason
     SQLite does not name (a file size limit, a quota: only a full disk is its SQLITE_FULL; a
@@ -482,7 +497,9 @@ def _stored(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     and a warning logged, where it was a 500 ``internal_error`` counted and logged as a bug. What
     the request made is not kept (an upload's temporary file is removed as on any refusal). A
     write of the job store SQLite reports as a disk I/O error is a 500 ``storage_error``, logged
-    as a warning too: SQLite does not say which it was, a limit or a failing disk."""
+    as a warning too: SQLite does not say which it was, a limit or a failing disk; and so is a
+    file's write or read the disk refuses for another reason than room (``STORAGE_FAULTS``: a file
+    system read-only, an I/O error), which is the server's storage failing, not a bug."""
     @functools.wraps(handler)
     async def run(request: web.Request) -> web.StreamResponse:
         try:
@@ -492,10 +509,11 @@ def _stored(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                 log.warning("batch storage full", path=request.path, method=request.method, error=why)
                 raise GatewayError(507, f"The gateway has no room left to store this request's data ({why}); "
                                    "try again later.", code="insufficient_storage") from None
-            if (why := _store_io_error(e)) is not None:
-                log.warning("batch storage error", path=request.path, method=request.method, error=why)
-                raise GatewayError(500, f"The gateway could not store this request's data ({why}); try again "
-                                   "later.", code="storage_error") from None
+            if (why := _store_io_error(e) or _storage_fault(e)) is not None:
+                log.warning("batch storage error", path=request.path, method=request.method, error=str(e))
+                done = "read the stored data" if request.method in ("GET", "HEAD") else "store this request's data"
+                raise GatewayError(500, f"The gateway could not {done} ({why}); try again later.",
+                                   code="storage_error") from None
             raise
     return run
 
