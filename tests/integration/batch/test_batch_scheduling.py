@@ -823,3 +823,53 @@ async def test_a_batch_left_finalizing_past_its_window_completes(sims, gateway, 
     assert done.completed_at and done.expired_at is None
     out = [orjson.loads(x) for x in (await c.files.content(done.output_file_id)).content.splitlines()]
     assert [o["custom_id"] for o in out] == ["req-0", "req-2"]
+
+
+async def test_the_lines_of_a_discovered_model_wait_while_its_pods_are_not_listed_or_all_gone(
+        emu, sims, gateway, tmp_path, monkeypatch):
+    """With Kubernetes discovery, a model may be known from its pods alone. A gateway started again
+    while its batch runs, whose first list of pods is not in yet, cannot tell such a model from none:
+    the lines wait for the list, uncounted, as for a model with no ready endpoint. Once a model the
+    batch ran on has lost every pod (a Recreate rollout deletes the old pod before the new one has
+    an IP), its lines wait for a new pod, where each was answered 404 model_not_found the moment the
+    model was gone."""
+    import k8s.discovery
+    monkeypatch.setattr(k8s.discovery, "FIRST_LIST_WAIT_S", 0.0)
+    sim = await sims("vllm", "llama", itl_ms=20.0)
+    sim_pod(emu, "llama-0", sim, "llama")
+    path = tmp_path / "kubeconfig"
+    path.write_text(emu.kubeconfig())
+    kube = {"enabled": True, "kubeconfig": str(path), "namespaces": ["llm"], "retry_backoff_s": 0.05}
+    emu.hold_lists()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            gw = await gateway([], kubernetes=kube, batch=cfg(tmp_path, max_attempts=2, max_concurrency=1))
+            c = openai_client(gw)
+            b = await create(c, rows(["llama"] * 8, max_tokens=10))
+
+            def waits() -> list[tuple[str, str]]:
+                return [(e["model"], e["reason"]) for e in logs if e["event"].startswith("batch lines of a model wait")]
+
+            async def waiting_or_failed(n: int) -> bool:
+                return len(waits()) >= n or (await c.batches.retrieve(b.id)).request_counts.failed > 0
+
+            await until(lambda: waiting_or_failed(1), timeout=10)
+            now = await c.batches.retrieve(b.id)
+            assert (now.status, now.request_counts.completed, now.request_counts.failed) == ("in_progress", 0, 0)
+            emu.release_lists()
+
+            async def some_done() -> bool:
+                return (await c.batches.retrieve(b.id)).request_counts.completed >= 2
+
+            await until(some_done, timeout=10)
+            emu.delete_pod("llm", "llama-0")
+            await until(lambda: not gw.gw.pool.has_model("llama"), timeout=10)
+            await until(lambda: waiting_or_failed(2), timeout=10)
+            now = await c.batches.retrieve(b.id)
+            assert now.status == "in_progress" and now.request_counts.failed == 0
+            assert waits() == [("llama", "pods not listed yet"), ("llama", "no such model")], waits()
+            sim_pod(emu, "llama-1", sim, "llama")
+            done = await run_to_end(c, b.id)
+    finally:
+        emu.release_lists()
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 8, 0), done
