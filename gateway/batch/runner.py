@@ -19,6 +19,11 @@ goes back uncounted to wait, as a line that found none at its start does; anothe
 timeout is tried again up to ``max_attempts``; anything else is the line's answer (a 4xx goes to
 the error file).
 
+A line naming a model the gateway does not know is answered 404 at once, unless the model may come
+back: Kubernetes discovery has not listed the pods yet, or the gateway knew it while this runner ran
+(its last pod deleted in a rollout, a reload without it); then its lines wait as below (``_awaited``),
+and one answered the gateway's 404 in flight waits too.
+
 A model "can run a line" (``headroom.serves``) when it has a ready endpoint; one routed as
 prefill/decode pairs needs a ready prefill and a ready decode of one roleset, or a ready
 whole-request endpoint, and its room counts pairs (``headroom.model_room``). While a model cannot,
@@ -108,6 +113,9 @@ class BatchRunner:
         self.pairs = pairs
         # models whose lines wait as they cannot run one (no ready endpoint, or no ready pair)
         self.idle: set[str] = set()
+        # models the gateway was seen to know (by name: a model, an alias, an adapter): one it no
+        # longer knows may come back (its pods all gone in a rollout), so its lines wait for it
+        self.known: set[str] = set()
         self.jobs: dict[str, _Job] = {}
         self.in_flight: dict[str, int] = {}          # model → lines in flight
         self.next_start: dict[str, float] = {}       # model → earliest start of its next line (rate cap)
@@ -436,7 +444,8 @@ class BatchRunner:
                 line, attempts = job.ready[0]
                 model = line.body.get("model")
                 model = model if isinstance(model, str) else ""
-                if model and model not in room and model not in full and self.targets(model) is None:
+                if (model and model not in room and model not in full and self.targets(model) is None
+                        and self._awaited(model) is None):
                     # no such model (the handler answers it 404): such lines are capped and counted
                     # together, not each model name the file made up on its own, in a dict and a series
                     model = ""
@@ -470,9 +479,13 @@ class BatchRunner:
             return False
         if model not in room:
             targets = self.targets(model) if model else None
-            if targets is None:             # no such model: the handler answers it
+            if targets is None and (why := self._awaited(model)) is not None:
+                self._idle(model, why)      # it may come back: its lines wait for it, uncounted
+                room[model] = 0
+            elif targets is None:           # no such model: the handler answers it
                 room[model] = cfg.max_concurrency
             else:                           # where it may run, the least room (an alias's targets)
+                self._know(model, targets)
                 room[model] = min(self._room(t, now) for t in targets)
         if room[model] < 1:
             return False
@@ -487,7 +500,7 @@ class BatchRunner:
         eps = self.pool.ready(model)
         pairs = self.pairs(model)
         if not serves(eps, pairs):
-            self._idle(model, pairs)
+            self._idle(model, "no ready prefill/decode pair" if pairs and eps else "no ready endpoint")
             return 0
         if model in self.idle:
             self.idle.discard(model)
@@ -497,7 +510,7 @@ class BatchRunner:
         return model_room(eps, cfg.endpoint_capacity, cfg.reserve_slots, cfg.max_kv_usage,
                           self.max_age(), self.engine_signals(), now, pairs)
 
-    def _idle(self, model: str, pairs: bool) -> None:
+    def _idle(self, model: str, reason: str) -> None:
         """``model`` cannot run a line: said once as its lines begin to wait."""
         if model in self.idle:
             return
@@ -505,8 +518,30 @@ class BatchRunner:
             self.idle.clear()
         self.idle.add(model)
         log.warning("batch lines of a model wait: it cannot run one now; they start once it can, uncounted",
-                    model=model, reason="no ready prefill/decode pair" if pairs and self.pool.ready(model)
-                    else "no ready endpoint")
+                    model=model, reason=reason)
+
+    def _know(self, model: str, targets: tuple[str, ...]) -> None:
+        """The gateway knows ``model`` (it runs on ``targets``): remembered, and a wait for it to
+        come back (``_awaited``) ends."""
+        if model not in self.known:
+            if len(self.known) >= IDLE_MODELS:
+                self.known.clear()
+            self.known.add(model)
+        if model not in targets and model in self.idle:     # an alias, an adapter: its targets log their own
+            self.idle.discard(model)
+            log.info("batch lines of a model can run again", model=model)
+
+    def _awaited(self, model: str) -> str | None:
+        """Why the lines of ``model``, a name the gateway does not know now, wait for it rather than
+        being answered 404 (None: they are): Kubernetes discovery has not listed the pods yet (a
+        gateway started again, its API server slow), so it may be one of theirs; or the gateway knew
+        it while this runner ran (its pods all gone in a rollout, its config reloaded without it),
+        so it may come back within the batch's window."""
+        if not model:
+            return None
+        if not getattr(self.pool, "listed", True):
+            return "pods not listed yet"
+        return "no such model" if model in self.known else None
 
     def _read_ahead(self, job: _Job) -> None:
         """The next chunk of input lines, read on a thread; lines already answered are skipped."""
@@ -616,6 +651,8 @@ class BatchRunner:
                 unreached = _upstream_kind(resp) == UNREACHED
             elif status == 503:       # no ready endpoint, or (the P/D routing's) no ready pair
                 unready = (_no_backends(resp) or _no_route(resp)) and self._unready(model)
+            elif status == 404:       # the model went meanwhile (its last pod deleted)
+                unready = _model_not_found(resp) and self._unready(model)
         except asyncio.CancelledError:
             if rid not in self.preempted:
                 raise
@@ -666,7 +703,9 @@ class BatchRunner:
         refused for its own reasons (prefill and decode endpoints routed whole, none serving the
         path), and the 503 is counted as before."""
         targets = self.targets(model) if model else None
-        return targets is not None and any(not serves(self.pool.ready(t), self.pairs(t)) for t in targets)
+        if targets is None:         # the model went, or the pods are not listed yet: it may come back
+            return self._awaited(model) is not None
+        return any(not serves(self.pool.ready(t), self.pairs(t)) for t in targets)
 
     def _unreached(self, model: str) -> float:
         """A line of ``model`` reached no engine: the seconds until its lines start again. A line
@@ -710,6 +749,13 @@ def _no_backends(resp: Any) -> bool:
     """The gateway's 503 for a model with no ready endpoint (its ``x-error-no-model-backends``)."""
     headers = getattr(resp, "headers", None)
     return headers is not None and headers.get("x-error-no-model-backends") == "true"
+
+
+def _model_not_found(resp: Any) -> bool:
+    """The gateway's 404 for a model it does not know (its ``x-error-no-model-backends`` names it),
+    not an engine's 404."""
+    headers = getattr(resp, "headers", None)
+    return headers is not None and headers.get("x-error-no-model-backends") is not None
 
 
 def _no_route(resp: Any) -> bool:
