@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 
 import aiohttp
 import openai
@@ -20,6 +21,7 @@ from tests.support.gateway_process import (
     get_new,
     metric_total,
     per_worker,
+    unshare_read_only,
 )
 from tests.support.http import sim_state
 from tests.support.ports import listen_port
@@ -269,3 +271,25 @@ async def test_a_write_of_the_job_store_that_sqlite_reports_as_a_disk_io_error_i
             resource.prlimit(pid, resource.RLIMIT_FSIZE, (hard, hard))
         b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
         assert (await run_to_end(c, b.id)).status == "completed"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not can_unshare_read_only(), reason="needs a mount namespace of its own (unshare -Urm)")
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_a_batch_dir_the_gateway_cannot_write_stops_its_start_with_one_line(tmp_path, workers):
+    """A ``batch.dir`` on a read-only volume (or one the gateway's user may not write) stops the
+    gateway as it starts, with one line naming ``batch.dir`` and the error and the exit status of a
+    config error, as a port taken does, not a traceback."""
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(config_text(port, "http://127.0.0.1:9", str(tmp_path / "batch")))
+    (tmp_path / "batch").mkdir()
+    cmd = unshare_read_only((str(tmp_path / "batch"),),
+                            [sys.executable, "-m", "gateway", "--config", str(cfg), "--workers", workers])
+    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    async with asyncio.timeout(40):
+        _, err = await proc.communicate()
+    text = err.decode()
+    assert "Traceback" not in text, text
+    assert f"switchyard: batch.dir {tmp_path / 'batch'} cannot be used" in text and "Read-only file system" in text, text
+    assert proc.returncode == 2, text
