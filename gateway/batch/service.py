@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import fcntl
 import os
+import sqlite3
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -107,8 +108,14 @@ class BatchService:
         claims.append(self.on_decision)
 
         async def batches(_app: web.Application) -> AsyncIterator[None]:
-            await self.db.open()
-            await asyncio.to_thread(batch_files.prepare, self.db.dir)
+            try:
+                await self.db.open()
+                await asyncio.to_thread(batch_files.prepare, self.db.dir)
+            except (OSError, sqlite3.Error) as e:
+                # a read-only volume, a directory the gateway's user may not write: the operator's
+                # to fix, said in one line as a config error is (gateway/__main__.py), not a traceback
+                await self.db.close()
+                raise ValueError(f"batch.dir {self.db.dir} cannot be used: {e}") from None
             self._task = asyncio.create_task(self._hold(submit), name="batch-runner")
             try:
                 yield
