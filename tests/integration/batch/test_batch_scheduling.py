@@ -835,7 +835,7 @@ async def test_the_lines_of_a_discovered_model_wait_while_its_pods_are_not_liste
     model was gone."""
     import k8s.discovery
     monkeypatch.setattr(k8s.discovery, "FIRST_LIST_WAIT_S", 0.0)
-    sim = await sims("vllm", "llama", itl_ms=20.0)
+    sim = await sims("vllm", "llama", itl_ms=15.0)
     sim_pod(emu, "llama-0", sim, "llama")
     path = tmp_path / "kubeconfig"
     path.write_text(emu.kubeconfig())
@@ -845,7 +845,7 @@ async def test_the_lines_of_a_discovered_model_wait_while_its_pods_are_not_liste
         with structlog.testing.capture_logs() as logs:
             gw = await gateway([], kubernetes=kube, batch=cfg(tmp_path, max_attempts=2, max_concurrency=1))
             c = openai_client(gw)
-            b = await create(c, rows(["llama"] * 8, max_tokens=10))
+            b = await create(c, rows(["llama"] * 5, max_tokens=8))
 
             def waits() -> list[tuple[str, str]]:
                 return [(e["model"], e["reason"]) for e in logs if e["event"].startswith("batch lines of a model wait")]
@@ -872,4 +872,4 @@ async def test_the_lines_of_a_discovered_model_wait_while_its_pods_are_not_liste
             done = await run_to_end(c, b.id)
     finally:
         emu.release_lists()
-    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 8, 0), done
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 5, 0), done
