@@ -797,3 +797,62 @@ async def test_an_admin_reload_is_answered_by_the_parents_reload_that_came_after
     assert [(line["trigger"], line["generation"]) for line in first_applied] == [("signal", 2)] * 2, first_applied
     assert (status, body.get("trigger"), body.get("generation")) == (200, "admin", 3), body
     assert [(line["trigger"], line["generation"]) for line in after] == [("admin", 3)] * 2, after
+
+
+@pytest.mark.timeout(90)
+async def test_every_worker_applies_the_file_the_parent_read_though_it_changed_before_they_read_it(sims, tmp_path):
+    """A reload reads the file once, in the parent, which hands every worker what it read: a file
+    rewritten between the parent's read and a worker's (a ConfigMap updated twice in a row, a worker
+    busy when the SIGHUP came) cannot leave the workers on different configs under one generation,
+    nor a worker the parent restarts on another config than its siblings. Here the workers are
+    stopped until the parent has read the file and signalled them, and the file is rewritten before
+    each of them goes on."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n")
+    text = text.replace("log_level: warning", "log_level: info")
+    path.write_text(text)
+
+    def alias(name: str) -> str:
+        return text + f"aliases: [{{name: {name}, targets: [{{model: m}}]}}]\n"
+
+    async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:
+        logs = LogLines(proc)
+        sessions = await pinned_workers(port, 2)
+        stopped: list[int] = []
+        try:
+            first, second = sessions
+            for pid in (first, second):
+                stopped.append(pid)
+                await sigstop(pid)
+            path.write_text(alias("one"))
+            proc.send_signal(signal.SIGHUP)
+            async with asyncio.timeout(10):             # the parent has read the file and told both
+                while not (_pending_sighup(first) and _pending_sighup(second)):
+                    await asyncio.sleep(0.01)
+            for n, (pid, name) in enumerate(((first, "two"), (second, "three")), start=1):
+                path.write_text(alias(name))
+                os.kill(pid, signal.SIGCONT)
+                stopped.remove(pid)
+                await logs.until(n)                     # this worker applied the reload
+            views, digests = {}, {}
+            for pid, s in sessions.items():
+                async with s.get(f"http://127.0.0.1:{port}/v1/models") as r:
+                    views[pid] = {m["id"] for m in (await r.json())["data"]}
+                async with s.get(f"http://127.0.0.1:{port}/status.json",
+                                 headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                    config = (await r.json())["gateway"]["config"]
+                digests[pid] = (config["generation"], config["digest"])
+        finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+            for s in sessions.values():
+                await s.close()
+        proc.send_signal(signal.SIGTERM)
+        await proc.wait()
+        await logs.close()
+    assert views == {first: {"m", "one"}, second: {"m", "one"}}, views
+    assert len(set(digests.values())) == 1 and {g for g, _ in digests.values()} == {2}, digests
+    lines = [(line["event"], line.get("trigger"), line.get("generation")) for line in logs.reloads()]
+    assert lines == [("config reloaded", "signal", 2)] * 2, lines
