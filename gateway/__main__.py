@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import sys
 import time
@@ -22,7 +23,15 @@ if __name__ == "__main__":
 import uvloop  # noqa: E402
 
 from gateway.config.deprecated import Deprecation, log_deprecations  # noqa: E402
-from gateway.config.schema import Config, ConfigError, load_config, no_effect  # noqa: E402
+from gateway.config.schema import (  # noqa: E402
+    Config,
+    ConfigError,
+    config_from_file,
+    load_config,
+    log_no_effect,
+    no_effect,
+    read_config_file,
+)
 from gateway.observability.logs import configure_logging  # noqa: E402
 from gateway.version import version  # noqa: E402
 
@@ -106,12 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     listen: list = [args.host, args.port]
     resolved: list[int] = []      # the worker count, once known: a reload keeps it
 
-    def load(deprecations: list[Deprecation] | None = None) -> Config:
-        """The config file with the command line's overrides: at start and at each reload."""
-        cfg = load_config(args.config, deprecations).with_listen(*listen)
+    def parse(text: str, deprecations: list[Deprecation] | None = None) -> Config:
+        """The config file's ``text`` with the command line's overrides."""
+        cfg = config_from_file(text, args.config, deprecations).with_listen(*listen)
         if resolved:
             cfg = cfg.with_workers(resolved[0])
         return cfg.with_log_format(args.log_format) if args.log_format else cfg
+
+    def load(deprecations: list[Deprecation] | None = None) -> Config:
+        """The config file with the command line's overrides: at start and at each reload."""
+        return parse(read_config_file(args.config), deprecations)
 
     deprecated: list[Deprecation] = []      # logged once logging follows the config's format
     from gateway.server.workers import hold_for_tests
@@ -123,16 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(config.server.log_format, config.server.log_level)
     log_deprecations(deprecated, args.config)
-    if notes := no_effect(config):      # keys that load and do nothing: said, not refused
-        import structlog
-        for note in notes:
-            structlog.get_logger("switchyard").warning(f"config: {note}", file=args.config)
+    log_no_effect(config, args.config)      # keys that load and do nothing: said, not refused
     if stopped_while_starting():
         return 0
     from gateway.server.run import ListenError, free_port, serve
     if config.server.raise_nofile_limit:     # before the fork: every worker inherits it
         raise_nofile()
-    from gateway.server.workers import WorkerInfo, adapters_apart, auto_count, auto_workers, per_process_state
+    from gateway.server.workers import WorkerInfo, auto_count, auto_workers
     workers, single = auto_workers(args.workers if args.workers is not None else config.server.workers, config)
     if workers < 1:
         say("switchyard: --workers must be >= 1")
@@ -141,19 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         import structlog
         structlog.get_logger("switchyard").warning(
             "workers: auto runs fewer workers than CPUs", workers=workers, reason=single, cpus=auto_count())
-    elif workers > 1 and (apart := per_process_state(config)) is not None:
-        # asked for by number: run as asked, but say what each worker keeps apart
-        import structlog
-        structlog.get_logger("switchyard").warning(
-            "workers: each keeps its own state without state.redis_url", workers=workers,
-            kept_apart=apart, effect="a user gets up to workers x each limit, and an admin-API key or "
-                                     "user created through one worker is unknown to the others")
-    if single is None and workers > 1 and adapters_apart(config):
-        import structlog
-        structlog.get_logger("switchyard").warning(
-            "workers: LoRA adapters are not shared between them", workers=workers,
-            effect="with view.workers or view.share_monitoring off, a worker may load an adapter another "
-                   "loaded, and unload one another has requests in flight for")
+    else:
+        workers_warnings(config, workers)
     resolved.append(workers)
     config = config.with_workers(workers)
     if stopped_while_starting():
@@ -177,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.listen.port == 0:   # every worker must bind the same port
         listen[1] = free_port(config.listen.host)
         config = config.with_listen(*listen)
+    from gateway.server.handoff import ConfigHandoff
     from gateway.server.rundir import RunDirectory, reclaim_stale
     from gateway.server.workers import parent_log, run_workers
     started = config
@@ -184,11 +184,21 @@ def main(argv: list[str] | None = None) -> int:
 
     def reread(trigger: str) -> None:
         """SIGHUP in the parent (``trigger``: ``signal``, or ``admin`` for a worker's POST
-        /admin/reload): a worker started from now on (a restart) gets the new config."""
+        /admin/reload): the file is read here once, and what was read handed to every worker for
+        the reload the parent tells them of next (gateway/server/handoff.py); a worker started from
+        now on (a restart) gets the new config."""
         nonlocal config, generation
         from gateway.server.reload import check_offline
+        deprecations: list[Deprecation] = []
         try:
-            new = load()
+            seq = beats.next_told()
+            try:
+                text = read_config_file(args.config)
+            except Exception as e:
+                handoff.put(seq, error=e)       # every worker refuses the reload with it
+                raise
+            handoff.put(seq, text=text)     # before it is checked: the workers check the same text
+            new = parse(text, deprecations)
             check_offline(started, config, new)
             config = new
             generation += 1
@@ -197,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             error = str(e) if isinstance(e, ConfigError | ValueError) else f"{type(e).__name__}: {e}"
             parent_log("config reload refused, restarted workers keep the running config", "error",
                        trigger=trigger, error=error, generation=generation)
+            return
+        log_deprecations(deprecations, args.config)     # once for every worker
 
     started_at = time.time()      # the gateway's start, which every worker gives, a restarted one too
     # a stop from here until run_workers handles it is held back, then handled as any stop: its
@@ -209,8 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from gateway.server.heartbeat import Heartbeats
             beats = Heartbeats(workers)   # each worker's loop ticks, the parent watches (gateway/server/heartbeat.py)
+            handoff = ConfigHandoff(run_dir.path)   # the text each reload of the parent's read
+            # a worker parses it as the parent did; the parent logs its warnings, once
+            handed = functools.partial(handoff.get, parse=lambda text: parse(text, []))
             return run_workers(workers, lambda index: serve_one(WorkerInfo(index, workers, run_dir.path, beats,
-                                                                           generation, started_at)),
+                                                                           generation, started_at, handed)),
                                parent_log, on_reload=reread, heartbeats=beats,
                                stall_timeout=lambda: config.server.worker_stall_timeout_s,
                                orphaned=run_dir.close_if_last,
@@ -219,6 +234,25 @@ def main(argv: list[str] | None = None) -> int:
             run_dir.close()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)    # as it was (run_workers has let them through)
+
+
+def workers_warnings(config: Config, workers: int) -> None:
+    """What ``workers`` processes running ``config`` keep apart, as warnings: logged at start (when
+    the count was asked for; ``auto`` runs one worker instead) and at each reload the parent applies."""
+    import structlog
+
+    from gateway.server.workers import adapters_apart, per_process_state
+    if workers > 1 and (apart := per_process_state(config)) is not None:
+        # asked for by number: run as asked, but say what each worker keeps apart
+        structlog.get_logger("switchyard").warning(
+            "workers: each keeps its own state without state.redis_url", workers=workers,
+            kept_apart=apart, effect="a user gets up to workers x each limit, and an admin-API key or "
+                                     "user created through one worker is unknown to the others")
+    if workers > 1 and adapters_apart(config):
+        structlog.get_logger("switchyard").warning(
+            "workers: LoRA adapters are not shared between them", workers=workers,
+            effect="with view.workers or view.share_monitoring off, a worker may load an adapter another "
+                   "loaded, and unload one another has requests in flight for")
 
 
 # For tests only: a directory where the gateway, about to read its config file, makes a FIFO named

@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
+import structlog
 import yaml
 from msgspec import Meta
 from msgspec.structs import force_setattr
@@ -532,10 +533,19 @@ def load_config(path: str | Path, deprecations: list[Deprecation] | None = None)
     Kubernetes discovery off) is refused: it is an empty ConfigMap key or a ``models:`` block lost
     in an edit, and would start a gateway that answers every request 404, or, at a reload, remove
     every endpoint of a running one. (A config built in code may still have none.)"""
+    return config_from_file(read_config_file(path), path, deprecations)
+
+
+def read_config_file(path: str | Path) -> str:
+    """The text of the config file ``path`` (a ``ConfigError`` naming it when it cannot be read)."""
     try:
-        text = Path(path).read_text()
+        return Path(path).read_text()
     except OSError as e:
         raise ConfigError("<file>", f"cannot read: {e.strerror}", str(path)) from None
+
+
+def config_from_file(text: str, path: str | Path, deprecations: list[Deprecation] | None = None) -> Config:
+    """The config in ``text``, read from the file ``path``: as ``load_config`` checks a file's."""
     config = parse_config(text, source=str(path), deprecations=deprecations)
     if not config.models and not config.kubernetes.enabled:
         raise ConfigError("models", "no model is declared, and kubernetes.enabled is false: the gateway would "
@@ -573,6 +583,12 @@ def no_effect(config: Config) -> list[str]:
             why = ""
         out.append(f"limits.models.{name}: names no model{why}: this limit applies to no request")
     return out
+
+
+def log_no_effect(config: Config, source: str | None = None) -> None:
+    """``no_effect``'s warnings in the log, as a start and an applied reload give them."""
+    for note in no_effect(config):
+        structlog.get_logger("switchyard").warning(f"config: {note}", file=source)
 
 
 def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:

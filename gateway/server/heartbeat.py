@@ -36,7 +36,8 @@ SIGHUP the parent notes ``admin`` as the trigger when a count moved since the la
 in one slot written at once: its number, its trigger and the generation it led to (``Told``). A
 worker that handles a SIGHUP reads that slot: a reload it has not applied yet is the parent's, whose
 trigger and generation its log line names, as one process would (and a worker asked POST
-/admin/reload answers with it); none is a SIGHUP sent to the worker itself, a ``signal``. The
+/admin/reload answers with it); none is a SIGHUP sent to the worker itself, which reloads
+nothing (the parent reads the file for every worker: gateway/server/handoff.py). The
 trigger is told with its reload and its generation, once both are known: a worker that handles a
 SIGHUP late reads a reload's trigger with that reload's generation, never the next one's trigger
 (noted while the parent applies it) with the previous one's generation.
@@ -158,6 +159,11 @@ class Heartbeats:
         trigger = "admin" if asks != self._asks_seen else "signal"
         self._asks_seen = asks
         return trigger
+
+    def next_told(self) -> int:
+        """The number the parent's next ``told`` gives its reload (gateway/server/handoff.py names
+        the config text it read for that reload by it)."""
+        return (self.told_count + 1) & _TOLD_MASK
 
     def told(self, trigger: str) -> None:
         """The parent applied (or refused) a reload that came from ``trigger`` and is about to

@@ -29,13 +29,15 @@ serving. *Commit* is one synchronous step, with no ``await`` in it, so no reques
 Routing state (prefix index, round-robin positions, session pins, VTC counts) carries over when
 the ``routing`` and ``pd`` settings are unchanged, and starts afresh when they changed.
 
-With ``--workers N`` the parent forwards ``SIGHUP`` to every worker (gateway/server/workers.py); a worker
+With ``--workers N`` the parent reads the file once, hands every worker the text it read
+(gateway/server/handoff.py) and forwards ``SIGHUP`` to them (gateway/server/workers.py): each worker
+applies that text, so a file rewritten meanwhile cannot leave them on different configs. A worker
 that receives ``POST /admin/reload`` signals the parent, so every worker reloads, and answers with
 its own result. A worker's generation is then the parent's count of applied reloads (in the
 workers' shared memory, gateway/server/heartbeat.py), not its own, and its log line names the
 trigger of the parent's reload it applies, which the parent tells the workers with that reload; a
-SIGHUP sent to a worker itself is a ``signal`` reload of that worker alone, which answers no POST
-/admin/reload waiting there. A POST /admin/reload is answered by the first reload of the parent's
+SIGHUP sent to a worker itself, with no reload of the parent's to apply, reloads nothing there (a
+warning names the parent to send it to). A POST /admin/reload is answered by the first reload of the parent's
 that the parent began after the ask (and so read the file as the ask found it): the SIGHUP of one
 it began before can reach the worker after the ask, and that reload, applied, leaves the ask waiting
 for its own.
@@ -272,6 +274,13 @@ def config_digest(config: Config) -> str:
     return hmac.new(_DIGEST_KEY, msgspec.json.encode(config), hashlib.sha256).hexdigest()[:16]
 
 
+HANDED_TRIES = 100      # reads of the parent's last told reload while its text is replaced under the reader
+
+
+def _not_handed() -> Config:
+    raise ConfigError("<file>", "the parent handed no config text for this reload; the running config is kept")
+
+
 class Reloader:
     """Re-reads the config with ``loader`` and swaps the generation; see the module docstring."""
 
@@ -298,19 +307,24 @@ class Reloader:
         self.parent_told: Callable[[], Told] | None = None
         self.told_seen = 0
         self.parent_asked: Callable[[], int] | None = None
+        # set in a --workers worker: the loader of the config text the parent read for its reload
+        # number n, None when it has none (gateway/server/handoff.py)
+        self.handed: Callable[[int], Callable[[], Config] | None] | None = None
         # POST /admin/reload in a worker: the ask's number (None: no parent counts them), and its answer
         self._waiters: list[tuple[int | None, asyncio.Future[ReloadResult]]] = []
 
-    def reload(self, trigger: str, config: Config | None = None, parent_generation: int | None = None
-               ) -> ReloadResult:
-        """Re-read the file (or take ``config``) and apply it, or refuse it; never raises.
-        ``parent_generation``: in a --workers worker, the generation of the parent's reload this is."""
+    def reload(self, trigger: str, config: Config | None = None, parent_generation: int | None = None,
+               loader: Callable[[], Config] | None = None) -> ReloadResult:
+        """Re-read the file (or take ``config``, or what ``loader`` gives) and apply it, or refuse
+        it; never raises. ``parent_generation``: in a --workers worker, the generation of the
+        parent's reload this is, whose text the parent read (``loader``)."""
         live = self.live
         try:
             if config is None:
-                if self.loader is None:
+                loader = loader or self.loader
+                if loader is None:
                     raise ConfigError("<file>", "the gateway was started without a config file (--config)")
-                config = self.loader()
+                config = loader()
             path = restart_needed(live.config, config, tenancy=self.tenancy is not None, admin=self.admin)
             if path is not None:
                 return self._refused(trigger, "restart_required", path,
@@ -404,12 +418,25 @@ class Reloader:
         # the parent's, whose trigger (a POST /admin/reload to any worker, or a signal) and
         # generation it names, and which answers the POST /admin/reload requests waiting here;
         # none: a SIGHUP sent to this worker itself (``kill -HUP`` to the process group)
-        told = self.parent_told()
-        if told.seq == self.told_seen:
-            self.reload("signal", parent_generation=self.live.generation)
-            return
+        for _ in range(HANDED_TRIES):
+            told = self.parent_told()
+            if told.seq == self.told_seen:
+                # the parent reads the file for every worker: one read here alone would leave this
+                # worker on another config than its siblings under the same generation
+                log.warning("SIGHUP to a worker with no reload of the parent's to apply: the config file is "
+                            "read by the parent for every worker, SIGHUP it to reload", parent_pid=self.parent_pid,
+                            generation=self.live.generation)
+                return
+            loader = self.handed(told.seq) if self.handed is not None else None
+            if loader is not None or self.handed is None:
+                break
+            if self.parent_told().seq == told.seq:      # the parent wrote none for it: refused below
+                break
+        # else: the parent told reload after reload faster than this worker read them
         self.told_seen = told.seq
-        self._answer(self.reload(told.trigger, parent_generation=told.generation), told)
+        if self.handed is not None and loader is None:
+            loader = _not_handed
+        self._answer(self.reload(told.trigger, parent_generation=told.generation, loader=loader), told)
 
     # -- POST /admin/reload --------------------------------------------------------------------
 

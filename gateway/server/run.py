@@ -199,6 +199,8 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
             reloader.parent_told = functools.partial(worker.heartbeats.last_told, worker.index)
             reloader.told_seen = worker.heartbeats.told_count
             reloader.parent_asked = functools.partial(worker.heartbeats.asked_reload, worker.index)
+            # and what each reload applies is the text the parent read (gateway/server/handoff.py)
+            reloader.handed = worker.handed
     with contextlib.suppress(NotImplementedError):
         loop.add_signal_handler(signal.SIGHUP, reloader.on_signal)
     if hup.take():              # one came while the gateway started (gateway/server/hup.py)

@@ -13,8 +13,9 @@ kills and restarts one whose event loop stopped ticking its heartbeat for
 ``server.worker_stall_timeout_s`` (gateway/server/heartbeat.py), stops with a worker's exit code
 when that worker fails before the gateway ever served (as one process would), kills a worker still
 starting when the stop's grace period is over, and exits when all have exited after a signal (with 128 + a signal that killed a worker during the stop; a worker that
-died before the stop and was started again does not count: a stop that drains every worker exits 0). SIGHUP is forwarded too: every worker reloads the
-config file (gateway/server/reload.py), and the parent re-reads it for the workers it starts later. A
+died before the stop and was started again does not count: a stop that drains every worker exits 0). SIGHUP is forwarded too: the parent reads the
+config file, hands every worker what it read (gateway/server/handoff.py), and each worker applies
+that (gateway/server/reload.py); the workers it starts later start on it. A
 worker asks for a reload of all (``POST /admin/reload``) by sending SIGHUP to the parent, having
 counted the request where the parent reads it, so every worker's reload says it came from ``admin``
 (gateway/server/heartbeat.py).
@@ -201,6 +202,9 @@ class WorkerInfo:
     # when the gateway (the parent) started, unix seconds: what a worker, restarted or not, says
     # it started at (the status page's ``started_at``)
     started_at: float | None = None
+    # the config text the parent read for its reload number n, as this worker applies it (a loader,
+    # None when the parent has none: gateway/server/handoff.py); None: the worker reads the file
+    handed: Callable[[int], Callable[[], Any] | None] | None = None
 
     def beat(self) -> Beat | None:
         """This worker's heartbeat (gateway/server/heartbeat.py), not yet started; None without one."""
