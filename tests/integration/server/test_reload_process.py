@@ -868,3 +868,29 @@ async def test_every_worker_applies_the_file_the_parent_read_though_it_changed_b
     lines = [(line["event"], line.get("trigger"), line.get("generation")) for line in logs.reloads()]
     assert lines == [("config reloaded", "signal", 2)] * 2, lines
 
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_an_applied_reload_logs_the_warnings_a_start_logs_once(sims, tmp_path, workers):
+    """A reload to a file with a key that does nothing (a limits.models entry naming no model)
+    logs the warning a start with that file logs, once: by the one process, or by the parent of
+    --workers 2 for all of them (the workers apply the text it read)."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n")
+    text = text.replace("log_level: warning", "log_level: info")
+    path.write_text(text + "limits: {models: {m: {rps: 100}}}\n")
+    async with gateway_process(path, port, "--workers", workers, "--log-format", "json") as proc:
+        logs = LogLines(proc)
+        assert len(await worker_views(port, int(workers))) == int(workers)
+        path.write_text(text + "limits: {models: {m: {rps: 100}, lama: {rps: 5}}}\n")
+        proc.send_signal(signal.SIGHUP)
+        await logs.until(int(workers))          # every worker applied it
+        proc.send_signal(signal.SIGTERM)
+        await proc.wait()
+        await logs.close()
+    assert [line["event"] for line in logs.reloads()] == ["config reloaded"] * int(workers), logs.reloads()
+    warned = [line for line in logs.lines if str(line.get("event", "")).startswith("config: limits.models.")]
+    assert [(line["event"], line["level"], line["file"]) for line in warned] == [
+        ("config: limits.models.lama: names no model: this limit applies to no request", "warning", str(path))], warned
