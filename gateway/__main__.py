@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def serve_one(worker: WorkerInfo | None = None) -> int:
         try:
-            uvloop.run(serve(config, reuse_port=worker is not None, loader=load, worker=worker))
+            uvloop.run(serve(config, reuse_port=worker is not None, loader=load, worker=worker, source=args.config))
         except ValueError as e:  # strategy names etc. validated at app build
             say(f"switchyard: {e}")
             return 2
@@ -208,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
             parent_log("config reload refused, restarted workers keep the running config", "error",
                        trigger=trigger, error=error, generation=generation)
             return
-        log_deprecations(deprecations, args.config)     # once for every worker
+        # what a start warns of, once for every worker: old key names, keys that do nothing, and
+        # what the workers keep apart
+        log_deprecations(deprecations, args.config)
+        log_no_effect(config, args.config)
+        workers_warnings(config, workers)
 
     started_at = time.time()      # the gateway's start, which every worker gives, a restarted one too
     # a stop from here until run_workers handles it is held back, then handled as any stop: its

@@ -62,7 +62,7 @@ from aiohttp import web
 from prometheus_client import Counter, Gauge
 
 from gateway.aliases import Aliases, NoAliases
-from gateway.config.schema import Config, ConfigError, check_strategies
+from gateway.config.schema import Config, ConfigError, check_strategies, log_no_effect
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
@@ -310,6 +310,7 @@ class Reloader:
         # set in a --workers worker: the loader of the config text the parent read for its reload
         # number n, None when it has none (gateway/server/handoff.py)
         self.handed: Callable[[int], Callable[[], Config] | None] | None = None
+        self.source: str | None = None           # the config file's path, for the log's lines
         # POST /admin/reload in a worker: the ask's number (None: no parent counts them), and its answer
         self._waiters: list[tuple[int | None, asyncio.Future[ReloadResult]]] = []
 
@@ -354,6 +355,8 @@ class Reloader:
         log.info("config reloaded", trigger=trigger, generation=result.generation, changed=changed,
                  endpoints_added=result.added, endpoints_removed=result.removed,
                  draining_in_flight=sum(ep.in_flight + ep.prefill_in_flight for ep in removed))
+        if self.parent_told is None:    # what a start warns of (a --workers parent logs it once for all)
+            log_no_effect(config, self.source)
         return self._finish(result)
 
     def _next_generation(self, current: int, parent: int | None) -> int:

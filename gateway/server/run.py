@@ -141,8 +141,10 @@ STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 async def serve(config: Config, *, ready_message: str | None = None, reuse_port: bool = False,
-                loader: Callable[[], Config] | None = None, worker: WorkerInfo | None = None) -> None:
-    """``worker``: one of ``--workers N`` processes, whose parent forwards SIGHUP to every worker."""
+                loader: Callable[[], Config] | None = None, worker: WorkerInfo | None = None,
+                source: str | None = None) -> None:
+    """``worker``: one of ``--workers N`` processes, whose parent forwards SIGHUP to every worker;
+    ``source``: the config file's path, which the warnings of an applied reload name."""
     # a SIGHUP is noted by the loop from now on (gateway/server/hup.py) until the reload's handler
     # is in place: the loop's wakeup pipe gets its byte anyway, which that handler would otherwise
     # take as a second SIGHUP after the one noted by hup's own handler
@@ -190,6 +192,7 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
     stopped_at = guard.finish() if guard is not None else None
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)      # one held back is handled now
     reloader = app[RELOAD_KEY]
+    reloader.source = source
     if worker is not None:      # POST /admin/reload asks the parent, which signals every worker
         reloader.parent_pid = os.getppid()
         if worker.heartbeats is not None:       # the generation is the parent's count, the same in every worker
