@@ -324,3 +324,13 @@ def test_a_model_limit_that_names_no_model_is_a_warning_at_check_and_at_start(tm
     done = _started_with_two_workers(cfg)
     assert done.returncode == 0, done.stderr
     assert "limits.models.lama: names no model" in done.stderr, done.stderr
+
+
+def test_a_file_that_is_not_utf8_is_an_error_naming_the_file(tmp_path, capsys):
+    """A config file whose bytes are not UTF-8 (saved in Latin-1, or a binary put in its place) is
+    refused naming the file and where its bytes go wrong, as a file that cannot be read is."""
+    f = tmp_path / "gw.yaml"
+    f.write_bytes(GOOD.encode() + b"# caf\xe9\n")
+    assert main(["--check-config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert f"{f}: <file>: not UTF-8 text" in err and f"byte {len(GOOD.encode()) + 5}" in err, err
