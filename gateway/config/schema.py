@@ -539,9 +539,11 @@ def load_config(path: str | Path, deprecations: list[Deprecation] | None = None)
 def read_config_file(path: str | Path) -> str:
     """The text of the config file ``path`` (a ``ConfigError`` naming it when it cannot be read)."""
     try:
-        return Path(path).read_text()
+        return Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError("<file>", f"cannot read: {e.strerror}", str(path)) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError("<file>", f"not UTF-8 text: {e.reason} at byte {e.start}", str(path)) from None
 
 
 def config_from_file(text: str, path: str | Path, deprecations: list[Deprecation] | None = None) -> Config:
