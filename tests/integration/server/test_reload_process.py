@@ -894,3 +894,58 @@ async def test_an_applied_reload_logs_the_warnings_a_start_logs_once(sims, tmp_p
     warned = [line for line in logs.lines if str(line.get("event", "")).startswith("config: limits.models.")]
     assert [(line["event"], line["level"], line["file"]) for line in warned] == [
         ("config: limits.models.lama: names no model: this limit applies to no request", "warning", str(path))], warned
+
+
+
+@pytest.mark.timeout(90)
+async def test_reloads_a_worker_applies_as_one_are_each_counted(sims, tmp_path):
+    """Two reloads of the parent's that reach a worker as one SIGHUP are applied there once, at the
+    second's generation; the reload counter still counts the gateway's two reloads, as the
+    generation rose by two, and a refused one after them once. The workers are stopped while the
+    parent applies both; the config file is a FIFO while the parent reads it, so each reload is
+    known to be told before the next begins."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n")
+    text = text.replace("log_level: warning", "log_level: info")
+    path.write_text(text)
+    async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:
+        logs = LogLines(proc)
+        pids = list(await worker_views(port, 2))
+        held = HeldReads(path, tmp_path)
+        stopped: list[int] = []
+        try:
+            for pid in pids:
+                stopped.append(pid)
+                await sigstop(pid)
+            held.fifo()
+            proc.send_signal(signal.SIGHUP)
+            reading = await held.reader()
+            for name in ("one", "two"):
+                held.release(reading, text + f"aliases: [{{name: {name}, targets: [{{model: m}}]}}]\n")
+                held.fifo()
+                proc.send_signal(signal.SIGHUP)
+                reading = await held.reader()       # the reload before this one is told
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+                stopped.remove(pid)
+            applied = await logs.until(2)
+            held.release(reading, text + "no_such_block: 1\n")
+            refused = (await logs.until(5))[2:]     # the parent's line and each worker's
+        finally:
+            held.close(text)
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+        for _ in range(4):
+            conn = aiohttp.TCPConnector(force_close=True)
+            async with aiohttp.ClientSession(connector=conn) as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                page = await r.text()
+            assert metric(page, "switchyard_config_generation") == 3
+            assert metric(page, "switchyard_config_reload_total", result="ok") == 2
+            assert metric(page, "switchyard_config_reload_total", result="invalid") == 1
+        proc.send_signal(signal.SIGTERM)
+        await proc.wait()
+        await logs.close()
+    assert [(line["event"], line["generation"]) for line in applied] == [("config reloaded", 3)] * 2, applied
+    assert all("refused" in line["event"] for line in refused), refused
