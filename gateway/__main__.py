@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         the reload the parent tells them of next (gateway/server/handoff.py); a worker started from
         now on (a restart) gets the new config."""
         nonlocal config, generation
-        from gateway.server.reload import check_offline
+        from gateway.server.reload import RestartRequired, check_offline
         deprecations: list[Deprecation] = []
         try:
             seq = beats.next_told()
@@ -203,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
             config = new
             generation += 1
             beats.reloaded(generation)      # before the workers are told: each takes this number
+            beats.counted("ok")             # and counts it as the parent does
         except Exception as e:      # raised here, in the signal handler, it would end the parent
+            beats.counted("restart_required" if isinstance(e, RestartRequired) else "invalid")
             error = str(e) if isinstance(e, ConfigError | ValueError) else f"{type(e).__name__}: {e}"
             parent_log("config reload refused, restarted workers keep the running config", "error",
                        trigger=trigger, error=error, generation=generation)

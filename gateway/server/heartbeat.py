@@ -10,7 +10,7 @@ anonymous shared mapping the parent makes before it forks: one 8-byte slot per w
 restart counts, then the stop signals the parent got, then the config generation the parent
 counts, then the parent's last reload as it told the workers of it, then each worker's count of
 the reloads it asked for, then for each worker how many of its asks the parent's last told reload
-came after). The parent reads the counters while it waits for its children; a worker
+came after, then the parent's reloads by result). The parent reads the counters while it waits for its children; a worker
 that has ticked at least once (start-up is not judged) and has not ticked for
 ``server.worker_stall_timeout_s`` is logged and killed with SIGKILL (a stuck loop would never run a
 SIGTERM handler). The kernel resets the connections waiting in its accept queue, and the parent
@@ -68,6 +68,7 @@ from dataclasses import dataclass
 BEAT_S = 0.5                    # how often a worker's loop ticks (server.worker_stall_timeout_s is 0 or >= 2)
 REASONS = ("exited", "stalled")
 TRIGGERS = ("signal", "admin")  # what a reload the parent applied came from
+RESULTS = ("ok", "invalid", "restart_required")     # the parent's reloads, counted by result
 _MASK = (1 << 64) - 1
 _TOLD_MASK = (1 << 24) - 1      # the parent's count of told reloads, as the told slot holds it (wraps)
 _ASKS_MASK = (1 << 40) - 1      # a worker's count of asks, as the slot of the asks a reload came after holds it
@@ -96,16 +97,20 @@ class Heartbeats:
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
-        self._map = mmap.mmap(-1, 8 * (3 * workers + len(REASONS) + 3))    # anonymous and shared across fork
+        # anonymous and shared across fork
+        self._map = mmap.mmap(-1, 8 * (3 * workers + len(REASONS) + 3 + len(RESULTS)))
         self._slots = memoryview(self._map).cast("Q")
         self._slots[self.workers + len(REASONS) + 1] = 1
         self._asks = self.workers + len(REASONS) + 3    # then a count per worker of its POST /admin/reload
         self._after = self._asks + self.workers         # then per worker: the told reload, the asks it came after
+        self._results = self._after + self.workers      # then the parent's reloads by result
         self._asks_seen = 0             # the parent's: the sum of those counts at its last reload
         self._asks_noted = [0] * workers    # the parent's: each count when it began its last reload
         # the parent's count of the reloads it told the workers of; a worker's copy is the count
         # when it was forked (the reloads told before it started are in the config it loaded)
         self.told_count = 0
+        # the parent's counts by result, likewise: a worker's copy is what was counted before it started
+        self.counted_at_fork = dict.fromkeys(RESULTS, 0)
 
     def tick(self, index: int) -> None:
         """Worker ``index``'s loop ran (called by that worker only)."""
@@ -159,6 +164,18 @@ class Heartbeats:
         trigger = "admin" if asks != self._asks_seen else "signal"
         self._asks_seen = asks
         return trigger
+
+    def counted(self, result: str) -> None:
+        """The parent applied (``ok``) or refused a reload, before it tells the workers of it."""
+        at = self._results + RESULTS.index(result)
+        self._slots[at] = (self._slots[at] + 1) & _MASK
+        self.counted_at_fork[result] += 1
+
+    def results(self) -> dict[str, int]:
+        """The parent's reloads by result so far: what ``switchyard_config_reload_total`` counts
+        (gateway/server/reload.py), one per reload of the gateway's however many SIGHUPs a worker
+        got for them."""
+        return {r: self._slots[self._results + i] for i, r in enumerate(RESULTS)}
 
     def next_told(self) -> int:
         """The number the parent's next ``told`` gives its reload (gateway/server/handoff.py names

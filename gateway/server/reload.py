@@ -178,6 +178,10 @@ def _kv_events_change(old: Config, new: Config) -> str | None:
     return None
 
 
+class RestartRequired(ConfigError):
+    """A new config that changes what only a restart applies (``check_offline``)."""
+
+
 def check_offline(started: Config, old: Config, new: Config) -> None:
     """What a reload checks before it builds anything, for a process that serves nothing itself
     (the ``--workers`` parent, keeping the config it starts workers with in step with theirs):
@@ -185,7 +189,7 @@ def check_offline(started: Config, old: Config, new: Config) -> None:
     refuse ``new``."""
     path = restart_needed(old, new, tenancy=needs_tenancy(started), admin=started.auth.admin_token is not None)
     if path is not None:
-        raise ConfigError(path, "changing this needs a restart; the running config is kept")
+        raise RestartRequired(path, "changing this needs a restart; the running config is kept")
     check_strategies(new)
 
 
@@ -237,10 +241,22 @@ class ReloadMetrics:
         self.generation = Gauge("switchyard_config_generation",
                                 "The config generation serving new requests (1 at start, +1 per applied reload)",
                                 registry=registry)
+        self.counts = dict.fromkeys(RESULTS, 0)
         for r in RESULTS:
             self.reloads.labels(r)
         self.last_ok.set(1)
         self.generation.set(1)
+
+    def count(self, result: str) -> None:
+        self.reloads.labels(result).inc()
+        self.counts[result] += 1
+
+    def take(self, counts: dict[str, int]) -> None:
+        """The counter brought up to ``counts`` (never down)."""
+        for result, n in counts.items():
+            if n > self.counts[result]:
+                self.reloads.labels(result).inc(n - self.counts[result])
+                self.counts[result] = n
 
 
 @dataclass
@@ -311,6 +327,10 @@ class Reloader:
         # number n, None when it has none (gateway/server/handoff.py)
         self.handed: Callable[[int], Callable[[], Config] | None] | None = None
         self.source: str | None = None           # the config file's path, for the log's lines
+        # set in a --workers worker: the parent's reloads by result, and those counted before
+        # this worker started (gateway/server/heartbeat.py)
+        self.parent_results: Callable[[], dict[str, int]] | None = None
+        self.results_base: dict[str, int] = {}
         # POST /admin/reload in a worker: the ask's number (None: no parent counts them), and its answer
         self._waiters: list[tuple[int | None, asyncio.Future[ReloadResult]]] = []
 
@@ -349,7 +369,7 @@ class Reloader:
         result = ReloadResult("ok", self.live.generation, trigger, changed=changed,
                               added=[f"{ep.model} {ep.url}" for ep in added],
                               removed=[f"{ep.model} {ep.url}" for ep in removed])
-        self.m.reloads.labels("ok").inc()
+        self._count("ok")
         self.m.last_ok.set(1)
         self.m.generation.set(self.live.generation)
         log.info("config reloaded", trigger=trigger, generation=result.generation, changed=changed,
@@ -367,8 +387,18 @@ class Reloader:
             return current + 1
         return max(current, parent if parent is not None else current)
 
+    def _count(self, result: str) -> None:
+        """This reload counted: in a --workers worker, as the parent counted the gateway's reloads
+        since this worker started (one told reload after another can reach a worker as one SIGHUP,
+        and so be applied there once); else this one."""
+        if self.parent_results is None:
+            self.m.count(result)
+            return
+        now = self.parent_results()
+        self.m.take({r: now.get(r, 0) - self.results_base.get(r, 0) for r in RESULTS})
+
     def _refused(self, trigger: str, result: str, key_path: str | None, error: str) -> ReloadResult:
-        self.m.reloads.labels(result).inc()
+        self._count(result)
         self.m.last_ok.set(0)
         log.error("config reload refused; the running config is kept", trigger=trigger, result=result,
                   key_path=key_path, error=error, generation=self.live.generation)

@@ -204,6 +204,9 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
             reloader.parent_asked = functools.partial(worker.heartbeats.asked_reload, worker.index)
             # and what each reload applies is the text the parent read (gateway/server/handoff.py)
             reloader.handed = worker.handed
+            # and counted as the parent counts the gateway's reloads
+            reloader.parent_results = worker.heartbeats.results
+            reloader.results_base = dict(worker.heartbeats.counted_at_fork)
     with contextlib.suppress(NotImplementedError):
         loop.add_signal_handler(signal.SIGHUP, reloader.on_signal)
     if hup.take():              # one came while the gateway started (gateway/server/hup.py)
