@@ -318,22 +318,30 @@ def test_the_metric_check_knows_derived_names_and_families():
     assert _series_named("`switchyard_pd_*` and\nswitchyard_x_total.") == [(1, "switchyard_pd_*"), (2, "switchyard_x_total")]
 
 
+def _calls_naming_a_metric():
+    """(file, call) for each call in the code whose first argument is a metric's name
+    (``switchyard_…``): where the code creates its metrics, among others."""
+    import ast
+
+    for package in ("gateway", "k8s", "routers", "handlers"):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                        and isinstance(node.args[0].value, str)
+                        and re.fullmatch(r"switchyard_[a-z0-9_]+", node.args[0].value)):
+                    yield path, node
+
+
 def _metrics_created() -> dict[str, str]:
     """Each metric the code creates (``Counter("switchyard_x", ...)``, ``GaugeMetricFamily(...)``,
     ...), its name without ``_total``, with the file that creates it."""
     import ast
 
     out = {}
-    for package in ("gateway", "k8s", "routers", "handlers"):
-        for path in (ROOT / package).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-                        and isinstance(node.args[0].value, str)
-                        and re.fullmatch(r"switchyard_[a-z0-9_]+", node.args[0].value)):
-                    continue
-                func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-                if func.endswith(("Counter", "Gauge", "Histogram", "Summary", "MetricFamily")):
-                    out.setdefault(node.args[0].value.removesuffix("_total"), str(path.relative_to(ROOT)))
+    for path, node in _calls_naming_a_metric():
+        func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        if func.endswith(("Counter", "Gauge", "Histogram", "Summary", "MetricFamily")):
+            out.setdefault(node.args[0].value.removesuffix("_total"), str(path.relative_to(ROOT)))
     return out
 
 
@@ -473,20 +481,14 @@ def _defined_labels() -> dict[str, set[str]]:
 
     out: dict[str, set[str]] = {}
     unclear: set[str] = set()
-    for package in ("gateway", "k8s", "routers", "handlers"):
-        for path in (ROOT / package).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-                if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-                        and isinstance(node.args[0].value, str)
-                        and re.fullmatch(r"switchyard_[a-z0-9_]+", node.args[0].value)):
-                    continue
-                name = node.args[0].value.removesuffix("_total")
-                given = [kw.value for kw in node.keywords if kw.arg in ("labelnames", "labels")] or node.args[2:3]
-                labels = names(given[0]) if given else ()
-                if labels is None or (name in out and out[name] != set(labels)):
-                    unclear.add(name)
-                else:
-                    out[name] = set(labels)
+    for _, node in _calls_naming_a_metric():
+        name = node.args[0].value.removesuffix("_total")
+        given = [kw.value for kw in node.keywords if kw.arg in ("labelnames", "labels")] or node.args[2:3]
+        labels = names(given[0]) if given else ()
+        if labels is None or (name in out and out[name] != set(labels)):
+            unclear.add(name)
+        else:
+            out[name] = set(labels)
     return {k: v for k, v in out.items() if k not in unclear}
 
 

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import os
 import signal
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -28,6 +29,22 @@ async def chats_received(url: str) -> int:
     async with aiohttp.ClientSession() as s, s.get(url + "/_sim/state") as r:
         state = await r.json()
     return sum(1 for e in state["received"] if e.get("path", "").endswith("/chat/completions"))
+
+
+def config(tmp_path: Path, port: int, urls: list[str], *blocks: str) -> Path:
+    """A two-worker test gateway's config: model ``m`` on ``urls``, with ``blocks`` (lines of YAML)."""
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 1, log_level: warning}\n"
+                   + "".join(f"{block}\n" for block in blocks)
+                   + f"models: [{{name: m, engine: vllm, endpoints: [{', '.join(repr(u) for u in urls)}]}}]\n")
+    return cfg
+
+
+async def rows_of(port: int, name: str) -> dict[int, dict]:
+    """Each worker's (by pid) status-page row of the endpoint ``name``."""
+    docs = await per_worker(port, 2, "/status.json")
+    return {pid: ep for pid, doc in docs.items() for ep in doc["endpoints"] if ep["name"] == name}
 
 
 async def on_worker(port: int, pid: int, results: list) -> None:
@@ -55,18 +72,14 @@ async def test_two_workers_send_an_ejected_engine_half_open_trials_not_twice_tha
     sick = await sims("vllm", "m", fault="status=500")
     sick_name = sick.url.split("//")[1]
     port = listen_port()
-    cfg = tmp_path / "gw.yaml"
-    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-                   "server: {drain_delay_s: 0, shutdown_grace_s: 1, log_level: warning}\n"
-                   "health: {interval_s: 0.2, timeout_s: 1}\n"
-                   "routing: {strategy: round-robin}\n"
-                   "breaker: {consecutive_faults: 1, base_ejection_s: 60, half_open_trials: 1, success_threshold: 1,"
-                   " max_ejection_percent: 50}\n"
-                   f"models: [{{name: m, engine: vllm, endpoints: ['{sick.url}', '{good.url}']}}]\n")
+    cfg = config(tmp_path, port, [sick.url, good.url],
+                 "health: {interval_s: 0.2, timeout_s: 1}",
+                 "routing: {strategy: round-robin}",
+                 "breaker: {consecutive_faults: 1, base_ejection_s: 60, half_open_trials: 1, success_threshold: 1,"
+                 " max_ejection_percent: 50}")
     async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
         async def sick_in_each(field: str) -> list:
-            docs = await per_worker(port, 2, "/status.json")
-            return [ep[field] for doc in docs.values() for ep in doc["endpoints"] if ep["name"] == sick_name]
+            return [ep[field] for ep in (await rows_of(port, sick_name)).values()]
 
         async def open_in_both() -> bool:
             assert (await post_new(port, "/v1/chat/completions", BODY))[0] == 200     # the 500 retried
@@ -120,12 +133,9 @@ async def test_with_every_engine_failing_each_worker_retries_within_its_own_budg
     a = await sims("vllm", "m", fault="status=500")
     b = await sims("vllm", "m", fault="status=500")
     port = listen_port()
-    cfg = tmp_path / "gw.yaml"
-    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-                   "server: {drain_delay_s: 0, shutdown_grace_s: 1, log_level: warning}\n"
-                   "breaker: {enabled: false}\n"
-                   "retry: {budget_percent: 0, budget_min: 2, budget_window_s: 600, max_retries: 1}\n"
-                   f"models: [{{name: m, engine: vllm, endpoints: ['{a.url}', '{b.url}']}}]\n")
+    cfg = config(tmp_path, port, [a.url, b.url],
+                 "breaker: {enabled: false}",
+                 "retry: {budget_percent: 0, budget_min: 2, budget_window_s: 600, max_retries: 1}")
     async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
         results: list[int] = []
         for pid in await per_worker(port, 2, "/status.json"):
@@ -158,16 +168,12 @@ async def test_a_restarted_worker_keeps_out_an_engine_its_sibling_ejected(sims, 
     sick = await sims("vllm", "m", fault="status=500")
     sick_name = sick.url.split("//")[1]
     port = listen_port()
-    cfg = tmp_path / "gw.yaml"
-    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-                   "server: {drain_delay_s: 0, shutdown_grace_s: 1, log_level: warning}\n"
-                   "routing: {strategy: round-robin}\n"
-                   "breaker: {consecutive_faults: 1, base_ejection_s: 300, max_ejection_percent: 50}\n"
-                   f"models: [{{name: m, engine: vllm, endpoints: ['{sick.url}', '{good.url}']}}]\n")
+    cfg = config(tmp_path, port, [sick.url, good.url],
+                 "routing: {strategy: round-robin}",
+                 "breaker: {consecutive_faults: 1, base_ejection_s: 300, max_ejection_percent: 50}")
     async with gateway_process(cfg, port, "--workers", "2", ready_workers=2) as proc:
         async def sick_in_each() -> dict[int, dict]:
-            docs = await per_worker(port, 2, "/status.json")
-            return {pid: ep for pid, doc in docs.items() for ep in doc["endpoints"] if ep["name"] == sick_name}
+            return await rows_of(port, sick_name)
 
         async def open_in_both() -> bool:
             assert (await post_new(port, "/v1/chat/completions", BODY))[0] == 200     # the 500 retried
@@ -210,16 +216,12 @@ async def test_a_worker_restarted_while_an_ejection_is_half_open_does_not_count_
     sick = await sims("vllm", "m", fault="status=500")
     sick_name = sick.url.split("//")[1]
     port = listen_port()
-    cfg = tmp_path / "gw.yaml"
-    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-                   "server: {drain_delay_s: 0, shutdown_grace_s: 1, log_level: warning}\n"
-                   "routing: {strategy: round-robin}\n"
-                   "breaker: {consecutive_faults: 1, base_ejection_s: 1, max_ejection_percent: 50}\n"
-                   f"models: [{{name: m, engine: vllm, endpoints: ['{sick.url}', '{good.url}']}}]\n")
+    cfg = config(tmp_path, port, [sick.url, good.url],
+                 "routing: {strategy: round-robin}",
+                 "breaker: {consecutive_faults: 1, base_ejection_s: 1, max_ejection_percent: 50}")
     async with gateway_process(cfg, port, "--workers", "2", ready_workers=2) as proc:
         async def sick_in_each() -> list:
-            docs = await per_worker(port, 2, "/status.json")
-            return [ep["breaker"] for doc in docs.values() for ep in doc["endpoints"] if ep["name"] == sick_name]
+            return [ep["breaker"] for ep in (await rows_of(port, sick_name)).values()]
 
         async def open_somewhere() -> bool:
             assert (await post_new(port, "/v1/chat/completions", BODY))[0] == 200     # the 500 retried
@@ -256,17 +258,13 @@ async def test_workers_that_share_no_view_count_each_ones_ejection_of_an_engine(
     sick = await sims("vllm", "m", fault="status=500")
     sick_name = sick.url.split("//")[1]
     port = listen_port()
-    cfg = tmp_path / "gw.yaml"
-    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-                   "server: {drain_delay_s: 0, shutdown_grace_s: 1, log_level: warning}\n"
-                   "routing: {strategy: round-robin}\n"
-                   "view: {workers: false}\n"
-                   "breaker: {consecutive_faults: 1, base_ejection_s: 300, max_ejection_percent: 50}\n"
-                   f"models: [{{name: m, engine: vllm, endpoints: ['{sick.url}', '{good.url}']}}]\n")
+    cfg = config(tmp_path, port, [sick.url, good.url],
+                 "routing: {strategy: round-robin}",
+                 "view: {workers: false}",
+                 "breaker: {consecutive_faults: 1, base_ejection_s: 300, max_ejection_percent: 50}")
     async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
         async def sick_in_each() -> list:
-            docs = await per_worker(port, 2, "/status.json")
-            return [ep["breaker"] for doc in docs.values() for ep in doc["endpoints"] if ep["name"] == sick_name]
+            return [ep["breaker"] for ep in (await rows_of(port, sick_name)).values()]
 
         async def open_in_both() -> bool:
             assert (await post_new(port, "/v1/chat/completions", BODY))[0] == 200     # the 500 retried

@@ -335,9 +335,9 @@ async def test_sessions_and_prefixes_stay_on_an_engine_whose_endpoint_settings_a
     assert metric(text, "switchyard_routing_fallbacks_total", strategy="prefix-cache", reason="no_match") == 1
 
 
-async def test_slo_keeps_what_it_learnt_of_an_engine_whose_endpoint_settings_a_reload_changed(sims, gateway, tmp_path):
-    """The latency models are the engine's: an endpoint declared again with other settings keeps them,
-    so a request with objectives is routed on its predictions at once, not as if nothing were known."""
+async def slo_gateway_that_learnt(sims, gateway, tmp_path):
+    """Two engines behind an slo model whose latency models have seen both (four streams sent
+    round-robin): (the engines, the gateway, its config file, a function that sends a stream)."""
     sims_ = [await sims("vllm", "m") for _ in range(2)]
     gw = await gateway([model_block("m", "vllm", [s.url for s in sims_], strategy="slo")],
                        routing={"slo_min_samples": 2, "slo_exploration": 0.0})
@@ -352,6 +352,13 @@ async def test_slo_keeps_what_it_learnt_of_an_engine_whose_endpoint_settings_a_r
 
     for _ in range(4):
         await stream(**{"routing-strategy": "round-robin"})
+    return sims_, gw, f, stream
+
+
+async def test_slo_keeps_what_it_learnt_of_an_engine_whose_endpoint_settings_a_reload_changed(sims, gateway, tmp_path):
+    """The latency models are the engine's: an endpoint declared again with other settings keeps them,
+    so a request with objectives is routed on its predictions at once, not as if nothing were known."""
+    sims_, gw, f, stream = await slo_gateway_that_learnt(sims, gateway, tmp_path)
     await until(lambda: all(f.reloader.live.routing.ctx.latency.samples(ep)[0] >= 2
                             for ep in gw.gw.pool.endpoints("m")))
     f.write(models=[model_block("m", "vllm", [{"url": s.url, "max_prompt_tokens": 100_000} for s in sims_],
@@ -368,20 +375,7 @@ async def test_slo_keeps_what_it_learnt_of_the_engines_across_a_reload_that_chan
     """A reload that tunes slo (its margin here) starts the prefix index afresh, but the engines are
     the same: what the latency models learnt of them carries over (in the new settings), as the
     sessions do, so a request with objectives is routed on their predictions at once."""
-    sims_ = [await sims("vllm", "m") for _ in range(2)]
-    gw = await gateway([model_block("m", "vllm", [s.url for s in sims_], strategy="slo")],
-                       routing={"slo_min_samples": 2, "slo_exploration": 0.0})
-    f = ConfigFile(gw, tmp_path / "gw.yaml")
-    client = openai_client(gw)
-
-    async def stream(**headers: str) -> None:
-        chunks = await client.chat.completions.create(model="m", messages=CHAT, max_tokens=3, stream=True,
-                                                      extra_headers=headers)
-        async for _ in chunks:
-            pass
-
-    for _ in range(4):
-        await stream(**{"routing-strategy": "round-robin"})
+    sims_, gw, f, stream = await slo_gateway_that_learnt(sims, gateway, tmp_path)
     ctx = f.reloader.live.routing.ctx
     await until(lambda: all(ctx.latency.samples(ep)[0] >= 2 for ep in gw.gw.pool.endpoints("m")))
     f.write(routing={**f.data["routing"], "slo_margin": 0.2, "slo_forgetting": 0.95})

@@ -27,10 +27,10 @@ CHAT = [{"role": "user", "content": "Keep the trains running."}]
 TOKEN = "admin-token-for-workers"
 
 
-def config_text(port: int, urls: list[str], *, extra: str = "") -> str:
+def config_text(port: int, urls: list[str], *, extra: str = "", log_level: str = "warning") -> str:
     eps = ", ".join(f"'{u}'" for u in urls)
     return (f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-            "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
+            f"server: {{drain_delay_s: 0, shutdown_grace_s: 5, log_level: {log_level}}}\n"
             "health: {interval_s: 0.5}\n"
             f"models: [{{name: m, engine: vllm, endpoints: [{eps}]}}]\n{extra}")
 
@@ -456,7 +456,7 @@ async def test_an_admin_reload_says_admin_in_every_worker_and_a_sighup_says_sign
     port = listen_port()
     path = tmp_path / "gw.yaml"
     auth = f"auth: {{admin_token: {TOKEN}}}\n"
-    text = config_text(port, [sim.url], extra=auth).replace("log_level: warning", "log_level: info")
+    text = config_text(port, [sim.url], extra=auth, log_level="info")
     path.write_text(text)
     async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:
         assert len(await worker_views(port, 2)) == 2
@@ -605,8 +605,7 @@ async def test_a_workers_own_sighup_while_an_admin_reload_is_on_its_way_reloads_
     sim = await sims("vllm", "m")
     port = listen_port()
     path = tmp_path / "gw.yaml"
-    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n")
-    text = text.replace("log_level: warning", "log_level: info")
+    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n", log_level="info")
     path.write_text(text)
     async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:
         logs = LogLines(proc)
@@ -752,8 +751,7 @@ async def test_an_admin_reload_is_answered_by_the_parents_reload_that_came_after
     sim = await sims("vllm", "m")
     port = listen_port()
     path = tmp_path / "gw.yaml"
-    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n")
-    text = text.replace("log_level: warning", "log_level: info")
+    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n", log_level="info")
     path.write_text(text)
     async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:
         logs = LogLines(proc)
@@ -821,8 +819,7 @@ async def test_every_worker_applies_the_file_the_parent_read_though_it_changed_b
     sim = await sims("vllm", "m")
     port = listen_port()
     path = tmp_path / "gw.yaml"
-    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n")
-    text = text.replace("log_level: warning", "log_level: info")
+    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n", log_level="info")
     path.write_text(text)
 
     def alias(name: str) -> str:
@@ -878,8 +875,7 @@ async def test_an_applied_reload_logs_the_warnings_a_start_logs_once(sims, tmp_p
     sim = await sims("vllm", "m")
     port = listen_port()
     path = tmp_path / "gw.yaml"
-    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n")
-    text = text.replace("log_level: warning", "log_level: info")
+    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n", log_level="info")
     path.write_text(text + "limits: {models: {m: {rps: 100}}}\n")
     async with gateway_process(path, port, "--workers", workers, "--log-format", "json") as proc:
         logs = LogLines(proc)
@@ -907,8 +903,7 @@ async def test_reloads_a_worker_applies_as_one_are_each_counted(sims, tmp_path):
     sim = await sims("vllm", "m")
     port = listen_port()
     path = tmp_path / "gw.yaml"
-    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n")
-    text = text.replace("log_level: warning", "log_level: info")
+    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n", log_level="info")
     path.write_text(text)
     async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:
         logs = LogLines(proc)
