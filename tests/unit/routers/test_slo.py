@@ -184,6 +184,28 @@ def test_an_endpoint_unobserved_for_slo_reobserve_s_gets_one_request_at_a_time()
     assert {router.route(req, [fast, slow]).endpoint for req in reqs} == {fast}
 
 
+def test_a_non_streamed_request_is_not_sent_exploring():
+    """A non-streamed answer has no first token to time and teaches the models nothing: sent to a
+    random endpoint, it would only risk its objectives. It is routed on the predictions; the
+    streamed requests explore at the rate asked for."""
+    router, ctx, (fast, slow), _ = setup(seed=42, slo_exploration=0.3)
+    teach(ctx, fast, 30, 100, 10)
+    teach(ctx, slow, 100, 600, 30)
+    reasons = Counter()
+    for _ in range(400):
+        req = slo_req(ttft=300)
+        req.stream = False
+        d = router.route(req, [fast, slow])
+        reasons[d.endpoint is fast, d.reason] += 1
+    assert reasons == {(True, "slo_feasible"): 400}
+    streamed = []
+    for _ in range(400):
+        req = slo_req(ttft=300)
+        req.stream = True
+        streamed.append(router.route(req, [fast, slow]).reason)
+    assert Counter(streamed)["slo_explore"] / 400 == pytest.approx(0.3, abs=0.08)
+
+
 def _explored(seed: int, rate: float) -> list[int]:
     router, ctx, eps, _ = setup(seed=seed, slo_exploration=rate)
     teach(ctx, eps[0], 30, 100, 10)
