@@ -7,9 +7,11 @@ A request states its objectives in milliseconds with ``x-slo-ttft-ms`` (time to 
 there) at the load the request would meet there and with the prefix the candidate holds (the
 prefix index, or the engines' KV events, as ``prefix-cache`` reads them). Then:
 
-1. with probability ``slo_exploration``, a uniformly random candidate (reason ``slo_explore``): an
-   endpoint predicted too slow gets no traffic, so without it its model would never see that it
-   got faster or emptier;
+1. for a streamed request, with probability ``slo_exploration``, a uniformly random candidate
+   (reason ``slo_explore``): an endpoint predicted too slow gets no traffic, so without it its
+   model would never see that it got faster or emptier. A non-streamed answer has no first token
+   to time and teaches the models nothing (``gateway.pipeline.slo_learning``): sent exploring, it
+   would only risk its objectives;
 2. if some candidate lacks the observations its prediction needs (``slo_min_samples``), the
    least loaded candidate (fallback ``no_model``; reason ``slo_no_model``): every endpoint gets
    traffic, so the models fill quickly, and no queue builds on a prefix holder meanwhile;
@@ -74,7 +76,7 @@ class SloRouter(PrefixCacheRouter):
                     ) -> tuple[Endpoint, str, float | None]:
         """The endpoint, the reason, and the endpoint's prefix match (percent)."""
         rand = self._random
-        if self.exploration and rand() < self.exploration:
+        if self.exploration and req.stream and rand() < self.exploration:   # a non-streamed answer teaches nothing
             ep = candidates[int(rand() * len(candidates))]
             return ep, "slo_explore", self._match_of(req, candidates, ep)
         ttft_slo, tpot_slo = req.slo_ttft_ms, req.slo_tpot_ms

@@ -38,11 +38,13 @@ def teach(ctx, ep, ttft_base: float, ttft_per_ktoken: float, tpot: float, per_ru
 _unique = iter(range(10**9))
 
 
-def slo_req(text: str | None = None, *, ttft=None, tpot=None, tokens=1000, **kw):
-    """A request with objectives; by default a prompt no endpoint holds."""
+def slo_req(text: str | None = None, *, ttft=None, tpot=None, tokens=1000, stream=True, **kw):
+    """A request with objectives, streamed unless told; by default a prompt no endpoint holds."""
     if text is None:
         text = f"{next(_unique)}: a question of no consequence. " * 4
-    return make_req(text, tokens=tokens, slo_ttft_ms=ttft, slo_tpot_ms=tpot, **kw)
+    req = make_req(text, tokens=tokens, slo_ttft_ms=ttft, slo_tpot_ms=tpot, **kw)
+    req.stream = stream
+    return req
 
 
 def test_a_tight_ttft_goes_to_the_fast_engine_and_a_loose_one_is_packed_on_the_slow():
@@ -161,9 +163,8 @@ def test_an_endpoint_unobserved_for_slo_reobserve_s_gets_one_request_at_a_time()
     reasons = []
     for i in range(300):                        # 2.5 minutes; slow answers none of its requests
         clock.t += 0.5
-        req = slo_req(ttft=300)
-        req.stream = i not in (120, 121)        # a non-streamed answer would show nothing: the next one
-        d = router.route(req, [fast, slow])
+        # a non-streamed answer would show nothing: the next one
+        d = router.route(slo_req(ttft=300, stream=i not in (120, 121)), [fast, slow])
         reasons.append((d.endpoint, d.reason))
         if d.endpoint is fast:
             serve(fast)
@@ -179,8 +180,6 @@ def test_an_endpoint_unobserved_for_slo_reobserve_s_gets_one_request_at_a_time()
     teach(ctx, slow, 100, 600, 30)
     ctx.clock.t += 3600
     reqs = [slo_req(ttft=300) for _ in range(20)]
-    for req in reqs:
-        req.stream = True
     assert {router.route(req, [fast, slow]).endpoint for req in reqs} == {fast}
 
 
@@ -193,16 +192,10 @@ def test_a_non_streamed_request_is_not_sent_exploring():
     teach(ctx, slow, 100, 600, 30)
     reasons = Counter()
     for _ in range(400):
-        req = slo_req(ttft=300)
-        req.stream = False
-        d = router.route(req, [fast, slow])
+        d = router.route(slo_req(ttft=300, stream=False), [fast, slow])
         reasons[d.endpoint is fast, d.reason] += 1
     assert reasons == {(True, "slo_feasible"): 400}
-    streamed = []
-    for _ in range(400):
-        req = slo_req(ttft=300)
-        req.stream = True
-        streamed.append(router.route(req, [fast, slow]).reason)
+    streamed = [router.route(slo_req(ttft=300), [fast, slow]).reason for _ in range(400)]
     assert Counter(streamed)["slo_explore"] / 400 == pytest.approx(0.3, abs=0.08)
 
 
