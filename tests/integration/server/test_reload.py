@@ -335,12 +335,13 @@ async def test_sessions_and_prefixes_stay_on_an_engine_whose_endpoint_settings_a
     assert metric(text, "switchyard_routing_fallbacks_total", strategy="prefix-cache", reason="no_match") == 1
 
 
-async def slo_gateway_that_learnt(sims, gateway, tmp_path):
+async def slo_gateway_that_learnt(sims, gateway, tmp_path, **settings):
     """Two engines behind an slo model whose latency models have seen both (four streams sent
-    round-robin): (the engines, the gateway, its config file, a function that sends a stream)."""
+    round-robin): (the engines, the gateway, its config file, a function that sends a stream).
+    ``settings``: other sections of the gateway's config."""
     sims_ = [await sims("vllm", "m") for _ in range(2)]
     gw = await gateway([model_block("m", "vllm", [s.url for s in sims_], strategy="slo")],
-                       routing={"slo_min_samples": 2, "slo_exploration": 0.0})
+                       routing={"slo_min_samples": 2, "slo_exploration": 0.0}, **settings)
     f = ConfigFile(gw, tmp_path / "gw.yaml")
     client = openai_client(gw)
 
@@ -386,6 +387,24 @@ async def test_slo_keeps_what_it_learnt_of_the_engines_across_a_reload_that_chan
     assert metric(text, "switchyard_slo_routing_decisions_total", model="m", reason="slo_feasible") == 1
     latency = f.reloader.live.routing.ctx.latency
     await until(lambda: sum(latency.samples(ep)[0] for ep in gw.gw.pool.endpoints("m")) == 5)  # and learns on
+
+
+async def test_slo_forgets_an_engine_a_reload_removed_when_its_series_go_and_keeps_one_declared_anew(
+        sims, gateway, tmp_path):
+    """A removed endpoint's latency models go with its metric series (``removed_endpoint_series_s``
+    after it left and its last request ended), so a gateway whose engines come and go does not keep
+    a model per engine it ever had; an engine declared again at its URL keeps what was learnt of it."""
+    sims_, gw, f, stream = await slo_gateway_that_learnt(sims, gateway, tmp_path,
+                                                         server={"removed_endpoint_series_s": 0.2})
+    latency = f.reloader.live.routing.ctx.latency
+    await until(lambda: all(latency.samples(ep)[0] >= 2 for ep in gw.gw.pool.endpoints("m")))
+    gone = next(ep for ep in gw.gw.pool.endpoints("m") if ep.url == sims_[1].url)
+    f.write(models=[model_block("m", "vllm", [{"url": sims_[0].url, "max_prompt_tokens": 100_000}],
+                                strategy="slo")])
+    assert f.reloader.reload("test").result == "ok"
+    (kept,) = gw.gw.pool.endpoints("m")
+    assert await wait_for(lambda: gw.gw.pool.retired == [], timeout=5)     # swept
+    assert latency.samples(kept)[0] >= 2 and latency.samples(gone) == (0, 0) and len(latency) == 1
 
 
 async def test_fallbacks_reach_the_decisions_after_a_reload_that_keeps_the_routing_state(sims, gateway, tmp_path):
