@@ -43,7 +43,8 @@ gradient-boosted trees, trained in a sidecar process. The fit keeps the weighted
 co-moments of its features (O(d²) per observation, d ≤ 5: a few dozen multiplications, no
 dependency, no batch retraining) and solves for the weights after each observation. Memory is
 bounded: a few small matrices per endpoint, at most ``MAX_ENDPOINTS`` endpoints (least recently
-observed forgotten first). A heavier learner (trees, a sidecar) would capture the queueing knee
+observed forgotten first); an endpoint that left the pool is forgotten (``forget``) with its
+metric series (``gateway.observability.metrics.RetiredSeries``). A heavier learner (trees, a sidecar) would capture the queueing knee
 better but costs a process, a dependency or milliseconds per decision.
 
 The weights: the forgetting factor λ (``routing.slo_forgetting``) weighs an observation k requests
@@ -470,6 +471,7 @@ class LatencyModel:
         self._batch.pop(ep, None)
 
     def forget(self, ep: Endpoint) -> None:
+        """``ep`` is gone for good (it left the pool some time ago): nothing learnt of it is kept."""
         self._models.pop(ep, None)
         self._batch.pop(ep, None)
 

@@ -490,7 +490,9 @@ class RetiredSeries(Periodic):
     last request ended and ``keep_s`` later, so a fleet whose pods come and go does not export, and
     hold, a series per pod it ever had (its breaker went when it left: ``Breakers.reset``). Until
     then a scrape still sees its last counts. An endpoint of the same name back in the pool (a pod
-    changed in place) keeps the series. Swept every ``interval_s`` by a task of its own."""
+    changed in place) keeps the series. Swept every ``interval_s`` by a task of its own. The
+    ``listeners`` are told of each endpoint let go, whatever its name: what is kept of the endpoint
+    itself goes then (its latency models, ``gateway.view.service.RoutingView.endpoint_retired``)."""
 
     task_name = "switchyard-retired-series"
 
@@ -499,6 +501,7 @@ class RetiredSeries(Periodic):
         self.metrics = metrics
         self.keep_s = keep_s
         self.interval_s = min(30.0, max(0.2, keep_s / 4))
+        self.listeners: list[Callable[[Any], None]] = []
 
     def sweep(self, now: float | None = None) -> int:
         """Let go of the endpoints whose time is up; how many."""
@@ -514,6 +517,8 @@ class RetiredSeries(Periodic):
             done += 1
             if ep.name not in self.pool.live_names(ep.model):
                 self.metrics.forget_endpoint(ep.model, ep.name)
+            for listener in self.listeners:
+                listener(ep)
         retired[:] = kept
         return done
 

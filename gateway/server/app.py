@@ -517,6 +517,7 @@ def _engines(config: Config, s: Services, reloader: Reloader):
                                         on_reclaim=metrics.memory_reclaims.inc)
             reclaimer.start()
             retired = RetiredSeries(pool, metrics, config.server.removed_endpoint_series_s)
+            retired.listeners.append(s.view.endpoint_retired)     # its latency models go with its series
             retired.start()
             if kv_events is not None:
                 await kv_events.start()

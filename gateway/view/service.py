@@ -511,6 +511,15 @@ class RoutingView:
         log.info("shared routing view: an endpoint declared anew keeps its engine's sessions", endpoint=new.name,
                  model=new.model, sessions=moved)
 
+    def endpoint_retired(self, ep: Endpoint) -> None:
+        """``ep`` left the pool, its last request ended and its metric series went
+        (``RetiredSeries``): the latency models learnt of it go too, so a fleet whose pods come and
+        go keeps none of a gone one. Not before: the requests still on it observe it when they
+        end, and an engine a reload declared anew took its models over when it was
+        (``_replaced``), which leaves nothing here of it."""
+        if self._latency is not None:
+            self._latency.forget(ep)
+
     def engine_restarted(self, ep: Endpoint) -> None:
         """``ep``'s engine restarted (the monitor saw its start time change) and its cache is gone:
         this process's prefix index and sessions forget it, and its latency models the largest
