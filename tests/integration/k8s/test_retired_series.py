@@ -1,6 +1,7 @@
 """Pods come and go: the metric series labelled with a pod that left the pool stay exported while
 its last request runs and ``server.removed_endpoint_series_s`` after, then go (with its breaker),
-so a fleet that rolls its pods every hour does not export and hold a series per pod it ever had."""
+so a fleet that rolls its pods every hour does not export and hold a series per pod it ever had,
+nor the latency models learnt of it."""
 
 from __future__ import annotations
 
@@ -41,8 +42,10 @@ async def test_a_deleted_pods_series_go_after_its_last_request_and_the_grace(emu
                        routing={"strategy": "round-robin"})       # each pod gets requests, so series
     assert await wait_for(lambda: len(gw.gw.pool.ready("llama")) == 2, timeout=5)
     client = openai_client(gw)
-    for _ in range(4):
-        await client.chat.completions.create(model="llama", messages=CHAT, max_tokens=2)
+    for _ in range(4):              # streamed: the latency models (slo) learn of both pods too
+        stream = await client.chat.completions.create(model="llama", messages=CHAT, max_tokens=2, stream=True)
+        async for _ in stream:
+            pass
 
     async def both_seen() -> bool:
         seen = await endpoints_in_metrics(gw.url)
@@ -51,6 +54,8 @@ async def test_a_deleted_pods_series_go_after_its_last_request_and_the_grace(emu
 
     # a stream runs on pod a while a is deleted
     ep_a, ep_b = sorted(gw.gw.pool.endpoints("llama"), key=lambda e: e.name)
+    latency = gw.gw.gen.routing.ctx.latency
+    assert await wait_for(lambda: latency.samples(ep_a)[0] and latency.samples(ep_b)[0], timeout=5)
     ep_b.draining = True
     stream = await client.chat.completions.create(model="llama", messages=CHAT, max_tokens=200, stream=True)
     ep_b.draining = False
@@ -77,6 +82,7 @@ async def test_a_deleted_pods_series_go_after_its_last_request_and_the_grace(emu
         return all(s == {"b"} for s in seen.values())
     assert await wait_for(a_gone, timeout=5)
     assert id(ep_a) not in gw.gw.upstream.breakers._by_ep and gw.gw.pool.retired == []
+    assert latency.samples(ep_a) == (0, 0) and latency.samples(ep_b)[0]      # its latency models went too
     # and b's counts go on
     await client.chat.completions.create(model="llama", messages=CHAT, max_tokens=2)
     assert (await endpoints_in_metrics(gw.url))["switchyard_upstream_outcomes_total"] == {"b"}
