@@ -185,3 +185,33 @@ def test_a_bad_engine_key_names_its_key_and_does_not_show_it(text, key):
         parse_config(text, source="conf.yaml")
     assert ei.value.key_path == key, str(ei.value)
     assert "secret" not in str(ei.value)
+
+
+def _alias_bomb(levels: int) -> str:
+    """Anchors each listing the one before ten times: a few lines that expand to 10**levels values."""
+    rows = ['  a0: &a0 [x, x, x, x, x, x, x, x, x, x]']
+    rows += [f"  a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return "bomb:\n" + "\n".join(rows) + "\n"
+
+
+@pytest.mark.timeout(20)
+def test_anchors_that_expand_to_millions_of_values_are_refused_before_they_are_walked():
+    """YAML aliases share what their anchor built, so a file of a few lines loads as ten million
+    values (a billion with two more lines), which every walk of the config then expands: a start,
+    --check-config or a reload would take seconds to minutes and gigabytes. Refused as the file's
+    error, naming the key that holds them."""
+    with pytest.raises(ConfigError) as e:
+        parse_config(GOOD + _alias_bomb(7), source="gw.yaml")
+    assert e.value.key_path == "bomb" and "YAML aliases expand" in str(e.value), e.value
+    with pytest.raises(ConfigError) as e:
+        parse_config(GOOD + _alias_bomb(30), source="gw.yaml")
+    assert e.value.key_path == "bomb" and "YAML aliases expand" in str(e.value), e.value
+
+
+def test_anchors_used_as_a_config_uses_them_still_load():
+    """A block written once and reused (a list of endpoints, a merge key) is what anchors are for."""
+    first = "  - {name: m0, endpoints: &e [http://127.0.0.1:8001, http://127.0.0.1:8002], watchdog: &w {idle_timeout_s: 3}}\n"
+    rest = "".join(f"  - {{name: m{i}, endpoints: *e, watchdog: {{<<: *w, aggregated: true}}}}\n" for i in range(1, 2000))
+    c = parse_config("models:\n" + first + rest, source="gw.yaml")
+    assert len(c.models) == 2000 and len(c.models[-1].endpoints) == 2
+    assert c.watchdog_for("m1999").idle_timeout_s == 3
