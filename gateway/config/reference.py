@@ -253,7 +253,9 @@ and, as the first line of the config file:
   `*name` repeats it, and `<<: *name` lays a mapping under the keys written beside it (those win,
   and are not a key written twice). Since unknown keys are errors, there is no spare key to hold
   templates: set the anchor on the first model or block that uses it. An anchor used inside its
-  own node (`aliases: &x [*x]`) is an error that names where it begins.
+  own node (`aliases: &x [*x]`) is an error that names where it begins; so are aliases that
+  repeat more than a million values beyond those the file writes out (anchors each listing the
+  one before several times, an alias bomb), naming the top-level key that holds them.
 - **Endpoints** are written as a URL string (`http://10.0.0.5:8000`) or as an object
   (`{{url: ..., bootstrap_port: ...}}`), in `endpoints`, and in a roleset's `prefill`, `decode`
   and `combined`. An endpoint's `engine` defaults to its model's.

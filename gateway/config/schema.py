@@ -36,7 +36,15 @@ from gateway.apis.responses_config import ResponsesConfig
 from gateway.batch.config import BatchConfig
 from gateway.config.block import Block
 from gateway.config.deprecated import MOVED_PD_KEYS, RETRY_FLAG, Deprecation, log_deprecations
-from gateway.config.strict import StrictError, convert, did_you_mean, laid_over, self_reference, without_nulls
+from gateway.config.strict import (
+    StrictError,
+    alias_expansion,
+    convert,
+    did_you_mean,
+    laid_over,
+    self_reference,
+    without_nulls,
+)
 from gateway.endpoints import ENGINES
 from gateway.kv.settings import KVEventsConfig, KVEventsEndpointConfig
 from gateway.lora.config import LoraConfig, check_adapters
@@ -556,6 +564,12 @@ def config_from_file(text: str, path: str | Path, deprecations: list[Deprecation
     return config
 
 
+ALIAS_EXPANSION_LIMIT = 1_000_000
+"""How many values YAML aliases may add to a config beyond the ones its text writes out: far more
+than reusing a block of endpoints or settings adds, far fewer than a walk of the config takes
+seconds over."""
+
+
 class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
     """YAML's safe loader, refusing a key written twice in one mapping (YAML would keep the last
     silently: a second ``server:`` block would drop the first)."""
@@ -635,6 +649,10 @@ def config_from_dict(raw: Any, source: str | None = None, deprecations: list[Dep
     if (path := self_reference(raw)) is not None:
         raise ConfigError(path, "contains itself (a YAML anchor used inside its own node, as in `a: &x [*x]`): "
                                 "a structure without end", source)
+    if (big := alias_expansion(raw, ALIAS_EXPANSION_LIMIT)) is not None:
+        raise ConfigError(big[0], f"YAML aliases expand the config to {big[1]:,} values, more than "
+                                  f"{ALIAS_EXPANSION_LIMIT:,} beyond those the file writes out (anchors naming "
+                                  "anchors, each repeated: an alias bomb)", source)
     data = without_nulls(raw or {})
     notes = deprecations if deprecations is not None else []
     if isinstance(data.get("upstream"), dict) and RETRY_FLAG in data["upstream"]:

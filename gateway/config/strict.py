@@ -130,6 +130,41 @@ def self_reference(root: Any) -> str | None:
     return None
 
 
+def alias_expansion(root: Any, limit: int) -> tuple[str, int] | None:
+    """Where YAML aliases make ``root`` (acyclic: see ``self_reference``) more than ``limit``
+    values larger than the text it was read from, and how large it is there, or None.
+
+    An alias shares what its anchor built, so loading is quick, but every walk of the config
+    (dropping nulls, converting it) copies a shared node once for each place that names it: a few
+    lines of anchors each listing the one before ten times are billions of values. Sizes are
+    counted once per node, so this check is as quick as the text is long. The path is the
+    top-level key holding the most values."""
+    if not isinstance(root, dict | list):
+        return None
+    size: dict[int, int] = {}        # id -> values once expanded (the node and all below it)
+    own = 0                          # values written in the text: each node counted once
+    stack = [root]
+    while stack:
+        node = stack[-1]
+        if id(node) in size:
+            stack.pop()
+            continue
+        items = list(node.values() if isinstance(node, dict) else node)
+        pending = [c for c in items if isinstance(c, dict | list) and id(c) not in size]
+        if pending:
+            stack.extend(pending)
+            continue
+        stack.pop()
+        size[id(node)] = 1 + sum(size[id(c)] if isinstance(c, dict | list) else 1 for c in items)
+        own += 1 + len(items)
+    if size[id(root)] - own <= limit:
+        return None
+    pairs = root.items() if isinstance(root, dict) else enumerate(root)
+    sizes = [(size[id(v)] if isinstance(v, dict | list) else 1, k) for k, v in pairs]
+    key = max(sizes, key=lambda sk: sk[0])[1] if sizes else None
+    return (str(key) if isinstance(root, dict) else f"[{key}]") if key is not None else "<root>", size[id(root)]
+
+
 def without_nulls(v: Any) -> Any:
     """``v`` with every null mapping value dropped: null means the default."""
     if isinstance(v, dict):
