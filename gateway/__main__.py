@@ -205,10 +205,13 @@ def main(argv: list[str] | None = None) -> int:
             beats.reloaded(generation)      # before the workers are told: each takes this number
             beats.counted("ok")             # and counts it as the parent does
         except Exception as e:      # raised here, in the signal handler, it would end the parent
-            beats.counted("restart_required" if isinstance(e, RestartRequired) else "invalid")
+            result = "restart_required" if isinstance(e, RestartRequired) else "invalid"
+            beats.counted(result)
             error = str(e) if isinstance(e, ConfigError | ValueError) else f"{type(e).__name__}: {e}"
+            # the fields of a worker's refusal line (gateway/server/reload.py), and of one process's
             parent_log("config reload refused, restarted workers keep the running config", "error",
-                       trigger=trigger, error=error, generation=generation)
+                       trigger=trigger, result=result, key_path=getattr(e, "key_path", None), error=error,
+                       generation=generation)
             return
         # what a start warns of, once for every worker: old key names, keys that do nothing, and
         # what the workers keep apart
