@@ -334,3 +334,20 @@ def test_a_file_that_is_not_utf8_is_an_error_naming_the_file(tmp_path, capsys):
     assert main(["--check-config", str(f)]) == 2
     err = capsys.readouterr().err
     assert f"{f}: <file>: not UTF-8 text" in err and f"byte {len(GOOD.encode()) + 5}" in err, err
+
+
+def test_a_file_larger_than_a_config_is_refused_unread(tmp_path, capsys):
+    """A config file of more than 4 MiB (a log or a dump written in its place, a generated file
+    run away) is refused without being parsed, as a file that cannot be read is: YAML parsing takes
+    seconds a megabyte, which at a reload would hold the --workers parent and stall every worker
+    past worker_stall_timeout_s. A file just under the bound loads."""
+    f = tmp_path / "gw.yaml"
+    pad = "#" * 1023 + "\n"
+    f.write_text(GOOD + pad * (4 * 1024 - 1))
+    assert main(["--check-config", str(f)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    f.write_text(GOOD + pad * 4 * 1024)
+    assert main(["--check-config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"switchyard: config error: {f}: <file>: larger than 4 MiB, not read " \
+                          "(a config is kilobytes)", err
