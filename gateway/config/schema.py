@@ -544,14 +544,28 @@ def load_config(path: str | Path, deprecations: list[Deprecation] | None = None)
     return config_from_file(read_config_file(path), path, deprecations)
 
 
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+"""The largest config file read: YAML parsing takes seconds a megabyte, and a reload's parse runs
+on the event loop of the --workers parent and of every worker (whose loop stalled for longer than
+``server.worker_stall_timeout_s`` is killed). Thousands of models and keys fit in a fraction of it."""
+
+
 def read_config_file(path: str | Path) -> str:
-    """The text of the config file ``path`` (a ``ConfigError`` naming it when it cannot be read)."""
+    """The text of the config file ``path`` (a ``ConfigError`` naming it when it cannot be read,
+    is not UTF-8, or is larger than ``MAX_CONFIG_BYTES``), its line ends read as ``\n``."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)     # a FIFO too: at most this much is waited for
     except OSError as e:
         raise ConfigError("<file>", f"cannot read: {e.strerror}", str(path)) from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError("<file>", f"larger than {MAX_CONFIG_BYTES >> 20} MiB, not read (a config is kilobytes)",
+                          str(path))
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError("<file>", f"not UTF-8 text: {e.reason} at byte {e.start}", str(path)) from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")      # as a text-mode read gives it
 
 
 def config_from_file(text: str, path: str | Path, deprecations: list[Deprecation] | None = None) -> Config:
