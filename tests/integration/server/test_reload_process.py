@@ -946,3 +946,32 @@ async def test_reloads_a_worker_applies_as_one_are_each_counted(sims, tmp_path):
         await logs.close()
     assert [(line["event"], line["generation"]) for line in applied] == [("config reloaded", 3)] * 2, applied
     assert all("refused" in line["event"] for line in refused), refused
+
+
+@pytest.mark.timeout(90)
+async def test_a_stop_while_the_parent_waits_for_a_fifos_text_at_a_reload_ends_the_gateway(sims, tmp_path):
+    """The config file replaced by a FIFO no one writes: the --workers parent's reload waits for its
+    text, and a stop meanwhile still ends the gateway (the reload refused, the workers drained,
+    the parent gone). Before, the parent kept waiting in its read after it had stopped the
+    workers, and only SIGKILL ended it."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    text = config_text(port, [sim.url])
+    path.write_text(text)
+    held = HeldReads(path, tmp_path)
+    async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:
+        logs = LogLines(proc)
+        held.fifo()
+        proc.send_signal(signal.SIGHUP)
+        await held.reader()             # the parent has the file open, its text not written
+        proc.send_signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(20):
+                code = await proc.wait()
+        finally:
+            held.close(text)
+        await logs.close()
+    assert code == 0
+    refused = [line for line in logs.reloads() if "restarted workers" in line["event"]]
+    assert len(refused) == 1 and refused[0]["key_path"] == "<file>", logs.reloads()

@@ -215,3 +215,36 @@ async def test_the_drain_after_a_slow_start_up_counts_its_grace_from_the_stop(si
     assert code == 0
     draining = [e for e in events(log_path) if e["event"] == "draining"]
     assert len(draining) == 1 and 0 < draining[0]["grace_s"] <= 18.5, draining
+
+
+@pytest.mark.timeout(60)
+async def test_a_stop_while_the_config_file_is_a_fifo_no_one_writes_ends_the_gateway(tmp_path):
+    """A config path that is a FIFO (or a terminal, or /dev/stdin) waits for its text, and a stop is
+    held back while the gateway reads its config: a stop then still ends the gateway, exit 0 and
+    the line of a stop while starting. Before, the read waited with SIGTERM and SIGINT held back,
+    and only SIGKILL ended it."""
+    cfg = tmp_path / "gw.yaml"
+    os.mkfifo(cfg)
+    log_path = tmp_path / "gw.log"
+    with log_path.open("wb") as log_file:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                    "--workers", "1", stderr=log_file)
+    writer = -1
+    try:
+        async with asyncio.timeout(30):
+            while writer < 0:       # the write end opens once the gateway has the file open to read
+                try:
+                    writer = os.open(cfg, os.O_WRONLY | os.O_NONBLOCK)
+                except OSError:
+                    await asyncio.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            code = await proc.wait()
+    finally:
+        if writer >= 0:
+            os.close(writer)
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert code == 0, log_path.read_text()
+    assert "stopped while starting, before listening" in log_path.read_text()
