@@ -26,6 +26,7 @@ from gateway.config.deprecated import Deprecation, log_deprecations  # noqa: E40
 from gateway.config.schema import (  # noqa: E402
     Config,
     ConfigError,
+    ReadStopped,
     config_from_file,
     load_config,
     log_no_effect,
@@ -130,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.server.workers import hold_for_tests
     hold_for_tests(HOLD_BEFORE_CONFIG_ENV)
     try:
-        config = load(deprecated)
+        # a config path that waits for its text (a FIFO, a terminal) ends its wait at a stop
+        config = parse(read_config_file(args.config, stopped=lambda: bool(signal.sigpending() & STOPS)), deprecated)
+    except ReadStopped:
+        configure_logging()     # the config's format is not known: the default one
+        return 0 if stopped_while_starting() else 2
     except (ConfigError, ValueError) as e:
         say(f"switchyard: config error: {e}")
         return 2
@@ -190,10 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal config, generation
         from gateway.server.reload import RestartRequired, check_offline
         deprecations: list[Deprecation] = []
+        stops = beats.stops()       # a stop while the file's text is waited for ends the wait
         try:
             seq = beats.next_told()
             try:
-                text = read_config_file(args.config)
+                text = read_config_file(args.config, stopped=lambda: beats.stops() != stops)
             except Exception as e:
                 handoff.put(seq, error=e)       # every worker refuses the reload with it
                 raise

@@ -19,6 +19,9 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import select
+import stat
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -550,22 +553,62 @@ on the event loop of the --workers parent and of every worker (whose loop stalle
 ``server.worker_stall_timeout_s`` is killed). Thousands of models and keys fit in a fraction of it."""
 
 
-def read_config_file(path: str | Path) -> str:
+class ReadStopped(ConfigError):
+    """The gateway was stopped while ``read_config_file`` waited for the file's text."""
+
+
+def read_config_file(path: str | Path, stopped: Callable[[], bool] | None = None) -> str:
     """The text of the config file ``path`` (a ``ConfigError`` naming it when it cannot be read,
-    is not UTF-8, or is larger than ``MAX_CONFIG_BYTES``), its line ends read as ``\n``."""
+    is not UTF-8, or is larger than ``MAX_CONFIG_BYTES``), its line ends read as ``\n``.
+
+    A path that is no regular file (a FIFO, a terminal, ``/dev/stdin``) is read as its text comes,
+    for as long as it takes; ``stopped``, asked while it waits, ends the wait with ``ReadStopped``
+    once it says the gateway is stopping (a start holds its stops back, and the --workers parent's
+    reload runs in a signal handler: neither could end a read that never returns)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)     # a FIFO too: at most this much is waited for
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)    # a FIFO's open waits for no writer
     except OSError as e:
         raise ConfigError("<file>", f"cannot read: {e.strerror}", str(path)) from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError("<file>", f"larger than {MAX_CONFIG_BYTES >> 20} MiB, not read (a config is kilobytes)",
-                          str(path))
+    try:
+        data = _read_all(fd, str(path), stopped)
+    finally:
+        os.close(fd)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError("<file>", f"not UTF-8 text: {e.reason} at byte {e.start}", str(path)) from None
     return text.replace("\r\n", "\n").replace("\r", "\n")      # as a text-mode read gives it
+
+
+def _read_all(fd: int, path: str, stopped: Callable[[], bool] | None) -> bytes:
+    try:
+        waits = not stat.S_ISREG(os.fstat(fd).st_mode)
+        if not waits:
+            os.set_blocking(fd, True)
+        poll = select.poll()
+        poll.register(fd, select.POLLIN)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            # a FIFO no writer opened yet is not ready (its read would say end of file)
+            if waits and not poll.poll(100 if stopped is not None else None):
+                if stopped is not None and stopped():
+                    raise ReadStopped("<file>", "not read: the gateway was stopped while it waited for "
+                                                "the file's text", path)
+                continue
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_CONFIG_BYTES:
+                raise ConfigError("<file>", f"larger than {MAX_CONFIG_BYTES >> 20} MiB, not read "
+                                            "(a config is kilobytes)", path)
+    except OSError as e:
+        raise ConfigError("<file>", f"cannot read: {e.strerror}", path) from None
 
 
 def config_from_file(text: str, path: str | Path, deprecations: list[Deprecation] | None = None) -> Config:
