@@ -3,9 +3,12 @@ names the key of an error (with a did-you-mean for a typo) and prints old names'
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -351,3 +354,33 @@ def test_a_file_larger_than_a_config_is_refused_unread(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip() == f"switchyard: config error: {f}: <file>: larger than 4 MiB, not read " \
                           "(a config is kilobytes)", err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_check_config_of_a_fifo_no_one_writes_ends_at_a_stop(tmp_path, sig):
+    """--check-config starts nothing, so a stop (Ctrl-C at a terminal) ends it, also while it waits
+    for the text of a FIFO (or of /dev/stdin). Before, the stops a start holds back were held back
+    here too, and only SIGKILL ended it."""
+    f = tmp_path / "gw.yaml"
+    os.mkfifo(f)
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "--check-config", str(f)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    writer = -1
+    try:
+        deadline = time.monotonic() + 30
+        while writer < 0 and time.monotonic() < deadline:   # opens once the check has the file open to read
+            try:
+                writer = os.open(f, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                time.sleep(0.02)
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=20)
+    finally:
+        if writer >= 0:
+            os.close(writer)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode in (-signal.SIGTERM, 130), (proc.returncode, err)
+    assert "Traceback" not in err, err
