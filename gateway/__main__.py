@@ -93,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(orjson.dumps(config_schema(), option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
     if args.check_config:
-        return check_config(args.check_config)
+        # it starts nothing: a stop (Ctrl-C) ends it, also while it waits for a FIFO's or a terminal's text
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
+        try:
+            return check_config(args.check_config)
+        except KeyboardInterrupt:
+            return 130
 
     if args.demo:
         from gateway.demo import run_demo
