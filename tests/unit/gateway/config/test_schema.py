@@ -215,3 +215,13 @@ def test_anchors_used_as_a_config_uses_them_still_load():
     c = parse_config("models:\n" + first + rest, source="gw.yaml")
     assert len(c.models) == 2000 and len(c.models[-1].endpoints) == 2
     assert c.watchdog_for("m1999").idle_timeout_s == 3
+
+
+@pytest.mark.parametrize("nested", ["\n      " + "- " * 500 + "1", "{a: " * 900 + "1" + "}" * 900])
+def test_a_structure_nested_hundreds_deep_is_a_config_error_naming_where(nested):
+    """YAML's parser takes up to a thousand levels; a config goes a handful deep. Refused as a
+    config error naming where the nesting goes too deep, as --check-config, a start and a reload
+    say config errors."""
+    with pytest.raises(ConfigError) as e:
+        parse_config(GOOD + "limits:\n  users:\n    u: " + nested + "\n", source="gw.yaml")
+    assert e.value.key_path.startswith("limits.users.u") and "nested more than 64 deep" in str(e.value), e.value
