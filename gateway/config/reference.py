@@ -258,6 +258,7 @@ and, as the first line of the config file:
   own node (`aliases: &x [*x]`) is an error that names where it begins; so are aliases that
   repeat more than a million values beyond those the file writes out (anchors each listing the
   one before several times, an alias bomb), naming the top-level key that holds them.
+  Mappings and lists nest at most 64 deep (more is an error naming where).
 - **Endpoints** are written as a URL string (`http://10.0.0.5:8000`) or as an object
   (`{{url: ..., bootstrap_port: ...}}`), in `endpoints`, and in a roleset's `prefill`, `decode`
   and `combined`. An endpoint's `engine` defaults to its model's.

@@ -21,7 +21,7 @@ import os
 import re
 import select
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -45,6 +45,7 @@ from gateway.config.strict import (
     convert,
     did_you_mean,
     laid_over,
+    nested_beyond,
     self_reference,
     without_nulls,
 )
@@ -621,6 +622,9 @@ def config_from_file(text: str, path: str | Path, deprecations: list[Deprecation
     return config
 
 
+NESTING_LIMIT = 64
+"""How deep a config's mappings and lists may nest: YAML's parser takes a thousand levels, which
+the walks of a config (one Python call a level) cannot follow."""
 ALIAS_EXPANSION_LIMIT = 1_000_000
 """How many values YAML aliases may add to a config beyond the ones its text writes out: far more
 than reusing a block of endpoints or settings adds, far fewer than a walk of the config takes
@@ -664,12 +668,16 @@ def log_no_effect(config: Config, source: str | None = None) -> None:
         structlog.get_logger("switchyard").warning(f"config: {note}", file=source)
 
 
-def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> Iterator[dict]:
+    # a generator, as YAML's own mapping constructor is: the mapping is handed out first and filled
+    # in after, so mappings nested however deep are built one after another, never by recursion
+    data: dict = {}
+    yield data
     seen: dict[Any, yaml.Node] = {}
     for key_node, _ in node.value:
         if key_node.tag == "tag:yaml.org,2002:merge":
             continue
-        key = loader.construct_object(key_node, deep=deep)
+        key = loader.construct_object(key_node)
         try:
             first = seen.get(key)
         except TypeError:            # an unhashable key: the constructor says so below
@@ -680,7 +688,7 @@ def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool 
                 f"found the key {key!r} a second time (first {first.start_mark.line + 1}:{first.start_mark.column + 1})",
                 key_node.start_mark)
         seen[key] = key_node
-    return loader.construct_mapping(node, deep=deep)
+    data.update(loader.construct_mapping(node))
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
@@ -706,6 +714,8 @@ def config_from_dict(raw: Any, source: str | None = None, deprecations: list[Dep
     if (path := self_reference(raw)) is not None:
         raise ConfigError(path, "contains itself (a YAML anchor used inside its own node, as in `a: &x [*x]`): "
                                 "a structure without end", source)
+    if (path := nested_beyond(raw, NESTING_LIMIT)) is not None:
+        raise ConfigError(path, f"nested more than {NESTING_LIMIT} deep (a config goes a handful of levels)", source)
     if (big := alias_expansion(raw, ALIAS_EXPANSION_LIMIT)) is not None:
         raise ConfigError(big[0], f"YAML aliases expand the config to {big[1]:,} values, more than "
                                   f"{ALIAS_EXPANSION_LIMIT:,} beyond those the file writes out (anchors naming "

@@ -165,6 +165,37 @@ def alias_expansion(root: Any, limit: int) -> tuple[str, int] | None:
     return (str(key) if isinstance(root, dict) else f"[{key}]") if key is not None else "<root>", size[id(root)]
 
 
+def nested_beyond(root: Any, limit: int) -> str | None:
+    """The key path of the first node nested more than ``limit`` deep in ``root`` (acyclic: see
+    ``self_reference``), or None. The walks of a config (dropping nulls, converting it) recurse
+    once a level, and YAML's parser takes a thousand levels, past Python's recursion limit. Each
+    node is measured once, however often aliases repeat it."""
+    if not isinstance(root, dict | list):
+        return None
+    height: dict[int, int] = {}      # id -> levels of containers from the node down, itself included
+    stack = [root]
+    while stack:
+        node = stack[-1]
+        if id(node) in height:
+            stack.pop()
+            continue
+        kids = [c for c in (node.values() if isinstance(node, dict) else node) if isinstance(c, dict | list)]
+        pending = [c for c in kids if id(c) not in height]
+        if pending:
+            stack.extend(pending)
+            continue
+        stack.pop()
+        height[id(node)] = 1 + max((height[id(c)] for c in kids), default=0)
+    if height[id(root)] <= limit:
+        return None
+    path, node = "", root
+    for _ in range(limit):
+        pairs = ((f"{path}.{k}" if path else str(k), v) for k, v in node.items()) if isinstance(node, dict) \
+            else ((f"{path}[{i}]", v) for i, v in enumerate(node))
+        path, node = max(((p, v) for p, v in pairs if isinstance(v, dict | list)), key=lambda pv: height[id(pv[1])])
+    return path
+
+
 def without_nulls(v: Any) -> Any:
     """``v`` with every null mapping value dropped: null means the default."""
     if isinstance(v, dict):
