@@ -85,6 +85,8 @@ def test_a_valid_file_is_ok_with_its_model_count(tmp_path, capsys):
     ("server: {log_level: eror}", "server.log_level: must be one of debug, info, warning or error, got 'eror'"),
     ("health: {interval_s: 0}", "health.interval_s: Expected `float` > 0.0"),
     ("scrape: {interval_s: 0}", "scrape.interval_s: Expected `float` > 0.0"),
+    # a key that takes a number or a word: both are named
+    ("server: {workers: four}", "server.workers: must be an integer or one of auto, got 'four'"),
 ])
 def test_an_error_names_the_file_and_the_key(tmp_path, capsys, text, expected):
     rc, out, err = check(tmp_path, text, capsys)
