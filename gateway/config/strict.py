@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 import re
 import types
-from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import msgspec
 
@@ -53,7 +53,8 @@ def convert(data: Any, cls: type[T], path: str = "") -> T:
         elif m := re.fullmatch(r"Object missing required field `(.*)`", message):
             path, message = _join(path, m[1]), "is required"
         elif m := re.fullmatch(r"Invalid enum value (.*)", message):
-            message = f"must be one of {', '.join(map(str, get_args(_core(tp))))}, got {m[1]}"
+            words, others = _choices(tp)
+            message = f"must be {' or '.join([*others, f'one of {words}'] if words else others)}, got {m[1]}"
         elif m := _OWN.fullmatch(message):
             path, message = _join(path, m[1]), m[2]
         raise StrictError(path or "<root>", message) from None
@@ -74,6 +75,28 @@ def _core(tp: Any) -> Any:
     while get_origin(tp) in (Annotated, Union, types.UnionType):
         tp = next(a for a in get_args(tp) if a is not type(None))
     return tp
+
+
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _choices(tp: Any) -> tuple[str, list[str]]:
+    """The words a ``Literal`` (in ``tp``, a union maybe) allows, and what else the union takes:
+    ``("auto", ["an integer"])`` for ``int | Literal["auto"]``."""
+    words: list[str] = []
+    others: list[str] = []
+    todo = [tp]
+    while todo:
+        t = todo.pop(0)
+        if get_origin(t) is Annotated:
+            todo.insert(0, get_args(t)[0])
+        elif get_origin(t) in (Union, types.UnionType):
+            todo[:0] = [a for a in get_args(t) if a is not type(None)]
+        elif get_origin(t) is Literal:
+            words += map(str, get_args(t))
+        else:
+            others.append(_KINDS.get(t, getattr(t, "__name__", str(t))))
+    return ", ".join(words), others
 
 
 def _names(tp: Any) -> list[str]:
