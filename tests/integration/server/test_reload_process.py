@@ -975,3 +975,35 @@ async def test_a_stop_while_the_parent_waits_for_a_fifos_text_at_a_reload_ends_t
     assert code == 0
     refused = [line for line in logs.reloads() if "restarted workers" in line["event"]]
     assert len(refused) == 1 and refused[0]["key_path"] == "<file>", logs.reloads()
+
+
+@pytest.mark.timeout(90)
+async def test_a_reload_of_one_process_waits_a_bounded_time_for_a_fifos_text(sims, tmp_path):
+    """One process reloads on its event loop: the config file replaced by a FIFO no one writes
+    refuses the reload once its text has not come for a couple of seconds (key path <file>), and
+    the gateway goes on serving and stops at SIGTERM. Before, the loop waited in the read for as
+    long as no one wrote, answering nothing, and only SIGKILL ended the gateway."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    text = config_text(port, [sim.url])
+    path.write_text(text)
+    held = HeldReads(path, tmp_path)
+    async with gateway_process(path, port, "--workers", "1", "--log-format", "json") as proc:
+        logs = LogLines(proc)
+        held.fifo()
+        proc.send_signal(signal.SIGHUP)
+        await held.reader()             # the gateway has the file open, its text not written
+        try:
+            lines = await logs.until(1)
+            async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/ready") as r:
+                assert r.status == 200
+        finally:
+            held.close(text)
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            assert await proc.wait() == 0
+        await logs.close()
+    assert [(line["event"], line.get("key_path")) for line in lines] == \
+        [("config reload refused; the running config is kept", "<file>")], lines
+    assert "no text came" in lines[0]["error"], lines
