@@ -129,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         return cfg.with_log_format(args.log_format) if args.log_format else cfg
 
     def load(deprecations: list[Deprecation] | None = None) -> Config:
-        """The config file with the command line's overrides: at start and at each reload."""
-        return parse(read_config_file(args.config), deprecations)
+        """The config file with the command line's overrides, at each reload of one process: on its
+        event loop, so a file that keeps it waiting for its text (a FIFO no one writes) is refused
+        after ``RELOAD_READ_WAIT_S``."""
+        return parse(read_config_file(args.config, wait_s=RELOAD_READ_WAIT_S), deprecations)
 
     deprecated: list[Deprecation] = []      # logged once logging follows the config's format
     from gateway.server.workers import hold_for_tests
@@ -279,6 +281,9 @@ def workers_warnings(config: Config, workers: int) -> None:
 # by its pid and waits until the test opens it (tests/integration/server/test_stop_starting.py).
 # Unset in any deployment.
 HOLD_BEFORE_CONFIG_ENV = "SWITCHYARD_TEST_HOLD_BEFORE_CONFIG"
+
+
+RELOAD_READ_WAIT_S = 2.0     # how long one process's reload waits for more of the file's text
 
 
 def stopped_while_starting() -> bool:

@@ -21,6 +21,7 @@ import os
 import re
 import select
 import stat
+import time
 from collections.abc import Callable, Iterator
 from functools import cached_property
 from pathlib import Path
@@ -558,20 +559,21 @@ class ReadStopped(ConfigError):
     """The gateway was stopped while ``read_config_file`` waited for the file's text."""
 
 
-def read_config_file(path: str | Path, stopped: Callable[[], bool] | None = None) -> str:
+def read_config_file(path: str | Path, stopped: Callable[[], bool] | None = None, wait_s: float | None = None) -> str:
     """The text of the config file ``path`` (a ``ConfigError`` naming it when it cannot be read,
     is not UTF-8, or is larger than ``MAX_CONFIG_BYTES``), its line ends read as ``\n``.
 
     A path that is no regular file (a FIFO, a terminal, ``/dev/stdin``) is read as its text comes,
     for as long as it takes; ``stopped``, asked while it waits, ends the wait with ``ReadStopped``
     once it says the gateway is stopping (a start holds its stops back, and the --workers parent's
-    reload runs in a signal handler: neither could end a read that never returns)."""
+    reload runs in a signal handler: neither could end a read that never returns); ``wait_s``
+    bounds how long it waits for more text (one process reloads on its event loop)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)    # a FIFO's open waits for no writer
     except OSError as e:
         raise ConfigError("<file>", f"cannot read: {e.strerror}", str(path)) from None
     try:
-        data = _read_all(fd, str(path), stopped)
+        data = _read_all(fd, str(path), stopped, wait_s)
     finally:
         os.close(fd)
     try:
@@ -581,7 +583,7 @@ def read_config_file(path: str | Path, stopped: Callable[[], bool] | None = None
     return text.replace("\r\n", "\n").replace("\r", "\n")      # as a text-mode read gives it
 
 
-def _read_all(fd: int, path: str, stopped: Callable[[], bool] | None) -> bytes:
+def _read_all(fd: int, path: str, stopped: Callable[[], bool] | None, wait_s: float | None) -> bytes:
     try:
         waits = not stat.S_ISREG(os.fstat(fd).st_mode)
         if not waits:
@@ -590,12 +592,16 @@ def _read_all(fd: int, path: str, stopped: Callable[[], bool] | None) -> bytes:
         poll.register(fd, select.POLLIN)
         chunks: list[bytes] = []
         size = 0
+        since = time.monotonic()        # the last text that came
         while True:
             # a FIFO no writer opened yet is not ready (its read would say end of file)
-            if waits and not poll.poll(100 if stopped is not None else None):
+            if waits and not poll.poll(100 if stopped is not None or wait_s is not None else None):
                 if stopped is not None and stopped():
                     raise ReadStopped("<file>", "not read: the gateway was stopped while it waited for "
                                                 "the file's text", path)
+                if wait_s is not None and time.monotonic() - since > wait_s:
+                    raise ConfigError("<file>", f"not read: no text came in {wait_s:g} s (a FIFO no one "
+                                                "writes?)", path)
                 continue
             try:
                 chunk = os.read(fd, 1 << 16)
@@ -605,6 +611,7 @@ def _read_all(fd: int, path: str, stopped: Callable[[], bool] | None) -> bytes:
                 return b"".join(chunks)
             chunks.append(chunk)
             size += len(chunk)
+            since = time.monotonic()
             if size > MAX_CONFIG_BYTES:
                 raise ConfigError("<file>", f"larger than {MAX_CONFIG_BYTES >> 20} MiB, not read "
                                             "(a config is kilobytes)", path)
