@@ -164,13 +164,27 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_l
                 log_edge_answer(rid, request.headers.get("x-request-id"), request.path, request.method,
                                 413, e.message, head_started(request), request_log,
                                 extra=getattr(request, "log_fields", None))
-            return error_response(e.status, shaped(request, e), {"request-id": rid, **e.headers})
+            return error_response(e.status, shaped(request, e), {"request-id": rid, "x-request-id": rid, **e.headers})
         # a bug outside the pipeline (which answers its own)
         metrics.internal_errors.inc()
         log.error("internal error", request_id=rid, path=request.path, exc_info=e)
         err = GatewayError(500, "internal gateway error", code="internal_error")
         return error_response(500, shaped(request, err), {"request-id": rid, "x-request-id": rid})
     return answer
+
+
+async def _identified(request: web.Request, response: web.StreamResponse) -> None:
+    """``request-id`` and ``x-request-id`` on every answer the application makes (the models list,
+    /health, /ready, the status page, the Files and Batches API, their errors), as the pipeline
+    puts them on its own: the client's ``x-request-id`` when it is sane, else a fresh id. An
+    aiohttp signal, sent before the head is written; the inference paths the edge hands to their
+    handler directly have no route, so their answers (which carry both already) never pay for it."""
+    headers = response.headers
+    rid = headers.get("request-id")
+    if rid is None:
+        rid = headers["request-id"] = request_id_from(request.headers.get("x-request-id"))
+    if "x-request-id" not in headers:
+        headers["x-request-id"] = rid
 
 
 def _error_middleware(answer):
@@ -261,6 +275,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     answer = _error_answers(metrics, s.apis, s.request_log)
     middlewares = ([tracing.middleware] if tracing is not None else []) + [_error_middleware(answer)]
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_body_bytes)
+    app.on_response_prepare.append(_identified)
     app[GATEWAY_KEY] = gw
     app[RELOAD_KEY] = reloader
     app[LIFECYCLE_KEY] = lifecycle
