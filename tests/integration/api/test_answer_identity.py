@@ -6,10 +6,13 @@ echo is bounded and printable, and a request log line that names the model a ref
 from __future__ import annotations
 
 import aiohttp
+import orjson
 import pytest
 
 from tests.support.factories import model_block
+from tests.support.http import chat_body, post
 
+CHAT = [{"role": "user", "content": "Which track?"}]
 GIVEN = "ticket-4711"
 
 
@@ -40,3 +43,19 @@ async def test_every_answer_of_the_gateways_own_paths_carries_the_request_id(gw)
                     rid = r.headers.get("request-id")
                     assert rid and r.headers.get("x-request-id") == rid, (method, path, dict(r.headers))
                     assert rid == given or given is None, (method, path, rid)
+
+
+async def test_an_invalid_routing_strategy_is_an_openai_400_with_a_bounded_printable_echo(gw):
+    r = await post(gw, chat_body(CHAT), {"routing-strategy": "least-requets"})
+    err = orjson.loads(r.body)["error"]
+    assert r.status == 400 and r.headers["x-error-routing"] == "true"
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "routing-strategy",
+                                                        "invalid_routing_strategy")
+    assert "did you mean 'least-request'?" in err["message"]
+    assert "least-request, " in err["message"] and "prefix-cache" in err["message"]     # the valid names
+    hostile = "random:1,x" + "\t\u00e9" * 3000
+    r = await post(gw, chat_body(CHAT), {"routing-strategy": hostile})
+    msg = orjson.loads(r.body)["error"]["message"]
+    assert r.status == 400 and len(msg) < 1200, len(msg)
+    assert msg.isprintable() and msg.isascii(), msg
+    assert "random:1,x" in msg and "\u00e9" * 2 not in msg
