@@ -766,7 +766,7 @@ def check_strategies(config: Config, registry: RouterRegistry | None = None, sou
         try:
             registry.get(spec)
         except StrategyError as e:
-            raise ConfigError(path, f"{e}{_suggestion(spec, registry)}", source) from None
+            raise ConfigError(path, f"{e}{strategy_suggestion(spec, registry)}", source) from None
     if config.kubernetes.enabled:          # pods found later may serve whole requests
         return
     for i, m in enumerate(config.models):
@@ -780,7 +780,7 @@ def check_strategies(config: Config, registry: RouterRegistry | None = None, sou
                               "key out", source)
 
 
-def _suggestion(spec: str, registry: RouterRegistry) -> str:
+def strategy_suggestion(spec: str, registry: RouterRegistry) -> str:
     """`` (did you mean 'least-request'?)`` for the first unknown name of ``spec`` close to a known one."""
     for item in spec.split(","):
         name = item.split(":")[0].strip().lower()

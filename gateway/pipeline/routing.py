@@ -9,6 +9,7 @@ session ids, vtc's token counts) see every request.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from functools import partial
@@ -16,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from gateway.config.schema import Config, check_strategies
+from gateway.config.schema import Config, check_strategies, strategy_suggestion
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
@@ -38,6 +39,29 @@ DecisionObserver = Callable[[InferenceRequest, Decision, tuple[tuple[str, str], 
 
 def _no_session(model: str, outcome: str) -> None:
     return None
+
+
+
+_ECHO_SPEC = 80         # characters of a refused routing-strategy header its 400 quotes
+_ECHO_REASON = 120
+_UNPRINTABLE = re.compile(r"[^\x20-\x7e]")
+
+
+def echo(text: str, limit: int, *, told: bool = True) -> str:
+    """A client's ``text`` quoted in an error message: at most ``limit`` characters of it, each
+    outside printable ASCII as a ``\\xNN``/``\\uNNNN`` escape; when cut, ``...`` and (``told``)
+    how long it was."""
+    quoted = _UNPRINTABLE.sub(_escaped, text[:limit])
+    if len(text) <= limit:
+        return quoted
+    return f"{quoted}... ({len(text)} characters)" if told else f"{quoted}..."
+
+
+def _escaped(m: re.Match[str]) -> str:
+    c = ord(m.group())
+    if 0xDC80 <= c <= 0xDCFF:       # a byte that was not UTF-8 (aiohttp's surrogateescape): the byte
+        c -= 0xDC00
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}" if c < 0x10000 else f"\\U{c:08x}"
 
 
 class Routing:
@@ -144,12 +168,19 @@ class Routing:
         ``routing-strategy`` carry) and its router; a 400 for an invalid one."""
         try:
             return self.registry.resolve(spec)
-        except StrategyError:
+        except StrategyError as e:
             # the answer echoes the refused name (escaped); the request's record keeps no strategy,
             # so a client's arbitrary names never become metric labels
-            raise GatewayError(400, f"incorrect routing strategy {spec}", param="routing-strategy",
+            raise GatewayError(400, self._refusal(spec, e), param="routing-strategy", code="invalid_routing_strategy",
                                headers={"routing-strategy": safe_header_value(spec)},
                                header=("x-error-routing", "true"), error_class=ErrorClass.ROUTING) from None
+
+    def _refusal(self, spec: str, e: StrategyError) -> str:
+        """The 400's message: the header and what is wrong with it, each cut short and in printable
+        ASCII, a near name as ``--check-config`` suggests it, and the strategies there are."""
+        return (f"incorrect routing strategy {echo(spec, _ECHO_SPEC)}: {echo(e.reason, _ECHO_REASON, told=False)}"
+                f"{strategy_suggestion(spec[:_ECHO_SPEC * 4], self.registry)}; "
+                f"valid strategies: {', '.join(self.registry.names())}")
 
     def candidates(self, model: str, router: Router) -> list[Endpoint]:
         """The ready endpoints ``router`` may choose from: only a router that chooses P/D pairs
