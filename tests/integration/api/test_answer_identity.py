@@ -59,3 +59,15 @@ async def test_an_invalid_routing_strategy_is_an_openai_400_with_a_bounded_print
     assert r.status == 400 and len(msg) < 1200, len(msg)
     assert msg.isprintable() and msg.isascii(), msg
     assert "random:1,x" in msg and "\u00e9" * 2 not in msg
+
+
+async def test_a_refused_request_logs_the_model_its_body_named(gw):
+    with gw.gw.request_log.capture() as lines:
+        assert (await post(gw, chat_body(CHAT), {"x-slo-ttft-ms": "soon"})).status == 400
+        assert (await post(gw, chat_body(CHAT, max_tokens=-1))).status == 400
+        assert (await post(gw, {"model": "m", "max_tokens": 4, "messages": CHAT}, {"x-slo-tpot-ms": "-1"},
+                           path="/v1/messages")).status == 400
+        assert (await post(gw, {"model": "m", "input": "hi"}, {"x-slo-ttft-ms": "0"},
+                           path="/v1/responses")).status == 400
+        assert (await post(gw, {"messages": CHAT})).status == 400          # no model named: none logged
+    assert [(x["status"], x["model"]) for x in lines] == [(400, "m")] * 4 + [(400, "-")], lines
