@@ -179,7 +179,11 @@ def error_response(status: int, body: bytes, headers: Mapping[str, str] | None =
 
 
 class GatewayError(Exception):
-    """An error answer the client should receive. ``header`` is a marker header (name, value)."""
+    """An error answer the client should receive. ``header`` is a marker header (name, value).
+    ``model``: the model the request's body named, when the error came after it was read (its
+    log line names it)."""
+
+    model: str | None = None
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: Any = None,
                  type_: str | None = None, header: tuple[str, str] | None = None,

@@ -678,6 +678,15 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
     if not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
 
+    try:
+        return _parse_named(path, body, headers, request_id, data, model)
+    except GatewayError as e:         # the request's log line names the model the body named
+        e.model = model
+        raise
+
+
+def _parse_named(path: str, body: bytes, headers: dict[str, str], request_id: str, data: dict[str, Any],
+                 model: str) -> InferenceRequest:
     choices = 1
     if path == EMBEDDINGS:
         # not fields of an embeddings request: the engines ignore them, and nothing streams

@@ -202,6 +202,14 @@ class AnthropicApi(EngineSpecificApi):
         if not isinstance(model, str) or not model:
             raise GatewayError(400, "model: Field required" if model in (None, "") else "model: Input should be a valid string",
                                param="model", header=("x-error-no-model-backends", ""), error_class=ErrorClass.VALIDATION)
+        try:
+            return self._parse_named(path, body, headers, request_id, data, model)
+        except GatewayError as e:     # the request's log line names the model the body named
+            e.model = model
+            raise
+
+    def _parse_named(self, path: str, body: bytes, headers: Mapping[str, str], request_id: str,
+                     data: dict[str, Any], model: str) -> InferenceRequest:
         count_only = path == COUNT_TOKENS
         stream = False           # count_tokens has no such field: the engine ignores it
         if not count_only:

@@ -125,6 +125,14 @@ class PassthroughApi(EngineSpecificApi):
             raise _no_model(f"'model' is required: it decides where {path} is routed")
         if not isinstance(model, str):
             raise _bad("'model' must be a string", "model")
+        try:
+            return self._parse_named(path, body, headers, request_id, data, model)
+        except GatewayError as e:     # the request's log line names the model the body named
+            e.model = model
+            raise
+
+    def _parse_named(self, path: str, body: bytes, headers: Mapping[str, str], request_id: str,
+                     data: dict[str, Any], model: str) -> InferenceRequest:
         texts = [t for key in _TEXT_KEYS.get(path, ()) if key in data for t in _texts(data[key])]
         prompt_text = "\n".join(texts)
         est = len(prompt_text) // CHARS_PER_TOKEN
@@ -318,8 +326,12 @@ class AudioApi(PassthroughApi):
         model = fields.get("model")
         if not model:
             raise _no_model(f"'model' is required: it decides where {path} is routed")
-        stream = _form_stream((fields.get("stream") or "").strip())
-        return _request(path, body, {"model": model}, model, stream, "", 1, headers, request_id, ctype)
+        try:
+            stream = _form_stream((fields.get("stream") or "").strip())
+            return _request(path, body, {"model": model}, model, stream, "", 1, headers, request_id, ctype)
+        except GatewayError as e:     # the request's log line names the model the form named
+            e.model = model
+            raise
 
     def with_model(self, ireq: InferenceRequest, model: str) -> None:
         """The ``model`` field's value replaced inside the form (the body is copied once more,

@@ -167,6 +167,15 @@ def parse_responses(path: str, body: bytes, headers: Any, request_id: str) -> In
                            header=("x-error-no-model-backends", ""), error_class="validation")
     if not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
+    try:
+        return _parse_named(path, body, headers, request_id, data, model)
+    except GatewayError as e:         # the request's log line names the model the body named
+        e.model = model
+        raise
+
+
+def _parse_named(path: str, body: bytes, headers: Any, request_id: str, data: dict[str, Any],
+                 model: str) -> InferenceRequest:
     stream = _bool_field(data, "stream")
     if "input" not in data or data["input"] is None:
         raise _bad("'input' is a required property", "input")

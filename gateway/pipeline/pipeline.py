@@ -184,7 +184,12 @@ class Pipeline:
             except web.RequestPayloadError as e:     # broken chunking, an undecodable Content-Encoding
                 raise GatewayError(400, f"the request body could not be read: {e}", code="bad_body",
                                    error_class=ErrorClass.VALIDATION) from None
-        ctx.ireq = (api.parse if api is not None else parse)(request.path, body, request.headers, ctx.rec.request_id)
+        try:
+            ctx.ireq = (api.parse if api is not None else parse)(request.path, body, request.headers, ctx.rec.request_id)
+        except GatewayError as e:
+            if e.model is not None:         # refused after the body named its model: the log line says which
+                ctx.rec.model = e.model
+            raise
         self.aliases.resolve(ctx, user)
         self.lora.resolve(ctx)
         ireq = ctx.ireq
