@@ -160,3 +160,26 @@ async def test_a_restarted_engine_is_not_judged_by_the_batch_it_ran_before(sims,
                 t.cancel()
             if restarted is not None:
                 await restarted.close()
+
+
+async def test_a_client_that_leaves_mid_stream_is_counted_cancelled_not_failed(sims, gateway):
+    """A client that closes its stream after the first chunk says nothing of whether the engine met
+    the objective: counted ``cancelled``, as the gateway's other outcomes name a client's departure,
+    not ``failed`` (an error answer)."""
+    sim = await sims("vllm", "m", ttft_base_ms=5, itl_ms=50)
+    gw = await gateway([model_block("m", "vllm", [sim.url], strategy="slo")])
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(gw.url + "/v1/chat/completions", data=orjson.dumps(body),
+                         headers={"Content-Type": "application/json", "x-slo-ttft-ms": "5000"})
+        assert r.status == 200
+        assert await r.content.readany()
+        r.close()                                                   # the client leaves mid-stream
+
+    async def counted() -> str | None:
+        text = await gw.metrics_text()
+        return text if "switchyard_slo_routing_requests_total{" in text else None
+
+    text = await until(counted, timeout=10)
+    assert 'switchyard_slo_routing_requests_total{model="m",result="cancelled",strategy="slo"} 1.0' in text
+    assert 'result="failed"' not in text
