@@ -18,7 +18,8 @@ models from the gateway's own observations, for every strategy's requests:
 
 Requests with objectives (``x-slo-ttft-ms``, ``x-slo-tpot-ms``) are counted as met or missed by
 what the client saw: the TTFT from the request's arrival at the gateway, the TPOT as above. A
-non-streamed answer has no first token to time: counted ``unmeasured``, and teaches nothing.
+non-streamed answer has no first token to time: counted ``unmeasured``, and teaches nothing. A
+request whose client left before its end is counted ``cancelled``, not ``failed`` (an error answer).
 
 Only whole-request decisions are learnt (a P/D pair's latency is two endpoints'). Request ids
 are what links a decision to its end: a client that reuses one id for two concurrent requests
@@ -33,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.endpoints import Endpoint
+from gateway.errors import ErrorClass
 from gateway.observability.metrics import Counter, GatewayMetrics, Histogram
 from gateway.pipeline.context import RequestRecord
 from gateway.request import InferenceRequest
@@ -42,7 +44,7 @@ from routers.latency import Features, LatencyModel
 # decisions awaiting their request's end at most (the oldest dropped beyond)
 MAX_PENDING = 65536
 ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
-RESULTS = ("met", "missed_ttft", "missed_tpot", "missed_both", "failed", "unmeasured")
+RESULTS = ("met", "missed_ttft", "missed_tpot", "missed_both", "failed", "cancelled", "unmeasured")
 
 
 class SloMetrics:
@@ -51,7 +53,8 @@ class SloMetrics:
         self.child = metrics.child
         self.requests = Counter(
             "switchyard_slo_routing_requests", "Routed requests with latency objectives, by strategy and result: met, "
-            "missed_ttft, missed_tpot, missed_both, failed (an error answer), unmeasured (not streamed)",
+            "missed_ttft, missed_tpot, missed_both, failed (an error answer), cancelled (the client left before the "
+            "end), unmeasured (not streamed)",
             ["model", "strategy", "result"], registry=r)
         self.error = Histogram(
             "switchyard_slo_routing_prediction_error_ratio", "Latency model's error on finished streamed "
@@ -163,7 +166,9 @@ NO_SLO_LEARNING = NoSloLearning()
 
 def _result(rec: RequestRecord, p: _Pending, ok: bool, tpot_s: float | None) -> str:
     if not ok:
-        return "failed"
+        # a client that left says nothing of the objective (one that left on the engine's error
+        # event has the engine's error class: failed)
+        return "cancelled" if rec.error_class == ErrorClass.CLIENT_CANCEL else "failed"
     if not p.stream or rec.ttft is None:
         return "unmeasured"
     ttft_missed = p.slo_ttft_ms is not None and rec.ttft * 1000.0 > p.slo_ttft_ms
