@@ -172,3 +172,36 @@ async def test_a_closed_policys_503_says_the_state_is_unavailable_whatever_redis
                     assert got["type"] == "error" and error["type"] == "overloaded_error", got
                 else:
                     assert error["code"] == "service_unavailable", got
+
+
+async def test_a_start_against_a_redis_that_refuses_the_gateways_commands_gives_up_at_once(
+        sims, gateway, redis_server, monkeypatch):
+    """The start-up retry is for a Redis restarting or failing over; one whose ACL user may not run
+    the gateway's scripts (NOPERM), or whose replicas key holds another type (WRONGTYPE), refuses
+    the next try as it did the first: the start makes one sync and says why, where it used to spend
+    the whole retry asking again."""
+    from gateway.tenants import service
+
+    monkeypatch.setattr(service, "START_RETRY_S", 3.0)       # a retry would be seen, not timed
+    tries: list[str] = []
+    sync_once = service.Tenancy.sync_once
+
+    async def counted(self):
+        ok = await sync_once(self)
+        tries.append(self._sync_reason if not ok else "ok")
+        return ok
+
+    monkeypatch.setattr(service.Tenancy, "sync_once", counted)
+    sim = await sims("vllm", "m")
+    for refusal in ("noperm", "wrongtype"):
+        url = await _refusing_url(redis_server, refusal)
+        tries.clear()
+        with structlog.testing.capture_logs() as logs:
+            gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                               limits={"users": {"alice": {"rpm": 100}}},
+                               state={**FAST_STATE, "redis_url": url, "sync_interval_s": 30.0,
+                                      "replica_ttl_s": 60.0})
+        assert tries == [refusal], tries
+        at_start = [x for x in logs if "at start" in x["event"]]
+        assert len(at_start) == 1 and at_start[0]["reason"] == refusal, logs
+        assert (await chat(gw)).choices
