@@ -191,10 +191,11 @@ class Tenancy:
             return
         # a Redis that refuses for a moment (restarting beside the gateway, a failover under way)
         # is tried again for up to a second before the gateway serves without it; a Redis that
-        # does not answer at all has used that second already
+        # does not answer at all has used that second already, and one that refuses the gateway's
+        # commands (NOPERM, WRONGTYPE) refuses the next try alike: not tried again
         deadline = time.monotonic() + START_RETRY_S
         ok = await self.sync_once()
-        while not ok and time.monotonic() < deadline:
+        while not ok and self._sync_reason not in COMMAND_REFUSALS and time.monotonic() < deadline:
             await asyncio.sleep(START_RETRY_GAP_S)
             ok = await self.sync_once()
         if not ok:
