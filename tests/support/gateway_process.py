@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import resource
 import shlex
 import shutil
@@ -141,3 +142,24 @@ async def per_worker(port: int, workers: int, path: str = "/metrics", timeout: f
                 async with s.get(f"http://127.0.0.1:{port}{path}") as r:
                     found[pid] = await r.json() if path.endswith(".json") else await r.text()
     return found
+
+
+async def kill_a_worker(proc: asyncio.subprocess.Process, port: int, workers: int = 2,
+                        timeout: float = 30.0) -> int:
+    """SIGKILL one worker of a ``--workers N`` gateway and wait until the parent has started another in
+    its place and every worker answers; returns the killed worker's pid. A connection the kernel
+    queued on the killed worker's socket is reset (docs/deployment.md), and is tried again."""
+    from tests.integration.server.test_workers import children_of
+
+    victim = children_of(proc.pid)[0]
+    os.kill(victim, signal.SIGKILL)
+    async with asyncio.timeout(timeout):
+        while True:
+            now = children_of(proc.pid)
+            if victim not in now and len(now) == workers:
+                try:
+                    if len(await per_worker(port, workers, "/status.json", timeout)) == workers:
+                        return victim
+                except (aiohttp.ClientConnectionError, ConnectionResetError):
+                    pass
+            await asyncio.sleep(0.05)

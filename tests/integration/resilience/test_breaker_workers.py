@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from tests.support.gateway_process import gateway_process, metric_total, per_worker, post_new
+from tests.support.gateway_process import gateway_process, kill_a_worker, metric_total, per_worker, post_new
 from tests.support.ports import listen_port
 from tests.support.waiting import until
 
@@ -162,8 +160,6 @@ async def test_a_restarted_worker_keeps_out_an_engine_its_sibling_ejected(sims, 
     sibling before it serves, with what is left of it: no request it takes reaches the sick engine
     (before, each of its first requests went there until its own breaker tripped, the client's
     answer saved only by a retry)."""
-    from tests.integration.server.test_workers import children_of
-
     good = await sims("vllm", "m")
     sick = await sims("vllm", "m", fault="status=500")
     sick_name = sick.url.split("//")[1]
@@ -179,13 +175,7 @@ async def test_a_restarted_worker_keeps_out_an_engine_its_sibling_ejected(sims, 
             assert (await post_new(port, "/v1/chat/completions", BODY))[0] == 200     # the 500 retried
             return [ep["breaker"] for ep in (await sick_in_each()).values()] == ["open", "open"]
         await until(open_in_both, timeout=20)
-        victim = children_of(proc.pid)[0]
-        os.kill(victim, signal.SIGKILL)
-
-        async def back() -> bool:
-            now = children_of(proc.pid)
-            return victim not in now and len(now) == 2 and len(await per_worker(port, 2, "/status.json")) == 2
-        await until(back, timeout=30)
+        await kill_a_worker(proc, port)
         before = await chats_received(sick.url)
         states = await sick_in_each()
         results: list[int] = []
@@ -210,8 +200,6 @@ async def test_a_worker_restarted_while_an_ejection_is_half_open_does_not_count_
     ``switchyard_breaker_transitions_total`` still counts one move from open to half-open, the
     one each worker made (the new worker goes on from its predecessor's count, which has it).
     Before, the new worker counted it again: 2 for one half-open."""
-    from tests.integration.server.test_workers import children_of
-
     good = await sims("vllm", "m")
     sick = await sims("vllm", "m", fault="status=500")
     sick_name = sick.url.split("//")[1]
@@ -231,13 +219,8 @@ async def test_a_worker_restarted_while_an_ejection_is_half_open_does_not_count_
         for page in (await per_worker(port, 2)).values():       # scraped: each worker's count is kept
             assert metric_total(page, "switchyard_breaker_transitions_total", endpoint=sick_name,
                                 from_state="open", to_state="half_open") == 1
-        victim = children_of(proc.pid)[0]
-        os.kill(victim, signal.SIGKILL)
-
-        async def back() -> bool:
-            now = children_of(proc.pid)
-            return victim not in now and len(now) == 2 and await sick_in_each() == ["half_open", "half_open"]
-        await until(back, timeout=30)
+        await kill_a_worker(proc, port)
+        await until(lambda: _all_equal(sick_in_each(), "half_open"), timeout=30)
         for page in (await per_worker(port, 2)).values():
             moves = {(f, t): metric_total(page, "switchyard_breaker_transitions_total", endpoint=sick_name,
                                           from_state=f, to_state=t)

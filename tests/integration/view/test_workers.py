@@ -20,7 +20,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.view.service import watcher_of
-from tests.support.gateway_process import gateway_process, get_new, metric_total, per_worker, post_new
+from tests.support.gateway_process import (
+    gateway_process,
+    get_new,
+    kill_a_worker,
+    metric_total,
+    per_worker,
+    post_new,
+)
 from tests.support.ports import listen_port
 from tests.support.waiting import until
 
@@ -289,8 +296,6 @@ async def moved_on_next_turns(port: int, started: dict[str, tuple[str, list[dict
 async def test_a_restarted_worker_catches_up_on_the_sessions_and_prefixes_its_siblings_know(sims, tmp_path):
     """A worker killed outright and started again by the parent knows, before it serves, where the
     conversations routed before its death went: without that, the next turns it took scattered."""
-    from tests.integration.server.test_workers import children_of
-
     engines = [await sims("vllm", "m") for _ in range(4)]
     port = listen_port()
     path = tmp_path / "gw.yaml"
@@ -298,14 +303,7 @@ async def test_a_restarted_worker_catches_up_on_the_sessions_and_prefixes_its_si
     async with gateway_process(path, port, "--workers", "2", ready_workers=2) as proc:
         started = await first_turns(port, [f"agent {i}" for i in range(10)])
         assert len({engine for engine, _ in started.values()}) > 1
-        victim = children_of(proc.pid)[0]
-        os.kill(victim, signal.SIGKILL)
-
-        async def back() -> bool:
-            now = children_of(proc.pid)
-            return victim not in now and len(now) == 2 and len(await per_worker(port, 2, "/status.json")) == 2
-
-        await until(back, timeout=30)
+        await kill_a_worker(proc, port)
         moved = await moved_on_next_turns(port, started, 2)
         assert not moved, moved
         pages = await per_worker(port, 2)

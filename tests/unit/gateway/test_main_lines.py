@@ -10,20 +10,7 @@ import io
 import sys
 
 from gateway.__main__ import main
-
-
-class Writes(io.RawIOBase):
-    """A stream that keeps each write it is given, as a pipe's reader would see them at worst."""
-
-    def __init__(self) -> None:
-        self.writes: list[bytes] = []
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:
-        self.writes.append(bytes(b))
-        return len(b)
+from tests.support.writes import Writes
 
 
 def stderr_writes(monkeypatch, argv: list[str]) -> tuple[int, list[bytes]]:

@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from gateway.observability.logs import PIPE_BUF, LineWriter, RequestLog, _chunks, resolve_format
+from tests.support.writes import Writes
 
 FIELDS = {"request_id": "r-1", "path": "/v1/chat/completions", "model": "m", "user": None, "status": 200,
           "stream": True, "ttft_ms": 1.5, "error": None}
@@ -178,24 +179,13 @@ def test_each_gateway_line_is_one_write_on_an_unbuffered_stderr(monkeypatch):
     """With PYTHONUNBUFFERED (as container images often set) stderr writes through to its file at
     every call: a line and its newline written apart let another worker's line in between, two
     JSON objects on one line. Each line goes out in one write."""
+    import logging
+
     import structlog
 
     from gateway.observability.logs import configure_logging
 
-    class Raw(io.RawIOBase):
-        def __init__(self) -> None:
-            self.writes: list[bytes] = []
-
-        def writable(self) -> bool:
-            return True
-
-        def write(self, b) -> int:
-            self.writes.append(bytes(b))
-            return len(b)
-
-    import logging
-
-    raw = Raw()
+    raw = Writes()
     saved = structlog.get_config()
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
