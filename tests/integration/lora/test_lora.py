@@ -281,3 +281,26 @@ async def test_pd_model_routes_both_legs_to_endpoints_serving_the_adapter(sims, 
     # model n has its adapter on the prefill only: no pair serves it
     status, _, body = await chat(gw, "chat")
     assert status == 503 and "no ready decode endpoint of the P/D model `n`" in body["error"]["message"]
+
+
+async def test_an_adapter_named_as_a_model_or_an_alias_is_not_listed_twice(sims, gateway):
+    """An engine may serve adapters whose names a model or an alias of the gateway has (no file
+    check can see them): a request naming one reaches that model or alias, so the listing names it
+    once, as that model or alias, and the Anthropic SDK's walk by cursor ends, each id met once."""
+    a = await sims("vllm", "m", lora_modules=("m2=org/m2-lora", "chat=org/chat-lora", "sql=org/sql-lora"),
+                   **LORA_SIM)
+    b = await sims("vllm", "m2")
+    gw = await gateway([model_block("m", "vllm", [a.url]), model_block("m2", "vllm", [b.url])], lora=FAST_LORA,
+                       aliases=[{"name": "chat", "targets": [{"model": "m2"}]}])
+    await wait_for(lambda: len(gw.gw.pool.endpoints("m")[0].adapters.served) == 3)
+    client = openai_client(gw)
+    listed = [(m.id, m.model_extra.get("parent"), m.model_extra.get("targets")) for m in (await client.models.list()).data]
+    assert listed == [("m", None, None), ("m2", None, None), ("chat", None, [{"model": "m2", "weight": 1}]),
+                      ("sql", "m", None)], listed
+    for name, served in (("chat", "m2"), ("m2", "m2"), ("sql", "sql")):     # who answers each name
+        assert (await client.chat.completions.create(model=name, messages=MSG, max_tokens=2)).model == served
+    assert (await client.models.retrieve("chat")).model_extra["targets"] == [{"model": "m2", "weight": 1}]
+    c = anthropic_client(gw)
+    async with asyncio.timeout(5):
+        walked = [m.id async for m in c.models.list(limit=1)]
+    assert walked == ["m", "m2", "chat", "sql"]
