@@ -409,7 +409,9 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
         """What ``/v1/models`` lists and ``/v1/models/{id}`` looks up: the models a request may name
         (those the config declares, in its order, with endpoints or not: a request for one that has
         none now is a 503, not a 404; then those only discovered pods serve), then the aliases, then
-        the LoRA adapters (by name). A model keeps its place as its endpoints come and go, so a walk
+        the LoRA adapters (by name) whose names no model or alias has (a request naming one of
+        those reaches the model or alias, and a name listed twice would send a walk by cursor
+        round in a loop). A model keeps its place as its endpoints come and go, so a walk
         through the pages by cursor meets it once. Asked with ``anthropic-version``, the same entries
         in Anthropic's shape (gateway/apis/anthropic_models.py)."""
         config_models = reloader.live.config.models
@@ -426,8 +428,12 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
             data.append({"id": a["name"], "object": "model", "created": started_at, "owned_by": "switchyard",
                          "targets": a["targets"], "sticky": a["sticky"],
                          "ready_endpoints": sum(len(pool.ready(t["model"])) for t in a["targets"])})
-        for a in lora.describe():       # LoRA adapters, with their parent (base) model
-            data.append({"id": a.pop("id"), "object": "model", "created": started_at, "owned_by": "switchyard", **a})
+        # LoRA adapters, with their parent (base) model; one an engine serves under a model's or an
+        # alias's name is not listed: a request naming it reaches that model or alias
+        taken = {e["id"] for e in data}
+        for a in lora.describe():
+            if a["id"] not in taken:
+                data.append({"id": a.pop("id"), "object": "model", "created": started_at, "owned_by": "switchyard", **a})
         return data
 
     async def models(request: web.Request) -> web.Response:
