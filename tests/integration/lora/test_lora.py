@@ -7,9 +7,12 @@ import asyncio
 
 import aiohttp
 import anthropic
+import msgspec
 import openai
 import pytest
 
+from gateway.config.schema import config_from_dict
+from gateway.server.app import RELOAD_KEY
 from tests.support.enginesim import restart_sim
 from tests.support.factories import model_block
 from tests.support.http import anthropic_client, openai_client, sim_state
@@ -304,3 +307,29 @@ async def test_an_adapter_named_as_a_model_or_an_alias_is_not_listed_twice(sims,
     async with asyncio.timeout(5):
         walked = [m.id async for m in c.models.list(limit=1)]
     assert walked == ["m", "m2", "chat", "sql"]
+
+
+async def test_an_endpoint_a_reload_declares_anew_keeps_its_engines_adapters(sims, gateway):
+    """A reload that declares an endpoint again at its URL with other settings (its
+    max_prompt_tokens) puts a new endpoint in its place, but the engine is the same and holds its
+    adapters still: the one discovery found is served at once, not refused until the next round;
+    the one the gateway loaded is neither loaded again nor kept there for ever: it is still the
+    gateway's, unloaded once idle."""
+    a = await sims("vllm", "m", lora_modules=("sql=org/sql-lora",), **LORA_SIM)
+    gw = await gateway([model_block("m", "vllm", [a.url], adapters={"chat": "org/chat-lora"})],
+                       lora={"discovery_interval_s": 60, "idle_unload_s": 1.0})
+    await wait_for(lambda: "sql" in gw.gw.pool.endpoints("m")[0].adapters.served)
+    status, _, body = await chat(gw, "chat")
+    assert status == 200, body
+    reloader = gw.runner.app[RELOAD_KEY]
+    raw = msgspec.to_builtins(reloader.live.config)
+    raw["models"][0]["endpoints"] = [{"url": a.url, "max_prompt_tokens": 100_000}]
+    result = reloader.reload("test", config_from_dict(raw, source="<test>"))
+    assert (result.result, result.removed, result.added) == ("ok", [f"m {a.url}"], [f"m {a.url}"])
+    for name in ("chat", "sql"):        # chat well within idle_unload_s of its last request
+        status, _, body = await chat(gw, name)
+        assert (status, body.get("model")) == (200, name), body
+    assert len(load_calls(await sim_state(a.url))) == 1         # chat was there: no second load
+    assert await wait_for(lambda: "chat" not in gw.gw.pool.endpoints("m")[0].adapters.served, timeout=10)
+    st = await sim_state(a.url)
+    assert list(st["lora"]["registered"]) == ["sql"], st["lora"]
