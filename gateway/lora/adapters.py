@@ -171,6 +171,9 @@ class Lora:
         # keyed by id(ep): an endpoint that left the pool leaves them, or a new one at its address
         # would inherit its cooldowns and its loads
         pool.removal_listeners.append(self._forget)
+        # an endpoint a reload declared again with other settings is the same engine: its adapters stay
+        pool.replacement_listeners.append(self._replaced)
+        self._left: tuple[Endpoint, dict[str, dict]] | None = None     # the last endpoint forgotten, what it had
         self._task: asyncio.Task | None = None
         self._idle_task: asyncio.Task | None = None
         # the shared routing view when the workers share discovery (view.share_monitoring), else None
@@ -656,12 +659,33 @@ class Lora:
     def _forget(self, ep: Endpoint) -> None:
         i = id(ep)
         self._down.discard(i)
-        for d in (self._cooldown, self._loaded_at, self._unloaded_at, self._sibling_used):
-            for key in [k for k in d if k[0] == i]:
-                del d[key]
+        left: dict[str, dict] = {}
+        for name, d in (("cooldown", self._cooldown), ("loaded_at", self._loaded_at),
+                        ("unloaded_at", self._unloaded_at), ("sibling_used", self._sibling_used)):
+            left[name] = {k[1]: d.pop(k) for k in [k for k in d if k[0] == i]}
+        self._left = (ep, left)     # until the next removal: a reload's replacement comes right after it
         for key in [k for k in self._sibling_loads if k[0] == i]:
             self._sibling_loads.pop(key).end("ended")      # whoever waits chooses among those left
         self._pending.pop(i, None)
+
+    def _replaced(self, old: Endpoint, new: Endpoint) -> None:
+        """A reload declared ``old``'s engine again at its URL with other settings, as ``new``: the
+        engine holds its adapters still. ``new`` shares ``old``'s adapter state (what it serves, this
+        gateway's requests in flight there per adapter, which those on ``old`` release as they end,
+        and the recently routed), and takes over what ``_forget`` took of ``old``: the adapters this
+        gateway loaded there (still its own, for ``idle_unload_s`` and a restart), those it unloaded,
+        their cooldowns and the siblings' uses. Otherwise an adapter discovery found there was
+        unknown until the next round (a 404 for a request naming it), and one the gateway loaded was
+        loaded again and, no longer its own, never unloaded as idle."""
+        left, self._left = self._left, None
+        new.adapters = old.adapters
+        if left is not None and left[0] is old:
+            i = id(new)
+            for name, d in (("cooldown", self._cooldown), ("loaded_at", self._loaded_at),
+                            ("unloaded_at", self._unloaded_at), ("sibling_used", self._sibling_used)):
+                for adapter, value in left[1][name].items():
+                    d[(i, adapter)] = value
+        self.count_serving()
 
     def settle(self, ctx: RequestContext) -> None:
         """A request for an adapter that its engine answered it does not have (restarted without
