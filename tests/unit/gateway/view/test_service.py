@@ -1020,3 +1020,30 @@ async def test_a_worker_that_missed_its_siblings_close_after_the_trials_closes_t
         loop.add_reader(b.bus.sock.fileno(), b.bus._readable)
         await until(lambda: bbr.state(eb[0]) == CLOSED, timeout=3)
         assert eb[0].ready
+
+
+async def test_the_adapters_of_an_engine_serving_thousands_reach_the_sibling():
+    """The watcher of an engine tells its siblings the adapters the engine lists: 3,000 of them
+    named as hub ids make one fact of about 180 KB, which travels alone, past view.max_datagram_bytes
+    (the socket takes it). The sibling takes it whole, so it need not read the engine itself."""
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from gateway.lora.adapters import Lora, LoraMetrics
+
+    d = RunDirectory()
+    cfg = _config(heartbeat_s=0.05, load_interval_s=0.01)
+    (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
+    la, lb = (Lora(cfg, p, upstream=None, metrics=LoraMetrics(CollectorRegistry())) for p in (apool, bpool))
+    a.attach_lora(la)
+    b.attach_lora(lb)
+    adapters = {f"customer-org/support-assistant-lora-adapter-rank16-{i:06d}": "m" for i in range(3000)}
+    async with _running(d, a, b):
+        ea = next(ep for ep in apool.endpoints("m") if a.watcher(ep) == 0)
+        eb = next(ep for ep in bpool.endpoints("m") if ep.url == ea.url)
+        a.told_models(ea, time.monotonic(), adapters)
+        await until(lambda: len(eb.adapters.served) == 3000, timeout=5)
+        assert eb.adapters.served == adapters
+    page = b.m.gm.render().decode()
+    assert metric_total(page, "switchyard_view_messages_dropped_total", reason="undecodable") == 0
