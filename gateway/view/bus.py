@@ -12,12 +12,18 @@ batch heals them, and a worker that missed insertions, sessions or ejections cat
 Datagrams keep message boundaries, need no framing, connection or reconnection, and the kernel
 copies them between processes in a few microseconds; a worker reads every queued datagram when
 its socket is readable (``loop.add_reader``), between two requests' steps.
+
+A batch is at most ``view.max_datagram_bytes``, but a single fact larger than that travels alone
+(the adapters of an engine that lists thousands, say): a worker reads a datagram as large as its
+sending socket takes (``SO_SNDBUF``, the same in every worker, up to ``RCVBUF_BYTES``), into one
+buffer kept for it, so none arrives cut short; a larger one is not sent, counted ``too_large``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import mmap
 import os
 import socket
 from collections.abc import Callable
@@ -45,6 +51,8 @@ class LocalBus:
         self.max_bytes = max_bytes
         self.sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.datagram_max = max_bytes + 65536     # the largest datagram sent and read (``open`` sets it)
+        self._buf: mmap.mmap | None = None        # read into: its pages are used as far as the largest datagram
         self.sent = 0
         self.refused = 0          # datagrams a living sibling refused in the last ``send`` (its queue full)
 
@@ -58,6 +66,9 @@ class LocalBus:
             os.unlink(self.path)                 # a previous incarnation of this worker
         s.bind(self.path)
         self.sock = s
+        with contextlib.suppress(OSError):
+            self.datagram_max = min(RCVBUF_BYTES, max(self.datagram_max, s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)))
+        self._buf = mmap.mmap(-1, self.datagram_max)
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(s.fileno(), self._readable)
 
@@ -69,6 +80,9 @@ class LocalBus:
                 self._loop.remove_reader(self.sock.fileno())
         self.sock.close()
         self.sock = None
+        if self._buf is not None:
+            self._buf.close()
+            self._buf = None
         with contextlib.suppress(OSError):
             os.unlink(self.path)
 
@@ -80,6 +94,10 @@ class LocalBus:
         sent = refused = 0
         for peer in self.peers:
             for p in payloads:
+                if len(p) > self.datagram_max:                     # the sibling could not read it whole
+                    self.on_drop("too_large")
+                    refused += 1
+                    continue
                 try:
                     s.sendto(p, peer)
                     sent += 1
@@ -97,18 +115,17 @@ class LocalBus:
         return sent
 
     def _readable(self) -> None:
-        s = self.sock
-        if s is None:
+        s, buf = self.sock, self._buf
+        if s is None or buf is None:
             return
-        size = self.max_bytes + 65536
         while True:
             try:
-                data = s.recv(size)
+                n = s.recv_into(buf)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 return
-            self.on_message(data)
+            self.on_message(buf[:n])
 
 
 def sibling_paths(directory: str) -> list[Path]:

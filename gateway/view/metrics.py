@@ -69,7 +69,8 @@ class ViewMetrics:
         self.dropped = Counter("switchyard_view_messages_dropped",
                                "Batches or facts lost: peer_full / peer_down / error (a sibling's socket), "
                                "undecodable, redis_down / outbox_full (facts waiting for Redis), too_large (a tokenized "
-                               "segment beyond view.max_datagram_bytes, not shared)",
+                               "segment beyond view.max_datagram_bytes, not shared, or a message larger than a "
+                               "sibling worker reads)",
                                ["source", "reason"], registry=r)
         self.applied = Counter("switchyard_view_facts_applied",
                                "Facts from other processes applied to this one's view (insert: a prefix-index "
