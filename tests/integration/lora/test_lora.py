@@ -333,3 +333,19 @@ async def test_an_endpoint_a_reload_declares_anew_keeps_its_engines_adapters(sim
     assert await wait_for(lambda: "chat" not in gw.gw.pool.endpoints("m")[0].adapters.served, timeout=10)
     st = await sim_state(a.url)
     assert list(st["lora"]["registered"]) == ["sql"], st["lora"]
+
+
+async def test_an_adapter_name_two_base_models_serve_lists_the_endpoints_requests_go_to(sims, gateway):
+    """Engines of two base models each serve an adapter named sql: a request for sql goes to the
+    first model's (the config's order), and the listing counts that model's endpoints only, its
+    parent's: the other model's cannot be reached under that name."""
+    a = await sims("vllm", "m", lora_modules=("sql=org/sql-m",), **LORA_SIM)
+    b = await sims("vllm", "n", lora_modules=("sql=org/sql-n",), **LORA_SIM)
+    gw = await gateway([model_block("m", "vllm", [a.url]), model_block("n", "vllm", [b.url])], lora=FAST_LORA)
+    await wait_for(lambda: sum("sql" in ep.adapters.served for ep in gw.gw.pool.endpoints()) == 2)
+    client = openai_client(gw)
+    sql = await client.models.retrieve("sql")
+    assert (sql.model_extra["parent"], sql.model_extra["ready_endpoints"]) == ("m", 1), sql
+    for _ in range(3):
+        raw = await client.chat.completions.with_raw_response.create(model="sql", messages=MSG, max_tokens=2)
+        assert raw.headers["target-pod"] == a.url.removeprefix("http://")
