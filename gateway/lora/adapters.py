@@ -869,8 +869,11 @@ class Lora:
         out: dict[str, dict[str, Any]] = {}
         for ep in self.pool.endpoints():
             for a in ep.adapters.served:
+                # the parent is the first model serving it, which ``base_of`` sends its requests to:
+                # another model's endpoints serving a namesake are not this adapter's
                 entry = out.setdefault(a, {"id": a, "parent": ep.model, "ready_endpoints": 0})
-                entry["ready_endpoints"] += int(ep.ready)
+                if entry["parent"] == ep.model:
+                    entry["ready_endpoints"] += int(ep.ready)
         for a, (model, _) in self.paths.items():
             out.setdefault(a, {"id": a, "parent": model, "ready_endpoints": 0, "loadable": True})
             out[a]["loadable"] = True
