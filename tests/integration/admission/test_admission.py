@@ -208,6 +208,28 @@ async def test_a_bad_x_priority_is_a_400_that_costs_the_user_nothing(sims, gatew
     assert status == 200 and headers["x-ratelimit-remaining-requests"] == "9"    # the refused ones not counted
 
 
+async def test_an_x_priority_sent_twice_is_a_400_whatever_its_first_line(sims, gateway):
+    """``x-priority`` holds one class, so two lines of it are read whole, as RFC 9110 joins them
+    (``standard, bogus``): no class, a 400, whichever line comes first and whether or not the lines
+    agree, and the user's window does not count it. Which line counts is not left to the reader (a
+    proxy in front that lowered the class by adding a line of its own would otherwise be ignored)."""
+    import aiohttp
+    from multidict import CIMultiDict
+
+    auth = {"api_keys": [{"key": KEYS["alice"], "user": "alice"}]}
+    _, gw = await capped_gateway(sims, gateway, auth=auth, limits={"users": {"alice": {"rpm": 10}}})
+    async with aiohttp.ClientSession() as s:
+        for first, second in (("standard", "bogus"), ("critical", "sheddable"), ("standard", "standard")):
+            headers = CIMultiDict([("Authorization", f"Bearer {KEYS['alice']}"),
+                                   ("x-priority", first), ("x-priority", second)])
+            async with s.post(gw.url + "/v1/chat/completions", json=body(), headers=headers) as r:
+                answer = await r.json()
+                assert r.status == 400, (first, second, answer)
+                assert answer["error"]["param"] == "x-priority" and answer["error"]["code"] == "invalid_priority"
+    status, headers, _ = await post(gw.url, body(), {"Authorization": f"Bearer {KEYS['alice']}"})
+    assert status == 200 and headers["x-ratelimit-remaining-requests"] == "9"    # the refused ones not counted
+
+
 async def test_no_flood_before_the_engines_capacity_is_known(sims, gateway):
     """Twelve requests at once on a fresh engine of two slots, standard class (its share of
     max_waiting_per_endpoint 2 is one queued request): before its capacity is known it gets one
