@@ -48,6 +48,7 @@ from gateway.admission.saturation import (
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import LATENCY_BUCKETS, Counter, Histogram
+from gateway.tenants.directory import header_field
 from gateway.tenants.limits import fmt_duration
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ class Admission:
         user's request window): ``priority_of`` checks it again once the user is known."""
         s = self.settings(model)
         if s is not None and s.priority_header:
-            asked = ctx.http.headers.get("x-priority")
+            asked = header_field(ctx.http.headers, "x-priority")
             if asked is not None and asked.strip().lower() not in RANK:
                 raise _bad_priority()
 
@@ -177,7 +178,8 @@ class Admission:
         allowed = self.user_priority(ctx.rec.user) or s.default_priority
         # a batch line's header is the gateway's own (``sheddable``), honoured whatever clients may do
         honoured = s.priority_header or getattr(ctx.http, "own_priority", False)
-        asked = ctx.http.headers.get("x-priority") if honoured else None
+        # read whole: two lines join into a value that names no class (a 400), whichever comes first
+        asked = header_field(ctx.http.headers, "x-priority") if honoured else None
         if asked is None:
             return RANK[allowed]
         name = asked.strip().lower()
