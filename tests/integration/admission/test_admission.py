@@ -734,21 +734,32 @@ async def test_every_worker_has_a_slot_when_the_cap_deals_one_per_worker(tmp_pat
 async def test_an_endpoint_reads_saturated_only_when_no_worker_has_room_on_it(sims, tmp_path):
     """``--workers 2`` and a cap of two on the one engine: a slot each. One request held fills one
     worker's share; the other still admits at once, so ``/metrics`` says the endpoint has room
-    (headroom 1, not saturated), as one process would."""
+    (headroom 1, not saturated), as one process would. So it does of a model a reload added, which
+    the other worker has not served yet: its share of the room is counted all the same (its rows
+    were left out of ``/metrics`` until it served the model or built a status page, and the
+    gateway's figures were the first worker's alone: headroom 0, saturated)."""
+    import os
+    import signal
+
     from tests.support.gateway_process import gateway_process, get_new
     from tests.support.metrics import metric
     from tests.support.ports import listen_port
 
     sim = await sims("vllm", "m")
+    added = await sims("vllm", "m2")
     port = listen_port()
     cfg = tmp_path / "gw.yaml"
-    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-                   "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning}\n"
-                   "scrape: {enabled: false}\n"
-                   "admission: {enabled: true, max_in_flight_per_endpoint: 2, queue_timeout_s: 60}\n"
-                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+
+    def write(*sims_) -> None:
+        models = ", ".join(f"{{name: {s.engine.cfg.model}, engine: vllm, endpoints: ['{s.url}']}}" for s in sims_)
+        cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                       "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning}\n"
+                       "scrape: {enabled: false}\n"
+                       "admission: {enabled: true, max_in_flight_per_endpoint: 2, queue_timeout_s: 60}\n"
+                       f"models: [{models}]\n")
+    write(sim)
     name = sim.url.removeprefix("http://")
-    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2) as proc:
         base = f"http://127.0.0.1:{port}"
 
         async def both_know_the_model():      # a worker shows a model's rows once it served it
@@ -762,6 +773,19 @@ async def test_an_endpoint_reads_saturated_only_when_no_worker_has_room_on_it(si
             page = (await get_new(port, "/metrics"))[1]
             return page if metric(page, "switchyard_endpoint_in_flight_requests", endpoint=name) == 1 else None
         page = await until(held_there, timeout=10)
+        assert metric(page, "switchyard_endpoint_admission_headroom", endpoint=name) == 1
+        assert metric(page, "switchyard_endpoint_saturated", endpoint=name) == 0
+        await cancel(held)
+
+        write(sim, added)
+        os.kill(proc.pid, signal.SIGHUP)
+
+        async def reloaded():
+            return metric((await get_new(port, "/metrics"))[1], "switchyard_config_generation") == 2
+        await until(reloaded, timeout=20)
+        name = added.url.removeprefix("http://")
+        held = asyncio.create_task(post(base, body(model="m2"), HOLD))
+        page = await until(held_there, timeout=10)      # one worker met m2; the other has not
         assert metric(page, "switchyard_endpoint_admission_headroom", endpoint=name) == 1
         assert metric(page, "switchyard_endpoint_saturated", endpoint=name) == 0
         await cancel(held)
