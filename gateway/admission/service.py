@@ -155,6 +155,16 @@ class Admission:
                 mq.drain.resize(s.drain_window_s)          # a reload may have changed it
             return s
 
+    def tracked(self) -> list[str]:
+        """The models the gauges cover: every one admission is on for (the config's and the pool's,
+        discovered ones included), served here yet or not, and those that had a queue here since
+        (a reload may have turned admission off or removed the model while requests waited). With
+        ``--workers N`` a worker that has not served a model still holds its share of the model's
+        room, which the gateway's sum needs."""
+        for model in dict.fromkeys([*(m.name for m in self.config.models), *self.pool.models()]):
+            self.settings(model)
+        return list(self._models)
+
     # -- priority ------------------------------------------------------------------------------
 
     def user_priority(self, user: str | None) -> str | None:
@@ -587,7 +597,8 @@ class _AdmissionState(Collector):
                                 "comes from: queued (seen queueing), told (the engine's cap), slow_start",
                                 labels=["model", "endpoint", "source"])
         now = a.clock()
-        for model, mq in list(a._models.items()):
+        for model in a.tracked():
+            mq = a._models[model]
             for rank, name in enumerate(PRIORITIES):
                 depth.add_metric([model, name], mq.queue.count(rank))
             held.add_metric([model], mq.queue.bytes)

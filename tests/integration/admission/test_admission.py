@@ -762,11 +762,12 @@ async def test_an_endpoint_reads_saturated_only_when_no_worker_has_room_on_it(si
     async with gateway_process(cfg, port, "--workers", "2", ready_workers=2) as proc:
         base = f"http://127.0.0.1:{port}"
 
-        async def both_know_the_model():      # a worker shows a model's rows once it served it
-            assert (await post(base, body()))[0] == 200
+        assert (await post(base, body()))[0] == 200
+
+        async def a_slot_each():
             page = (await get_new(port, "/metrics"))[1]
             return metric(page, "switchyard_endpoint_admission_headroom", endpoint=name) == 2
-        await until(both_know_the_model, timeout=20)
+        await until(a_slot_each, timeout=20)
         held = asyncio.create_task(post(base, body(), HOLD))
 
         async def held_there():
@@ -843,7 +844,7 @@ async def test_an_unbounded_endpoints_headroom_is_capped_at_1e6_for_the_gateway(
 
         workers = await connections(port, 2, stack)
 
-        async def served_by_both() -> bool:      # a worker shows a model's rows once it served it
+        async def served_by_both() -> bool:      # each worker's first scrape is in
             for w in workers:
                 async with w.session.post(w.base + "/v1/chat/completions", json=body()) as r:
                     await r.read()
