@@ -429,6 +429,30 @@ async def test_a_reload_keeps_the_queue_waiting(sims, gateway):
     assert [st for st, _, _ in await asyncio.gather(*waiting)] == [200] * 4
 
 
+async def test_a_reload_that_turns_admission_off_lets_the_queue_go_at_once(sims, gateway):
+    """A reload that turns admission off for the model while requests wait sends them to the
+    engine at once, as it would send them arriving then: none is lost, refused or left waiting for
+    room that nothing counts any more, and each wait is counted dispatched."""
+    import msgspec
+
+    from gateway.server.app import RELOAD_KEY
+    from tests.support.metrics import metric
+
+    _, gw = await capped_gateway(sims, gateway, scrape={"enabled": False})
+    blocker = await hold(gw)
+    waiting = [asyncio.create_task(post(gw.url, body())) for _ in range(3)]
+    assert await wait_for(lambda: len(queue(gw)) == 3)
+    reloader = gw.runner.app[RELOAD_KEY]
+    config = reloader.live.config
+    off = msgspec.structs.replace(config, admission=msgspec.structs.replace(config.admission, enabled=False))
+    assert reloader.reload("test", off).result == "ok"
+    assert [st for st, _, _ in await asyncio.gather(*waiting)] == [200] * 3      # the blocker still runs
+    page = await gw.metrics_text()
+    assert metric(page, "switchyard_admission_wait_seconds_count", outcome="dispatched") == 3
+    assert metric(page, "switchyard_admission_queue_depth") == 0
+    await cancel(blocker)
+
+
 async def test_a_newcomer_to_a_queue_a_reload_left_over_its_bound_takes_one_place(sims, gateway):
     """A reload that lowers ``queue_max`` below the requests waiting keeps them queued; a newcomer of
     a higher class then displaces one of them, as at a full queue, and the queue shrinks as its
