@@ -648,14 +648,14 @@ SLO_TPOT_HEADER = "x-slo-tpot-ms"
 def _slo_header(headers: Any, name: str) -> float | None:
     # read whole, as RFC 9110 joins a field's lines: two lines make a value that is no number (a
     # 400), whichever comes first
-    getall = getattr(headers, "getall", None)
-    if getall is None:                  # a plain mapping (a test's): one value a name
-        raw = headers.get(name)
-    else:
-        lines = getall(name, ())
-        raw = ", ".join(lines) if lines else None
-    if raw is None:
+    raw = headers.get(name)
+    if raw is None:                     # the common case: no objective, one lookup
         return None
+    getall = getattr(headers, "getall", None)       # None for a plain mapping (a test's)
+    if getall is not None:
+        lines = getall(name, ())
+        if len(lines) > 1:
+            raw = ", ".join(lines)
     try:
         v = float(raw)
     except ValueError:
