@@ -407,6 +407,35 @@ async def test_the_limit_ends_the_stream_with_todays_error_event(sims, gateway):
     assert migrations(text, "continued") == 1 and migrations(text, "limit") == 1
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("others", ["none", "broken"])
+async def test_a_broken_stream_no_leg_continues_is_charged_the_tokens_its_legs_reported(sims, gateway, engine, others):
+    """A stream that broke after some tokens and was not continued (no other endpoint; the one that
+    took its continuation broke too, at the limit) is charged as an abandoned one (docs/tenancy.md):
+    on a model with migration_limit, whose legs report usage on every chunk, the original prompt
+    and every token generated, on its log line and in the token counters too. It was charged the
+    prompt's estimate and a token per chunk, and its log line had no usage."""
+    bad = [await sims(engine, "m", fault="drop_after=7") for _ in range(1 if others == "none" else 2)]
+    gw = await gateway([model_block("m", engine, [b.url for b in bad], strategy="round-robin", migration_limit=1)],
+                       auth=KEYS, limits={"users": {"alice": {"tpm": 100000}}}, health={"enabled": False})
+    body = {"model": "m", "messages": MSG, "max_tokens": 30, "stream": True}
+    good = await sims(engine, "m")                # the prompt's tokens, as an engine counts them
+    _, ref = await raw_post(good.url, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    prompt = next(e["usage"]["prompt_tokens"] for e in ref if isinstance(e, dict) and e.get("usage"))
+    with gw.gw.request_log.capture() as logs:
+        st, got = await raw_post(gw.url, "/v1/chat/completions", body, headers={"Authorization": f"Bearer {ALICE}"})
+        await until(lambda: any(e["event"] == "request" for e in logs))
+    assert st == 200 and got[-1]["error"]["code"] == "upstream_incomplete"
+    line = next(e for e in logs if e["event"] == "request")
+    generated = 7 * len(bad)
+    assert [m["outcome"] for m in line["migrations"]] == (["failed"] if others == "none" else ["continued", "limit"])
+    assert (line["prompt_tokens"], line["completion_tokens"]) == (prompt, generated)
+    assert (await gw.gw.tenancy.state.usage("alice"))["tokens"] == prompt + generated
+    text = await gw.metrics_text()
+    assert counter(text, "switchyard_completion_tokens_total") == generated
+    assert counter(text, "switchyard_prompt_tokens_total") == prompt
+
+
 @pytest.mark.parametrize("extra,why", [({"response_format": {"type": "json_object"}}, "response_format"),
                                        ({"logprobs": True}, "logprobs"),
                                        ({"seed": 7, "temperature": 0.8}, "seed"),
