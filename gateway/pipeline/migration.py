@@ -346,8 +346,16 @@ class Migration:
                     if error_class == ErrorClass.UPSTREAM_STREAM_ERROR and isinstance(self.error, dict):
                         message = str(self.error.get("message") or message)
                     rec.error_class, rec.error = error_class, message[:200]
+                    # the usage every leg reported up to the break (each asks for it on every
+                    # chunk): the original prompt and the tokens generated, as for a client that left
+                    if self.last_usage is not None:
+                        seen.usage = self._merged(final=True)
                     ending = True
-                    return await relay.end_stream(ctx, out, seen, (error_class, message))
+                    try:
+                        return await relay.end_stream(ctx, out, seen, (error_class, message))
+                    finally:
+                        if self.leg and self.prompt_details is _UNKNOWN:
+                            rec.cached_tokens = None      # not known, rather than another prompt's
                 resp = nxt
         except (ConnectionResetError, asyncio.CancelledError) as e:
             # the client left: what it received is recorded as the plain relay records it (its
