@@ -756,6 +756,37 @@ async def test_a_stream_started_over_reports_the_cached_tokens_of_the_leg_that_r
     assert migrations(await gw.metrics_text(), "continued") == 1
 
 
+async def test_a_stream_started_over_then_continued_reports_its_original_prompts_tokens(sims, gateway):
+    """A first leg broken before its first chunk is started over on another engine, which runs the
+    original prompt and breaks after some tokens; the third leg continues it with a longer prompt
+    (the original one and what was generated). The stream's usage counts the original prompt, as
+    the leg that started over reported it (docs/resilience.md). It counted the continuation's
+    prompt, the generated tokens in it counted twice, on the client's usage block, the log line
+    and the tenant's charge."""
+    early = await sims("vllm", "m", fault="drop_after=0")
+    good = await sims("vllm", "m")
+    bad = await sims("vllm", "m", fault="drop_after=5")
+    # round-robin: the first leg on the engine that breaks at once, the one that starts over on the
+    # one that breaks after five tokens (the second of those not tried yet), the continuation on the good one
+    gw = await gateway([model_block("m", "vllm", [early.url, good.url, bad.url], strategy="round-robin",
+                                    migration_limit=2)], health={"enabled": False})
+    req = {"model": "m", "messages": MSG, "max_tokens": 20, "stream": True, "stream_options": {"include_usage": True}}
+    _, ref = await raw_post(good.url, "/v1/chat/completions", req)
+    ref_usage = next(e["usage"] for e in ref if isinstance(e, dict) and e.get("usage"))
+    with gw.gw.request_log.capture() as logs:
+        st, got = await raw_post(gw.url, "/v1/chat/completions", req)
+        await until(lambda: any(e["event"] == "request" for e in logs))
+    assert st == 200 and got[-1] == "[DONE]", got[-2:]
+    assert text_of(got) == text_of(ref)
+    line = next(e for e in logs if e["event"] == "request")
+    assert [(m["reason"], m["endpoint"], m["tokens"]) for m in line["migrations"]] == [
+        ("broken", early.url[7:], 0), ("broken", bad.url[7:], 5)]
+    usage = next(e["usage"] for e in got if isinstance(e, dict) and e.get("usage"))
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (ref_usage["prompt_tokens"], 20)
+    assert usage["total_tokens"] == ref_usage["prompt_tokens"] + 20
+    assert line["prompt_tokens"] == ref_usage["prompt_tokens"]
+
+
 @pytest.mark.parametrize("kind", ["chat", "completions"])
 async def test_a_text_continuation_starts_from_exactly_what_the_client_received(sims, gateway, kind):
     """vLLM holds back the last (longest stop string - 1) characters of a stream with stop strings,
