@@ -654,7 +654,9 @@ class Migration:
         c = usage.get("completion_tokens")
         if isinstance(c, int):
             self.leg_completion = c
-        if self.leg == 0 and isinstance(usage.get("prompt_tokens"), int):
+        if self.own_prompt and isinstance(usage.get("prompt_tokens"), int):
+            # the client's prompt, as the leg that ran it reported it (the first, or one that
+            # started over because the first generated nothing): a continuation's is longer
             self.prompt_tokens = usage["prompt_tokens"]
         if self.own_prompt and "prompt_tokens_details" in usage:
             self.prompt_details = usage["prompt_tokens_details"]
