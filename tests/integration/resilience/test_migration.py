@@ -756,6 +756,22 @@ async def test_a_stream_started_over_reports_the_cached_tokens_of_the_leg_that_r
     assert migrations(await gw.metrics_text(), "continued") == 1
 
 
+@pytest.mark.parametrize("limit", [0, 1])
+async def test_a_broken_connection_is_counted_under_one_error_class_with_migration_or_without(sims, gateway, limit):
+    """An engine connection that breaks mid-stream is one upstream error of class broken_stream,
+    whether its model has migration_limit or not: a dashboard reading that class lost every break
+    of a model with continuation, counted as upstream_broken."""
+    bad = await sims("vllm", "m", fault="drop_after=4")
+    gw = await gateway([model_block("m", "vllm", [bad.url], migration_limit=limit)], health={"enabled": False})
+    st, got = await raw_post(gw.url, "/v1/chat/completions",
+                             {"model": "m", "messages": MSG, "max_tokens": 20, "stream": True})
+    assert st == 200 and got[-1]["error"]["code"] == "upstream_incomplete"
+    text = await gw.metrics_text()
+    assert counter(text, "switchyard_upstream_errors_total") == 1
+    assert (f'switchyard_upstream_errors_total{{endpoint="{bad.url[7:]}",error_class="broken_stream",model="m"}} 1.0'
+            in text)
+
+
 async def test_a_stream_started_over_then_continued_reports_its_original_prompts_tokens(sims, gateway):
     """A first leg broken before its first chunk is started over on another engine, which runs the
     original prompt and breaks after some tokens; the third leg continues it with a longer prompt
