@@ -50,6 +50,7 @@ from gateway.config.schema import WatchdogConfig
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
 from gateway.pipeline.relay import (
+    BROKEN_STREAM,
     END_GRACE_S,
     EOF_FAILURE,
     Relay,
@@ -499,7 +500,8 @@ class Migration:
         rec = ctx.rec
         failed_ep = rec.endpoint
         failed = ctx.decision.endpoint if ctx.decision is not None else None
-        self.metrics.child(self.metrics.upstream_errors, rec.model, failed_ep, error_class).inc()
+        self.metrics.child(self.metrics.upstream_errors, rec.model, failed_ep,
+                           BROKEN_STREAM if error_class == ErrorClass.UPSTREAM_BROKEN else error_class).inc()
         reason = REASONS.get(error_class)
         self.partial.completion_tokens += max(self.leg_completion, self.leg_ids)
         self.leg_completion = self.leg_ids = 0

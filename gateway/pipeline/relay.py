@@ -127,6 +127,11 @@ def coding_of(resp: UpstreamResponse) -> str | None:
     return None
 
 
+# switchyard_upstream_errors_total's class of an engine connection that broke mid-stream (the plain
+# relay's and a migrating stream's leg alike)
+BROKEN_STREAM = "broken_stream"
+
+
 def stream_failure(e: WatchdogFired | UpstreamError) -> StreamFailure:
     """What a leg's failure mid-stream is called, for the plain relay and a migrating stream alike:
     a watchdog that fired, the whole-exchange timeout (``upstream.total_timeout_s``), or the
@@ -649,7 +654,7 @@ class Relay:
             if gating:
                 raise _unstarted(refused, FirstBytesFailed("broken", e)) from None
             rec.error_class, rec.error = failure = stream_failure(e)
-            self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "broken_stream").inc()
+            self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, BROKEN_STREAM).inc()
         except ConnectionResetError:
             # the client went away while we wrote: same as a disconnect (after the engine's error
             # event, which it had: that error ended the answer, and is recorded)
