@@ -756,6 +756,31 @@ async def test_a_stream_started_over_reports_the_cached_tokens_of_the_leg_that_r
     assert migrations(await gw.metrics_text(), "continued") == 1
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_a_stream_an_engine_ends_with_a_501_event_after_tokens_is_charged_the_tokens_reported(sims, gateway,
+                                                                                                engine):
+    """An error event of code 501 after some tokens ends the stream with that event, not continued
+    (another engine would not implement it either); the engine broke it off without its final
+    usage, so it is charged as an abandoned stream (docs/tenancy.md): on a model with
+    migration_limit, the prompt and the tokens generated as its usage on every chunk reported them,
+    on its log line too. It was charged the prompt's estimate and a token per chunk."""
+    bad = await sims(engine, "m", fault="error_after=7;error_code=501")
+    good = await sims(engine, "m")
+    gw = await gateway([model_block("m", engine, [bad.url, good.url], strategy="round-robin", migration_limit=1)],
+                       auth=KEYS, limits={"users": {"alice": {"tpm": 100000}}}, health={"enabled": False})
+    body = {"model": "m", "messages": MSG, "max_tokens": 30, "stream": True}
+    _, ref = await raw_post(good.url, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    prompt = next(e["usage"]["prompt_tokens"] for e in ref if isinstance(e, dict) and e.get("usage"))
+    with gw.gw.request_log.capture() as logs:
+        st, got = await raw_post(gw.url, "/v1/chat/completions", body, headers={"Authorization": f"Bearer {ALICE}"})
+        await until(lambda: any(e["event"] == "request" for e in logs))
+    assert st == 200 and got[-1] == "[DONE]" and got[-2]["error"]["code"] == 501
+    line = next(e for e in logs if e["event"] == "request")
+    assert line["error_class"] == "upstream_stream_unsupported" and "migrations" not in line
+    assert (line["prompt_tokens"], line["completion_tokens"]) == (prompt, 7)
+    assert (await gw.gw.tenancy.state.usage("alice"))["tokens"] == prompt + 7
+
+
 @pytest.mark.parametrize("limit", [0, 1])
 async def test_a_broken_connection_is_counted_under_one_error_class_with_migration_or_without(sims, gateway, limit):
     """An engine connection that breaks mid-stream is one upstream error of class broken_stream,
