@@ -781,6 +781,44 @@ async def test_a_stream_an_engine_ends_with_a_501_event_after_tokens_is_charged_
     assert (await gw.gw.tenancy.state.usage("alice"))["tokens"] == prompt + 7
 
 
+@pytest.mark.parametrize("end", ["reset", "error", "501"])
+async def test_a_stream_an_engine_ends_before_its_first_token_is_charged_nothing(gateway, end):
+    """docs/tenancy.md: a stream the engine ended with an error before its first token generated
+    nothing and is charged no tokens, also on a model with migration_limit whose first leg (its
+    role chunk, as vLLM sends it with continuous_usage_stats) reported the prompt's usage before
+    it broke and no other endpoint took it."""
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: " + json.dumps({
+            "id": "chatcmpl-r", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None, "token_ids": []}], "prompt_token_ids": [1, 2, 3],
+            "usage": {"prompt_tokens": 17, "completion_tokens": 0, "total_tokens": 17}}).encode() + b"\n\n")
+        if end == "reset":
+            request.transport.abort()
+            return resp
+        code = 501 if end == "501" else 500
+        await resp.write(b"data: " + json.dumps({"error": {"message": "no", "type": "x", "code": code}}).encode()
+                         + b"\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async with fake_engine(chat) as bad:
+        gw = await gateway([model_block("m", "vllm", [bad], migration_limit=1)], auth=KEYS,
+                           limits={"users": {"alice": {"tpm": 100000}}}, health={"enabled": False})
+        with gw.gw.request_log.capture() as logs:
+            st, got = await raw_post(gw.url, "/v1/chat/completions", {"model": "m", "messages": MSG, "max_tokens": 30,
+                                                                      "stream": True},
+                                     headers={"Authorization": f"Bearer {ALICE}"})
+            await until(lambda: any(e["event"] == "request" for e in logs))
+    assert st == 200 and any(isinstance(e, dict) and "error" in e for e in got)
+    line = next(e for e in logs if e["event"] == "request")
+    assert line["completion_tokens"] is None
+    assert (await gw.gw.tenancy.state.usage("alice"))["tokens"] == 0
+
+
 @pytest.mark.parametrize("limit", [0, 1])
 async def test_a_broken_connection_is_counted_under_one_error_class_with_migration_or_without(sims, gateway, limit):
     """An engine connection that breaks mid-stream is one upstream error of class broken_stream,
