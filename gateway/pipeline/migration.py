@@ -334,6 +334,7 @@ class Migration:
                     await self._write(out, event)
                     message = str(self.error.get("message") or message)
                     rec.error_class, rec.error = error_class, message[:200]
+                    self._reported(seen, broken=True)
                     ending = True
                     return await relay.end_stream(ctx, out, seen, None)
                 if error_class is None:
@@ -347,10 +348,7 @@ class Migration:
                     if error_class == ErrorClass.UPSTREAM_STREAM_ERROR and isinstance(self.error, dict):
                         message = str(self.error.get("message") or message)
                     rec.error_class, rec.error = error_class, message[:200]
-                    # the usage every leg reported up to the break (each asks for it on every
-                    # chunk): the original prompt and the tokens generated, as for a client that left
-                    if self.last_usage is not None:
-                        seen.usage = self._merged(final=True)
+                    self._reported(seen, broken=True)
                     ending = True
                     try:
                         return await relay.end_stream(ctx, out, seen, (error_class, message))
@@ -380,12 +378,23 @@ class Migration:
             if self.leg and self.prompt_details is _UNKNOWN:
                 rec.cached_tokens = None      # not known, rather than another prompt's
 
+    def _reported(self, seen: SSEScanner, broken: bool = False) -> None:
+        """A stream that ends before its last leg's final usage (its client left, or an engine
+        broke it off: ``broken``): the usage every leg reported so far, each asking for it on every
+        chunk (the original prompt and the tokens generated), is the stream's. One an engine broke
+        off before anything was generated has none, as a stream whose engine failed before its first
+        token (a vLLM role chunk carries the prompt's usage): it is charged nothing."""
+        if self.last_usage is None:
+            return
+        if broken and not self.partial.completion_tokens + max(self.leg_completion, self.leg_ids):
+            return
+        seen.usage = self._merged(final=True)
+
     def _left(self, relay: Relay, rec, seen: SSEScanner) -> None:
         """A stream its client left: what it received (first token, gaps), and the usage every leg
         reported so far (each asks for it on every chunk): the original prompt and the tokens
         generated, which its tenant is charged, at least a token for each generated chunk sent."""
-        if self.last_usage is not None:
-            seen.usage = self._merged(final=True)
+        self._reported(seen)
         relay.observe_stream(rec, seen)
         if self.leg and self.prompt_details is _UNKNOWN:
             rec.cached_tokens = None      # not known, rather than another prompt's
