@@ -984,6 +984,33 @@ async def _aborted(url: str) -> bool:
     return st["counts"]["aborted"] == 1 and not st["running"]
 
 
+@pytest.mark.parametrize("stop", [None, ["@@@@"]])
+@pytest.mark.parametrize("keep", [3, 100])
+async def test_a_truncated_prompt_is_continued_with_the_same_prompt_tokens(sims, gateway, stop, keep):
+    """vLLM's truncate_prompt_tokens keeps the last k tokens of the prompt. A token-exact
+    continuation's prompt is the ids the first leg's engine ran, already cut, and the generated
+    ones: cut again, it lost the generated tokens' count from its front. A text continuation's
+    prompt is the prompt and the generated text: its bound grows by the tokens generated (and
+    never past the prompt the first leg ran and those tokens, which fit the context)."""
+    bad = await sims("vllm", "m", fault="drop_after=5")
+    good = await sims("vllm", "m")
+    sent: list[dict] = []
+    relay = recording_relay(good.url, sent)
+    req = {"model": "m", "prompt": "Once upon a time", "max_tokens": 20, "stream": True,
+           "truncate_prompt_tokens": keep, **({"stop": stop} if stop else {})}
+    _, ref = await raw_post(good.url, "/v1/completions", {**req, "stream_options": {"include_usage": True}})
+    prompt = next(e["usage"]["prompt_tokens"] for e in ref if isinstance(e, dict) and e.get("usage"))
+    async with fake_engine(relay, paths=("/v1/completions",)) as other:
+        gw = await gateway([model_block("m", "vllm", [bad.url, other], strategy="round-robin", migration_limit=1)])
+        st, got = await raw_post(gw.url, "/v1/completions", req)
+    assert st == 200 and got[-1] == "[DONE]", got[-2:]
+    (cont,) = sent
+    if stop is None:
+        assert isinstance(cont["prompt"], list) and "truncate_prompt_tokens" not in cont
+    else:
+        assert cont["truncate_prompt_tokens"] == min(keep, prompt) + 5
+
+
 @pytest.mark.parametrize("pieces,matched", [(["Z", "Q", " more"], True), (["Z", "W", " more"], False)])
 async def test_a_continuation_sending_a_character_at_a_time_is_held_at_the_seam_then_released_or_ended(
         sims, gateway, pieces, matched):
