@@ -39,7 +39,8 @@ _CARRIED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "sto
             "bad_words", "allowed_token_ids", "logit_bias", "include_stop_str_in_output", "vllm_xargs",
             "presence_penalty", "frequency_penalty")
 # keys of a completion request that do not carry over to its continuation
-_NOT_CARRIED = ("prompt", "max_tokens", "min_tokens", "echo", "stream_options", "suffix", "return_token_ids")
+_NOT_CARRIED = ("prompt", "max_tokens", "min_tokens", "echo", "stream_options", "suffix", "return_token_ids",
+                "truncate_prompt_tokens")
 
 
 @dataclass(slots=True)
@@ -52,6 +53,7 @@ class Partial:
     prompt_ids: list[int] | None = None    # the first leg's prompt as token ids (token mode)
     token_ids: list[int] = field(default_factory=list)   # generated ids (token mode)
     completion_tokens: int = 0             # tokens generated so far, all legs
+    prompt_tokens: int | None = None       # the client's prompt as the engine that ran it counted it
 
 
 def first_leg(data: dict[str, Any], mode: str) -> dict[str, Any]:
@@ -138,7 +140,29 @@ def continuation(p: Partial, mode: str, default_max: int | None) -> tuple[str, d
     body.pop("min_tokens", None)      # the client's, read as a number, is what min_left was counted from
     if min_left is not None:
         body["min_tokens"] = min_left
+    keep = _truncation(data, p)
+    if keep is not None:
+        body["truncate_prompt_tokens"] = keep
     return p.path, body
+
+
+def _truncation(data: dict[str, Any], p: Partial) -> int | None:
+    """A text continuation's ``truncate_prompt_tokens`` (vLLM: keep the prompt's last k tokens):
+    its prompt is the client's and the generated text, so k grows by the tokens generated; at most
+    the first leg's prompt and those, which fit the context (vLLM refuses a k past it). None: the
+    client's value stays (none, -1 for the context's length, or one the engine refuses)."""
+    v = data.get("truncate_prompt_tokens")
+    if v is None:
+        return None
+    try:
+        k = lax_int(v)
+    except ValueError:
+        return None
+    if k < 0:
+        return None
+    if p.prompt_tokens is not None:
+        k = min(k, p.prompt_tokens)
+    return k + p.completion_tokens
 
 
 def text_prompt(data: dict[str, Any]) -> str:

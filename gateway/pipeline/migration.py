@@ -531,6 +531,7 @@ class Migration:
         if restart:
             path, data = self.ireq.path, first_leg(self.ireq.data, self.mode)   # nothing generated: start over
         else:
+            self.partial.prompt_tokens = self.prompt_tokens
             path, data = continuation(self.partial, self.mode, self.default_max)
         cont = dataclasses.replace(self.ireq, path=path, data=data, body=body_bytes(data, self.ireq.body),
                                    include_usage=True)
