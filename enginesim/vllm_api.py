@@ -35,7 +35,7 @@ from enginesim.frontend import (
     slow_headers,
 )
 from enginesim.lora import LoraError, LoraFull
-from enginesim.protocol import OpenAIRequest, parse_openai, token_id_list
+from enginesim.protocol import OpenAIRequest, chat_prompt_ids, parse_openai, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
 from enginesim.tokenizer import EOS_TOKEN_ID, ids_bytes
 from enginesim.tools import ToolCalls, chat_tool_calls, rendered_tools, tool_deltas, vllm_call_id
@@ -437,11 +437,17 @@ class VllmApi:
     # -- other endpoints ------------------------------------------------------------------------
 
     async def embeddings(self, request: web.Request) -> web.Response:
+        """vLLM's ``/v1/embeddings``: the vectors of ``input`` (OpenAI's embeddings request) or, in
+        its place, of a chat's ``messages`` rendered as the chat template renders them (vLLM's chat
+        embeddings request, ``EmbeddingChatRequest``: one vector)."""
         try:
             body = await read_json(request, require_json=True)
             self._check_model(body.get("model"))
             self._check_alive()
-            inputs = embedding_inputs(body.get("input"))
+            if body.get("input") is None and "messages" in body:
+                inputs: list[str | list[int]] = [chat_prompt_ids(body["messages"], self.engine.tokenizer)]
+            else:
+                inputs = embedding_inputs(body.get("input"))
             dims = body.get("dimensions") or self.cfg.embedding_dim
             if not isinstance(dims, int) or isinstance(dims, bool) or dims < 1:
                 raise ApiError(400, "dimensions must be a positive integer", type_="BadRequestError",

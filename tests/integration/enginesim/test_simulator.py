@@ -213,6 +213,19 @@ async def test_vllm_embeddings(vllm: SimServer, http: aiohttp.ClientSession) -> 
     assert len(base64.b64decode(b64["data"][0]["embedding"])) == 8 * 4
 
 
+async def test_vllm_chat_embeddings(vllm: SimServer, http: aiohttp.ClientSession) -> None:
+    """vLLM's chat embeddings: ``messages`` in the place of ``input``, rendered by the chat template
+    into one prompt, embedded as one vector; the same conversation, the same vector."""
+    messages = [{"role": "system", "content": "Embed this."}, {"role": "user", "content": "hello world"}]
+    status, data, _ = await call(http, vllm.url + "/v1/embeddings", {"model": "llama", "messages": messages})
+    assert status == 200 and [d["index"] for d in data["data"]] == [0]
+    assert data["usage"]["prompt_tokens"] > 2       # the template's role markers count
+    _, again, _ = await call(http, vllm.url + "/v1/embeddings", {"messages": messages})
+    assert again["data"] == data["data"]
+    status, data, _ = await call(http, vllm.url + "/v1/embeddings", {"messages": []})
+    assert status == 400 and data["error"]["param"] == "messages"
+
+
 async def test_sglang_embeddings(sglang: SimServer, http: aiohttp.ClientSession) -> None:
     status, data, _ = await call(http, sglang.url + "/v1/embeddings", {"input": ["hello world", "hello world", "x"]})
     assert status == 200 and data["object"] == "list"
