@@ -206,6 +206,34 @@ async def test_embeddings_reach_the_client_as_the_engine_wrote_them_and_are_char
         assert r.status == 200 and r.headers["x-ratelimit-remaining-tokens"] == str(1000 - charged)
 
 
+async def test_vllms_chat_embeddings_are_served_and_counted(sims, gateway):
+    """vLLM's chat embeddings request: ``messages`` in the place of ``input`` on /v1/embeddings (a
+    multimodal embedding model's usual request; the SDK sends it with ``client.post``). It reaches
+    the engine and comes back as the engine answered it, its usage counted; a conversation that is
+    no chat's (no messages, a message without a role) is refused naming the field, as for a chat."""
+    e = await sims("vllm", "embed")
+    gw = await gateway([model_block("embed", "vllm", [e.url])])
+    client = openai_client(gw)
+    messages = [{"role": "system", "content": "Embed this."},
+                {"role": "user", "content": [{"type": "text", "text": "hello world"}]}]
+    body = {"model": "embed", "messages": messages, "encoding_format": "float"}
+    with gw.gw.request_log.capture() as logs:
+        got = await client.post("/embeddings", cast_to=openai.types.CreateEmbeddingResponse, body=body)
+    async with aiohttp.ClientSession() as s, s.post(e.url + "/v1/embeddings", json=body) as r:
+        direct = await r.json()
+    assert [d.embedding for d in got.data] == [d["embedding"] for d in direct["data"]]
+    assert got.usage.prompt_tokens == direct["usage"]["prompt_tokens"] > 0
+    assert metric(await gw.metrics_text(), "switchyard_prompt_tokens_total", model="embed") == got.usage.prompt_tokens
+    line = next(e for e in logs if e["event"] == "request")
+    assert line["status"] == 200 and line["prompt_tokens"] == got.usage.prompt_tokens
+    for bad, param in (([], "messages"), ([{"content": "x"}], "messages[0].role")):
+        with pytest.raises(openai.BadRequestError) as ei:
+            await client.post("/embeddings", cast_to=openai.types.CreateEmbeddingResponse,
+                              body={"model": "embed", "messages": bad})
+        assert ei.value.param == param, ei.value.body
+    await client.close()
+
+
 async def test_engine_metrics_are_scraped_into_snapshots(fleet):
     gw, _ = fleet
     eps = gw.gw.pool.endpoints()
