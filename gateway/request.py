@@ -584,9 +584,14 @@ def _completion_prompt(data: dict[str, Any]) -> tuple[str, int | None]:
     raise _bad("'prompt' must be a string, an array of strings, or token ids", "prompt")
 
 
-def _embedding_input(data: dict[str, Any]) -> tuple[str, int | None]:
+def _embedding_input(data: dict[str, Any], media: list[bool]) -> tuple[str, int | None]:
+    if data.get("input") is None and "messages" in data:
+        # vLLM's chat embeddings request (``EmbeddingChatRequest``): a chat's messages, rendered by
+        # the chat template into the one prompt embedded (an input, missing or null, does not make
+        # it OpenAI's request); checked and estimated as a chat's
+        return _chat_prompt(data, media), None
     if "input" not in data:
-        raise _bad("'input' is a required property", "input")
+        raise _bad("'input' is a required property (or, for vLLM's chat embeddings, 'messages')", "input")
     inp = data["input"]
     if isinstance(inp, str):
         return inp, None
@@ -600,7 +605,7 @@ def _embedding_input(data: dict[str, Any]) -> tuple[str, int | None]:
         lax = _lax_tokens(inp)
         if lax is not None:
             data["input"] = lax
-            return _embedding_input(data)
+            return _embedding_input(data, media)
         # multimodal parts: pass through, estimate from any text
         if all(isinstance(p, dict) for p in inp):
             return " ".join(p["text"] for p in inp if isinstance(p.get("text"), str)), None
@@ -735,7 +740,7 @@ def _parse_named(path: str, body: bytes, headers: dict[str, str], request_id: st
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             choices *= len(prompt)      # a batch of prompts: n choices each
     else:
-        prompt_text, exact_tokens = _embedding_input(data)
+        prompt_text, exact_tokens = _embedding_input(data, media)
 
     user, session_id, session_key = caller_headers(headers)
     if user is None and isinstance(data.get("user"), str):

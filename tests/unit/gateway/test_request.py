@@ -80,6 +80,11 @@ def test_the_choices_an_answer_carries(path, obj, choices):
 def test_embeddings_shapes():
     assert p(EMBEDDINGS, {"model": "e", "input": "hi"}).model == "e"
     assert p(EMBEDDINGS, {"model": "e", "input": [[1, 2, 3]]}).prompt_tokens_est == 3
+    # vLLM's chat embeddings: a chat's messages in the place of input, read as a chat's
+    chat = p(EMBEDDINGS, {"model": "e", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a photo"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]})
+    assert chat.prompt_text == "user\na photo" and chat.multimodal
+    assert p(EMBEDDINGS, {"model": "e", "input": None, "messages": [{"role": "user", "content": "x"}]}).prompt_text
 
 
 @pytest.mark.parametrize("path,obj,param", [
