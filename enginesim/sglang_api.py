@@ -230,7 +230,9 @@ class SglangApi:
         writer = SseWriter(request, charset=None)
         chat = req.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
-        continuous = req.include_usage and req.continuous_usage
+        # SGLang reads the two options apart (``should_include_usage``): continuous_usage_stats puts
+        # the usage on every chunk with include_usage or without it (vLLM only with it)
+        continuous = req.continuous_usage
 
         def chunk(choice: dict[str, Any]) -> dict[str, Any]:
             out: dict[str, Any] = {"id": seq.id, "object": obj, "created": seq.created, "model": model,

@@ -115,6 +115,16 @@ async def test_vllm_continuous_usage_stats(vllm: SimServer, http: aiohttp.Client
     assert all("usage" not in e for e in events[:-1])
 
 
+async def test_sglang_continuous_usage_stats_need_no_include_usage(sglang: SimServer,
+                                                                      http: aiohttp.ClientSession) -> None:
+    """SGLang reads continuous_usage_stats apart from include_usage: alone, it puts the usage on
+    every chunk, and no usage chunk ends the stream."""
+    body = {"messages": CHAT, "stream": True, "max_tokens": 3, "stream_options": {"continuous_usage_stats": True}}
+    _, events, _ = await call(http, sglang.url + "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]" and all(e["choices"] for e in events[:-1])
+    assert events[-2]["usage"]["completion_tokens"] == 3 and all("usage" in e for e in events[:-1])
+
+
 async def test_vllm_completions_stream_and_non_stream(vllm: SimServer, http: aiohttp.ClientSession) -> None:
     body = {"model": "llama-alias", "prompt": "Once upon a time", "max_tokens": 4, "stream": True,
             "stream_options": {"include_usage": True}}
