@@ -55,6 +55,31 @@ async def test_async_sdk_chat_stream_and_not(fleet, model):
     await client.close()
 
 
+@pytest.mark.parametrize("model,path", [("llama", "chat"), ("qwen", "chat"), ("qwen", "completions")])
+async def test_continuous_usage_stats_without_include_usage_as_the_engine_answers_it(fleet, model, path):
+    """``stream_options: {continuous_usage_stats: true}`` without ``include_usage``: vLLM then sends
+    no usage at all, SGLang the usage on every chunk (it reads the two options apart) and no usage
+    chunk at the end. The client sees what its engine would have sent it, and the stream is counted."""
+    gw, sims_ = fleet
+    engine_url = sims_[0].url if model == "llama" else sims_[2].url
+    client = openai_client(gw)
+    create = client.chat.completions.create if path == "chat" else client.completions.create
+    args = {"messages": CHAT} if path == "chat" else {"prompt": "Once upon a time"}
+    body = {"model": model, "max_tokens": 4, "stream": True, "stream_options": {"continuous_usage_stats": True}, **args}
+    async with aiohttp.ClientSession() as s, s.post(f"{engine_url}/v1/{path.replace('chat', 'chat/completions')}",
+                                                    json=body) as r:
+        direct = [orjson.loads(line[6:]) for line in (await r.text()).split("\n") if line.startswith("data: {")]
+    with gw.gw.request_log.capture() as logs:
+        chunks = [c async for c in await create(**{k: v for k, v in body.items() if k != "stream"}, stream=True)]
+    assert [c.usage is not None for c in chunks] == ["usage" in d for d in direct]
+    assert [bool(c.choices) for c in chunks] == [bool(d["choices"]) for d in direct]
+    if model == "qwen":
+        assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].choices
+    line = next(e for e in logs if e["event"] == "request")
+    assert line["completion_tokens"] == 4 and line["prompt_tokens"] > 0
+    await client.close()
+
+
 @pytest.mark.parametrize("model", ["llama", "qwen"])
 async def test_sync_sdk_completions_with_usage(fleet, model):
     gw, _ = fleet
