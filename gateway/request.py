@@ -769,15 +769,22 @@ def _parse_named(path: str, body: bytes, headers: dict[str, str], request_id: st
     )
 
 
-def usage_stream_options(ireq: InferenceRequest) -> dict[str, Any] | None:
+def usage_stream_options(ireq: InferenceRequest, continuous_alone: bool = False) -> dict[str, Any] | None:
     """``{"stream_options": ...}`` to send upstream when the client streams without asking for
     usage, so every stream is accounted (the relay then hides the usage chunk); else ``None``.
 
-    ``continuous_usage_stats`` only takes effect with ``include_usage``, so it is dropped, or
-    usage would ride on every chunk the client sees.
+    On vLLM ``continuous_usage_stats`` only takes effect with ``include_usage``, so it is dropped,
+    or usage would ride on every chunk the client sees. An engine that reads it apart
+    (``continuous_alone``: SGLang) puts the usage on every chunk for it alone, which the client
+    sees as it would without the gateway, so it is kept.
     """
     if not ireq.stream or ireq.include_usage:
         return None
     so = ireq.data.get("stream_options")
-    kept = {k: v for k, v in so.items() if k != "continuous_usage_stats"} if isinstance(so, dict) else {}
+    if not isinstance(so, dict):
+        kept = {}
+    elif continuous_alone:
+        kept = so
+    else:
+        kept = {k: v for k, v in so.items() if k != "continuous_usage_stats"}
     return {"stream_options": {**kept, "include_usage": True}}

@@ -52,6 +52,9 @@ class EngineAdapter(Protocol):
     engine: str
     # a chat's ``echo`` sends the last message back first (vLLM); else the key is ignored
     echoes_chat: bool
+    # ``stream_options.continuous_usage_stats`` puts the usage on every chunk without
+    # ``include_usage`` too (SGLang reads the two apart); else only with it (vLLM)
+    continuous_usage_alone: bool
 
     def check_pd_body(self, ireq: InferenceRequest) -> Any:
         """Refuse (``BodyError``) a body the P/D legs cannot carry; the result goes to ``pd_plan``."""

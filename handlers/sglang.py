@@ -185,6 +185,7 @@ class SGLangAdapter:
 
     engine = "sglang"
     echoes_chat = False     # its chat request has no echo (only its completion request has)
+    continuous_usage_alone = True   # should_include_usage reads continuous_usage_stats apart from include_usage
 
     def check_pd_body(self, ireq: InferenceRequest) -> None:
         dup = duplicate_controlled_key(ireq.body)
@@ -195,7 +196,7 @@ class SGLangAdapter:
                 settings: HasSGLangSettings, rng: random.Random) -> PDPlan:
         own = settings.sglang
         rid = new_rid(ireq.request_id)
-        extra = usage_stream_options(ireq)
+        extra = usage_stream_options(ireq, self.continuous_usage_alone)
         p_body, d_body = build_bodies(
             ireq.data, bootstrap_host=bootstrap_host_of(prefill.host),
             bootstrap_port=prefill.bootstrap_port or own.default_bootstrap_port,

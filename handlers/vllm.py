@@ -103,6 +103,7 @@ class VLLMAdapter:
 
     engine = "vllm"
     echoes_chat = True      # serving_chat: echo sends the last message's content when its role is the answer's
+    continuous_usage_alone = False  # should_include_usage: continuous usage only with include_usage
 
     def check_pd_body(self, ireq: InferenceRequest) -> None:
         return None          # the bodies are rebuilt from the parsed request

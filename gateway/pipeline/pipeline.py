@@ -420,18 +420,22 @@ class Pipeline:
         ``legs``: the model's ``ModelLegs``, when its caller has them."""
         assert ctx.ireq is not None and ctx.decision is not None
         ireq, rec, cfg = ctx.ireq, ctx.rec, self.config
-        body, strip_usage = upstream_body(ireq)
+        ep = ctx.decision.endpoint
+        alone = adapter_for(ep.engine).continuous_usage_alone
+        body, strip_usage = upstream_body(ireq, alone)
         headers = upstream_headers(ireq)
         if legs is None:
             legs = self.legs(ireq.model)
         wd = legs.watchdog
         header_timeout = legs.stream_head_timeout if ireq.stream else legs.head_timeout
-        ep = ctx.decision.endpoint
         tried = [ep]
         retries = self.retries
         ctx.after_write.append(partial(retries.request, ireq.model))   # the budget counts it once the leg is out
         while True:
             adapter = adapter_for(ep.engine)
+            if adapter.continuous_usage_alone is not alone:     # a mixed model's retry on the other kind
+                alone = adapter.continuous_usage_alone
+                body = upstream_body(ireq, alone)[0]
             ctx.use(ep)
             leg = ctx.trace.leg("generate", ep, attempt=len(tried))
             x = self.upstream.begin(ep, ireq.path, body, leg.inject(ctx.leg_headers(ep, headers)))

@@ -171,12 +171,13 @@ def too_large_error(limit: int) -> GatewayError:
                         error_class=ErrorClass.UPSTREAM_TOO_LARGE)
 
 
-def upstream_body(ireq: InferenceRequest) -> tuple[bytes, bool]:
-    """The body to send, and whether the gateway injected ``include_usage`` (to strip later).
-    The original bytes go out unchanged unless usage must be asked for."""
+def upstream_body(ireq: InferenceRequest, continuous_alone: bool = False) -> tuple[bytes, bool]:
+    """The body to send, and whether the gateway injected ``include_usage`` (to strip later);
+    ``continuous_alone``: the engine's ``EngineAdapter.continuous_usage_alone``. The original bytes
+    go out unchanged unless usage must be asked for."""
     if not ireq.stream:                 # a whole answer: nothing to ask (``usage_stream_options``'s first test)
         return ireq.body, False
-    extra = usage_stream_options(ireq)
+    extra = usage_stream_options(ireq, continuous_alone)
     if extra is not None:
         return body_bytes({**ireq.data, **extra}, ireq.body), True
     return ireq.body, False
