@@ -182,6 +182,23 @@ async def test_continuous_usage_stats_are_counted_once(sims, gateway, fault):
     assert f'switchyard_prompt_tokens_total{{model="m"}} {float(final["prompt_tokens"])}' in metrics
 
 
+@pytest.mark.parametrize("fault", ["none", "drop_after=5"])
+async def test_sglangs_continuous_usage_stats_asked_alone_ride_on_every_chunk(sims, gateway, fault):
+    """SGLang reads continuous_usage_stats apart from include_usage: asked alone, every chunk carries
+    the usage and no usage chunk ends the stream. A continued stream's client gets the same, the
+    usage counting every leg's tokens."""
+    gw, good = await setup(sims, gateway, "sglang", fault)
+    req = {"model": "m", "messages": MSG, "max_tokens": 20, "stream": True,
+           "stream_options": {"continuous_usage_stats": True}}
+    _, ref = await raw_post(good.url, "/v1/chat/completions", req)
+    st, got = await raw_post(gw.url, "/v1/chat/completions", req)
+    assert st == 200 and got[-1] == "[DONE]"
+    assert all(e["choices"] for e in ref[:-1]) and all("usage" in e for e in ref[:-1])     # the engine's
+    assert all(e["choices"] for e in got[:-1]) and all("usage" in e for e in got[:-1])
+    assert got[-2]["usage"]["completion_tokens"] == 20
+    assert 'switchyard_completion_tokens_total{model="m"} 20.0' in await gw.metrics_text()
+
+
 @pytest.mark.parametrize("end", ["reset", "stall"])
 async def test_an_answer_whose_finish_reason_came_is_not_continued(sims, gateway, end):
     """The engine sent the chunk carrying finish_reason, then broke (or stalled past the idle
