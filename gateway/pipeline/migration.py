@@ -220,7 +220,8 @@ class Migration:
     open the next leg, driven by the relay (``stream``)."""
 
     def __init__(self, ireq: InferenceRequest, limit: int, mode: str, default_max: int | None,
-                 refused: str | None, metrics: GatewayMetrics, legs: Legs = NO_LEGS, chat_echo: bool = False) -> None:
+                 refused: str | None, metrics: GatewayMetrics, legs: Legs = NO_LEGS, chat_echo: bool = False,
+                 continuous_alone: bool = False) -> None:
         self.ireq = ireq                      # the client's request (ctx.ireq becomes the leg's)
         self.limit = limit
         self.mode = mode
@@ -234,8 +235,10 @@ class Migration:
         self.chat = ireq.path == CHAT
         self.client_usage = ireq.include_usage
         so = data.get("stream_options")
-        # what the client asked for of what every leg is asked for, read as the engine reads it
-        self.client_continuous = self.client_usage and isinstance(so, dict) and _lax(
+        # what the client asked for of what every leg is asked for, read as the engine reads it:
+        # vLLM puts the usage on every chunk only when include_usage is asked too, SGLang either way
+        # (``continuous_alone``: ``EngineAdapter.continuous_usage_alone``)
+        self.client_continuous = (self.client_usage or continuous_alone) and isinstance(so, dict) and _lax(
             lax_bool, so.get("continuous_usage_stats") or False, False)
         self.client_ids = _lax(lax_bool, data.get("return_token_ids") or False, False)
         self.partial = Partial(path=ireq.path, data=data)
@@ -291,7 +294,8 @@ class Migration:
         adapter = adapter_for(engine)
         mode = adapter.continuation_mode(ireq)
         why = refusal(ireq) or (text_mode_refusal(ireq.path, ireq.data) if mode == TEXT else None)
-        m = cls(ireq, limit, mode, adapter.default_max_tokens(ireq.path), why, metrics, legs, adapter.echoes_chat)
+        m = cls(ireq, limit, mode, adapter.default_max_tokens(ireq.path), why, metrics, legs, adapter.echoes_chat,
+                adapter.continuous_usage_alone)
         if why is None:
             data = first_leg(ireq.data, mode)
             ctx.ireq = dataclasses.replace(ireq, data=data, body=body_bytes(data, ireq.body), include_usage=True)
