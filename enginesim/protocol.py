@@ -193,6 +193,11 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
         if max_tokens is None:
             max_tokens = _int_field(body, "max_tokens", 1)
     else:
+        if vllm and body.get("prompt_embeds") not in (None, []):
+            # vLLM takes prompt_embeds in the place of (or beside) prompt, and serves them only when
+            # started with --enable-prompt-embeds, which the simulated vLLM is not
+            raise ApiError(400, "You must set `--enable-prompt-embeds` to input `prompt_embeds`.",
+                           type_="BadRequestError", param="prompt_embeds")
         if "prompt" not in body:
             raise ApiError(400, "1 validation error:\n  prompt: Field required", type_=_BAD, param="prompt")
         prompt_ids = completion_prompt_ids(body["prompt"], tokenizer)

@@ -125,6 +125,16 @@ async def test_sglang_continuous_usage_stats_need_no_include_usage(sglang: SimSe
     assert events[-2]["usage"]["completion_tokens"] == 3 and all("usage" in e for e in events[:-1])
 
 
+async def test_vllm_prompt_embeds_need_the_flag(vllm: SimServer, http: aiohttp.ClientSession) -> None:
+    """vLLM takes prompt_embeds in the place of a completion's prompt, and refuses them unless
+    started with --enable-prompt-embeds, as the simulated vLLM is not."""
+    for body in ({"prompt_embeds": "AAAA"}, {"prompt": None, "prompt_embeds": ["AAAA"]},
+                 {"prompt": "", "prompt_embeds": "AAAA"}):
+        status, data, _ = await call(http, vllm.url + "/v1/completions", {**body, "max_tokens": 2})
+        assert status == 400 and data["error"]["param"] == "prompt_embeds", data
+        assert "--enable-prompt-embeds" in data["error"]["message"]
+
+
 async def test_vllm_completions_stream_and_non_stream(vllm: SimServer, http: aiohttp.ClientSession) -> None:
     body = {"model": "llama-alias", "prompt": "Once upon a time", "max_tokens": 4, "stream": True,
             "stream_options": {"include_usage": True}}
