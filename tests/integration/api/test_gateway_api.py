@@ -302,6 +302,31 @@ async def test_validation_errors_touch_no_engine(fleet, path, body, headers, sta
         assert (await sim_state(sim.url))["counts"]["started"] == 0
 
 
+@pytest.mark.parametrize("fields", [{"prompt_embeds": "AAAA"}, {"prompt": None, "prompt_embeds": ["AAAA", "BBBB"]}])
+async def test_a_completion_of_prompt_embeds_is_the_engines_to_answer(fleet, fields):
+    """vLLM's completion request takes ``prompt_embeds`` (base64 tensors) in the place of ``prompt``:
+    such a body reaches the engine, which serves it when started with ``--enable-prompt-embeds``
+    and otherwise refuses it naming the field, as the simulated vLLM does. A body with neither is
+    still the gateway's 400 naming ``prompt``."""
+    gw, (v1, v2, _, _) = fleet
+    client = openai_client(gw)
+    with pytest.raises(openai.BadRequestError) as ei:
+        await client.post("/completions", cast_to=openai.types.Completion,
+                          body={"model": "llama", "max_tokens": 2, **fields})
+    assert ei.value.param == "prompt_embeds" and "--enable-prompt-embeds" in ei.value.message, ei.value.body
+    async def posts() -> int:
+        received = [r for sim in (v1, v2) for r in (await sim_state(sim.url))["received"]]
+        return sum(r["method"] == "POST" for r in received)
+
+    assert await posts() == 1
+    with pytest.raises(openai.BadRequestError) as ei:
+        await client.post("/completions", cast_to=openai.types.Completion,
+                          body={"model": "llama", "max_tokens": 2, "prompt_embeds": []})
+    assert ei.value.param == "prompt" and ei.value.type == "invalid_request_error", ei.value.body
+    assert await posts() == 1
+    await client.close()
+
+
 async def test_oversize_body_is_413(sims, gateway):
     v = await sims("vllm", "llama")
     gw = await gateway([model_block("llama", "vllm", [v.url])], server={"max_body_bytes": 1000})
