@@ -561,11 +561,22 @@ def _lax_tokens(v: list[Any]) -> list[Any] | None:
     return None
 
 
+def prompt_embeds(data: dict[str, Any]) -> Any:
+    """A completion's ``prompt_embeds`` (vLLM's: base64 tensors, one or a list), or None when it
+    gives none (missing, null, an empty list, as vLLM reads it)."""
+    pe = data.get("prompt_embeds")
+    return None if pe is None or pe == [] else pe
+
+
 def _completion_prompt(data: dict[str, Any]) -> tuple[str, int | None]:
     """Returns the prompt text and, for token-id prompts, the exact token count."""
+    prompt = data.get("prompt")
+    if prompt is None and prompt_embeds(data) is not None:
+        # vLLM's prompt_embeds in the place of a prompt: the engine's to read (with
+        # --enable-prompt-embeds); no text to estimate or hash
+        return "", None
     if "prompt" not in data:
         raise _bad("'prompt' is a required property", "prompt")
-    prompt = data["prompt"]
     if isinstance(prompt, str):
         return prompt, None
     if isinstance(prompt, list):
@@ -736,9 +747,11 @@ def _parse_named(path: str, body: bytes, headers: dict[str, str], request_id: st
             tools_est = tools_tokens(tools) + _calls_chars(data["messages"]) // CHARS_PER_TOKEN
     elif path == COMPLETIONS:
         prompt_text, exact_tokens = _completion_prompt(data)
-        prompt = data["prompt"]
+        prompt = data.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             choices *= len(prompt)      # a batch of prompts: n choices each
+        elif prompt is None and isinstance(data.get("prompt_embeds"), list):
+            choices *= len(data["prompt_embeds"])     # a batch of prompt embeddings, likewise
     else:
         prompt_text, exact_tokens = _embedding_input(data, media)
 

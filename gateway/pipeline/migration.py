@@ -61,7 +61,15 @@ from gateway.pipeline.relay import (
     watchdog_fired,
 )
 from gateway.pipeline.sse import SSEScanner
-from gateway.request import CHAT, COMPLETIONS, InferenceRequest, body_bytes, lax_bool, lax_float
+from gateway.request import (
+    CHAT,
+    COMPLETIONS,
+    InferenceRequest,
+    body_bytes,
+    lax_bool,
+    lax_float,
+    prompt_embeds,
+)
 from gateway.resilience.outcome import Outcome, of_status, unsupported_event
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse
 from gateway.upstream.upstream import UpstreamFailure
@@ -130,6 +138,8 @@ def refusal(ireq: InferenceRequest) -> str | None:
         prompt = d.get("prompt")
         if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
             return "n"        # a batch of prompts: one choice each
+        if prompt_embeds(d) is not None:
+            return "prompt_embeds"    # vLLM's prompt as tensors: no text or token ids carry it on
     lp = d.get("logprobs")
     if lp or d.get("top_logprobs") or d.get("prompt_logprobs") or (
             ireq.path == COMPLETIONS and isinstance(lp, int) and not isinstance(lp, bool)):

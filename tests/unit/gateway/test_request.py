@@ -77,6 +77,13 @@ def test_the_choices_an_answer_carries(path, obj, choices):
     assert p(path, {"model": "m", **base, **obj}).choices == choices
 
 
+def test_a_completion_of_prompt_embeds():
+    """vLLM's prompt_embeds in the place of a prompt: no text, one choice per tensor of a list."""
+    one = p(COMPLETIONS, {"model": "m", "prompt_embeds": "AAAA"})
+    assert one.prompt_text == "" and one.prompt_tokens_est == 1 and one.choices == 1
+    assert p(COMPLETIONS, {"model": "m", "prompt": None, "prompt_embeds": ["A", "B"], "n": 2}).choices == 4
+
+
 def test_embeddings_shapes():
     assert p(EMBEDDINGS, {"model": "e", "input": "hi"}).model == "e"
     assert p(EMBEDDINGS, {"model": "e", "input": [[1, 2, 3]]}).prompt_tokens_est == 3

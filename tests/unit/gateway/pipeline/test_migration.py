@@ -41,6 +41,10 @@ def test_refusals(data, why):
 def test_a_batch_of_prompts_is_refused_like_n():
     assert refusal(ireq(COMPL, prompt=["a", "b"])) == "n"
     assert refusal(ireq(COMPL, logprobs=2)) == "logprobs"
+    # vLLM's prompt as tensors, in the place of a prompt or beside an empty one: nothing to continue from
+    assert refusal(ireq(COMPL, prompt=None, prompt_embeds="AAAA")) == "prompt_embeds"
+    assert refusal(ireq(COMPL, prompt="", prompt_embeds=["AAAA"])) == "prompt_embeds"
+    assert refusal(ireq(COMPL, prompt_embeds=[])) is None
 
 
 def feed(m: Migration, *events: dict) -> list:
