@@ -258,3 +258,36 @@ async def test_workers_that_share_no_view_count_each_ones_ejection_of_an_engine(
             assert metric_total(page, "switchyard_breaker_transitions_total", endpoint=sick_name,
                                 from_state="closed", to_state="open") == 2
             assert metric_total(page, "switchyard_breaker_state", endpoint=sick_name) == 1
+
+
+@pytest.mark.timeout(120)
+async def test_the_gateway_counts_each_ejection_the_cap_refused_once_not_each_fault(sims, tmp_path):
+    """Two engines, one of which may be out (``max_ejection_percent: 50``). The first answers 500
+    and is ejected in both workers; then the second fails too, four times in a row in each worker,
+    with ``consecutive_faults: 2``. Each worker's breaker decides twice to eject it and the cap
+    refuses both times: the gateway's ``switchyard_breaker_ejections_capped_total`` says 4 refused
+    ejections. It said 6 before, counting every fault from the second on of an endpoint the cap
+    kept in."""
+    sick = await sims("vllm", "m", fault="status=500")
+    other = await sims("vllm", "m")
+    sick_name = sick.url.split("//")[1]
+    port = listen_port()
+    cfg = config(tmp_path, port, [sick.url, other.url],
+                 "routing: {strategy: round-robin}",
+                 "retry: {enabled: false}",
+                 "breaker: {consecutive_faults: 2, fault_rate: 0, base_ejection_s: 300, max_ejection_percent: 50}")
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+        async def open_in_both() -> bool:
+            await post_new(port, "/v1/chat/completions", BODY)
+            return [ep["breaker"] for ep in (await rows_of(port, sick_name)).values()] == ["open", "open"]
+        await until(open_in_both, timeout=20)
+        await sim_config(other.url, fault="status=500")
+        results: list[int] = []
+        for pid in await per_worker(port, 2, "/status.json"):
+            for _ in range(4):
+                await on_worker(port, pid, results)
+        assert results == [500] * 8
+        for page in (await per_worker(port, 2)).values():
+            assert metric_total(page, "switchyard_breaker_ejections_capped_total", model="m") == 4
+            assert metric_total(page, "switchyard_breaker_state", endpoint=sick_name) == 1
+            assert metric_total(page, "switchyard_breaker_state", endpoint=other.url.split("//")[1]) == 0

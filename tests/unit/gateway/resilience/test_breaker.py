@@ -165,6 +165,35 @@ def test_unhealthy_endpoints_leave_the_last_ready_one_in():
     assert br.state(a) == CLOSED and a.ready
 
 
+def _capped(br) -> float:
+    return sum(s.value for fam in br.metrics.capped.collect() for s in fam.samples if s.name.endswith("_total"))
+
+
+def test_the_cap_counts_each_ejection_it_refused_not_each_fault_of_the_endpoint_it_keeps_in():
+    """Two endpoints, one of which may be out: ``a`` is. ``b`` then fails 7 times in a row with
+    ``consecutive_faults: 2``: its breaker decides to eject it at the 2nd, 4th and 6th (each refused
+    ejection spends the faults that made it, as an ejection does, Envoy's ``ejections_overflow``),
+    so 3 refused ejections; the same holds for the fault rate. Each of its faults from the 2nd on
+    was counted before (6)."""
+    br, (a, b), t = setup(n=2, consecutive_faults=2, fault_rate=0, max_ejection_percent=50, success_threshold=1)
+    feed(br, a, [F, F])
+    assert br.state(a) == OPEN
+    feed(br, b, [F] * 7)
+    assert br.state(b) == CLOSED and b.ready and _capped(br) == 3
+    feed(br, b, [S, F])                     # a success breaks the run: the next needs 2 again
+    assert _capped(br) == 3
+    t.advance(10)                           # a's trial closes its breaker: room for b
+    decide(br, a)
+    feed(br, a, [S])
+    feed(br, b, [F])
+    assert br.state(b) == OPEN and _capped(br) == 3
+    br2, (x, y), _ = setup(n=2, consecutive_faults=100, fault_rate=0.5, min_requests=4, max_ejection_percent=50)
+    feed(br2, x, [F] * 4)
+    assert br2.state(x) == OPEN
+    feed(br2, y, [F] * 9)                   # a full window of faults, refused, then one as full again
+    assert br2.state(y) == CLOSED and _capped(br2) == 2
+
+
 def test_a_refused_connection_opens_at_once_with_passive_health():
     br, (a, *_), t = setup(consecutive_faults=5)
     br.record(a, F, "connect")
