@@ -34,7 +34,8 @@ so), and counts the refusal; every worker decides alike, whichever of the two it
 ``max_ejection_percent`` bounds the ejected share of an endpoint's group (the model's endpoints of
 the same kind: whole-request, prefill or decode). As in Envoy, one ejection is always allowed, but
 never of the group's last ready endpoint: a breaker never empties a pool. A refused ejection is
-counted (``switchyard_breaker_ejections_capped_total``) and the breaker stays closed.
+counted once (``switchyard_breaker_ejections_capped_total``, Envoy's ``ejections_overflow``) and the
+breaker stays closed, the faults that made it spent on it as on an ejection.
 
 Backpressure (429/503) and client errors (other 4xx) change nothing: see ``gateway.resilience.outcome``.
 
@@ -279,7 +280,14 @@ class Breakers:
             if self._may_eject(ep):
                 self._open(ep, b, cfg, now, reason, faults=faults, total=total)
             else:
+                # one refused ejection, counted once: the faults that made it are spent on it, as on
+                # an ejection (Envoy's ``ejections_overflow``), so the next needs as many again;
+                # counted per fault, one endpoint kept in counted its every fault from then on
+                b.consecutive = 0
+                b.clear_window()
                 self._child(self.metrics.capped, ep.model).inc()
+                log.info("breaker ejection refused", model=ep.model, endpoint=ep.name, reason=reason,
+                         window_faults=faults, window_outcomes=total)
 
     def _may_eject(self, ep: Endpoint, without: Endpoint | None = None, health: bool = True) -> bool:
         """Envoy's rule: under ``max_ejection_percent`` of the group, and always one; never the
