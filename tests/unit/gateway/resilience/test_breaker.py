@@ -494,3 +494,23 @@ def test_a_siblings_ejection_refused_for_what_the_probes_found_here_undoes_no_ej
     assert not br.adopt_open(a, 10.0, 1, owner=0)
     assert (br.state(a), br.state(b)) == (CLOSED, OPEN) and a.ready and not b.ready
     assert sum(s.value for fam in br.metrics.capped.collect() for s in fam.samples if s.name.endswith("_total")) == 1
+
+
+def test_a_siblings_ejection_refused_here_counts_once_however_often_it_is_told():
+    """Worker 0's ejection of A (its first) is refused here, C being down by this worker's probes
+    and B out: told again (a catch-up after a gap reads it in worker 0's whole view), it is the same
+    refused ejection, not counted again. Once worker 0 closes it, its next ejection of A is a new
+    one, refused and counted again; so is a new ejection after a failed trial (its second)."""
+    br, (a, b, c), t = setup(n=3, consecutive_faults=1, max_ejection_percent=100)
+    br.index = 1
+    feed(br, b, [F])
+    c.healthy = False
+    for _ in range(3):
+        assert not br.adopt_open(a, 10.0, 1, owner=0)
+    assert _capped(br) == 1
+    br.adopt_close(a)                       # worker 0's trials passed: that ejection is over
+    assert not br.adopt_open(a, 10.0, 1, owner=0)
+    assert _capped(br) == 2
+    assert not br.adopt_open(a, 20.0, 2, owner=0)
+    assert not br.adopt_open(a, 15.0, 2, owner=0)
+    assert _capped(br) == 3 and br.state(a) == CLOSED and a.ready

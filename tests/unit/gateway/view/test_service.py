@@ -1047,3 +1047,44 @@ async def test_the_adapters_of_an_engine_serving_thousands_reach_the_sibling():
         assert eb.adapters.served == adapters
     page = b.m.gm.render().decode()
     assert metric_total(page, "switchyard_view_messages_dropped_total", reason="undecodable") == 0
+
+
+async def test_a_siblings_ejection_refused_here_is_counted_once_though_a_catch_up_tells_it_again(monkeypatch):
+    """a ejects the first endpoint; b refuses to follow, the other being down by its probes (one
+    endpoint of a group stays ready), and counts that refused ejection. b's queue then fills and it
+    catches up from a, whose whole view tells the same ejection again: still refused, and not a new
+    refusal: ``switchyard_breaker_ejections_capped_total`` stays at 1. It counted 2 before."""
+    import gateway.view.service as service
+    from gateway.resilience.breaker import CLOSED, OPEN
+    from gateway.resilience.outcome import Outcome
+
+    monkeypatch.setattr(service, "CATCH_UP_EVERY_S", 0.0)
+    d = RunDirectory()
+    a, b, apool, bpool, abr, bbr = _breaker_pair(d, _config(heartbeat_s=0.05, peer_ttl_s=0.2, load_interval_s=0.01),
+                                                  _ejecting_at_once(), ask=True)
+
+    def capped(br) -> float:
+        return sum(s.value for fam in br.metrics.capped.collect() for s in fam.samples if s.name.endswith("_total"))
+
+    async with _running(d, a, b):
+        ea, eb = apool.endpoints("m"), bpool.endpoints("m")
+        eb[1].healthy = False
+        abr.record(ea[0], Outcome.FAULT)
+        await until(lambda: capped(bbr) == 1, timeout=2)
+        assert abr.state(ea[0]) == OPEN and bbr.state(eb[0]) == CLOSED
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(b.bus.sock.fileno())          # b reads nothing: its queue fills
+        for i in range(1, 100):
+            ea[1].in_flight = i
+            a._flush()
+        for i in range(3):                               # numbered batches b misses: a gap
+            a.sessions.put(f"m\0s:agent {i}", ea[1])
+            await asyncio.sleep(0)
+        ea[1].in_flight = 0
+        loop.add_reader(b.bus.sock.fileno(), b.bus._readable)     # b reads again, and catches up
+
+        def caught_up() -> bool:
+            return metric_total(b.m.gm.render().decode(), "switchyard_view_catch_ups_total",
+                                reason="gap", result="applied") == 1
+        await until(caught_up, timeout=3)
+        assert bbr.state(eb[0]) == CLOSED and capped(bbr) == 1 and capped(abr) == 0
