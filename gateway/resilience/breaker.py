@@ -110,6 +110,7 @@ class Breaker:
     down_seen: bool = False            # open, and the health probes found the endpoint down since
     held: bool = False                 # a sibling's ejection: its trials are that worker's (``adopt_open``)
     owner: int = -1                    # held: the index of that worker (-1: not known)
+    refused: tuple[int, int] | None = None   # a sibling's ejection refused here: (its worker, its ejections)
     faults: list[int] = field(default_factory=lambda: [0] * _BUCKETS)
     total: list[int] = field(default_factory=lambda: [0] * _BUCKETS)
     stamps: list[int] = field(default_factory=lambda: [-1] * _BUCKETS)
@@ -322,6 +323,7 @@ class Breakers:
         half-open after it, unless the ejection is one said to be over)."""
         b.open_for = open_for
         b.opened_at = now
+        b.refused = None
         b.consecutive = b.trials_out = b.trial_successes = 0
         b.down_seen = not ep.healthy
         b.clear_window()
@@ -370,7 +372,12 @@ class Breakers:
             crossed = not self._may_eject(ep, health=False)
             victim = self._outranked(ep, owner) if crossed else None
             if victim is None or not self._may_eject(ep, without=victim):
-                if not (crossed and self._outranks(ep, owner)):   # else that worker undoes its own, and counts it
+                # counted once: a catch-up after a gap tells the same ejection again, in the sibling's
+                # whole view (a new ejection of the sibling's, after a close or a failed trial, has
+                # another number of ejections, and a close forgets the refusal)
+                seen, b.refused = b.refused, (owner, ejections)
+                if seen != b.refused and not (crossed and self._outranks(ep, owner)):
+                    # (else that worker undoes its own, and counts it)
                     self._child(self.metrics.capped, ep.model).inc()
                 return False
             self._displace(victim, owner)
@@ -436,12 +443,17 @@ class Breakers:
         return out
 
     def held_for(self, owner: int) -> list[Endpoint]:
-        """The endpoints this worker keeps out on the ejection of sibling ``owner``."""
-        return [ep for ep, b in self._by_ep.values() if b.held and b.owner == owner and b.state != CLOSED]
+        """The endpoints this worker keeps out on the ejection of sibling ``owner``, or refused."""
+        return [ep for ep, b in self._by_ep.values()
+                if (b.held and b.owner == owner and b.state != CLOSED)
+                or (b.refused is not None and b.refused[0] == owner and b.state == CLOSED)]
 
     def adopt_close(self, ep: Endpoint) -> bool:
-        """A sibling's trials found ``ep`` healthy: its breaker here closes too; whether it was open."""
+        """A sibling's trials found ``ep`` healthy: its breaker here closes too; whether it was open.
+        A sibling's ejection of it refused here is over: its next is another."""
         entry = self._by_ep.get(id(ep))
+        if entry is not None and entry[0] is ep:
+            entry[1].refused = None
         if entry is None or entry[0] is not ep or entry[1].state == CLOSED:
             return False
         self._close(ep, entry[1], self.clock(), told=True)

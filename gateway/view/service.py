@@ -1014,6 +1014,7 @@ class RoutingView:
         if not start and by_sender >= 0 and (heard is None or heard[0] != head.run or heard[1] <= head.seq):
             # (a batch of the sibling's newer than its view may have told of an ejection since: then not)
             listed = {f.ep for f in head.breakers}
+            # (and one refused here is over: the sibling's next ejection of it is another refusal)
             for ep in self._breakers.held_for(by_sender):
                 if self._key(ep) not in listed:
                     n += self._breakers.adopt_close(ep)
