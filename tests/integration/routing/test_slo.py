@@ -183,3 +183,36 @@ async def test_a_client_that_leaves_mid_stream_is_counted_cancelled_not_failed(s
     text = await until(counted, timeout=10)
     assert 'switchyard_slo_routing_requests_total{model="m",result="cancelled",strategy="slo"} 1.0' in text
     assert 'result="failed"' not in text
+
+
+async def test_a_client_that_leaves_after_its_first_tokens_teaches_the_ttft_it_saw(sims, gateway):
+    """A stream whose client leaves after its first token had a real time to first token: the
+    engine's latency model learns it, though not a time per token from that one token. A stream
+    left after 12 tokens teaches both: its TPOT, from its first token to the last one relayed, is
+    as meaningful as a whole answer's. Before, a stream its client left taught nothing."""
+    sim = await sims("vllm", "m", ttft_base_ms=5, itl_ms=5)
+    gw = await gateway([model_block("m", "vllm", [sim.url], strategy="slo")])
+    model = gw.gw.routing.ctx.latency
+    ep = gw.gw.pool.endpoints("m")[0]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": True}
+
+    async def left_after(s: aiohttp.ClientSession, tokens: int, cancelled: int) -> None:
+        r = await s.post(gw.url + "/v1/chat/completions", data=orjson.dumps(body),
+                         headers={"Content-Type": "application/json", "x-slo-ttft-ms": "5000",
+                                  "x-sim-fault": f"stall_after={tokens}:inf"})
+        assert r.status == 200
+        seen = 0
+        while seen < tokens:                                        # the engine then stalls
+            line = await r.content.readline()
+            seen += b'"content":"' in line and b'"content":""' not in line    # a token (not the role's chunk)
+        r.close()                                                   # the client leaves
+
+        async def counted() -> bool:
+            return f'result="cancelled",strategy="slo"}} {cancelled}.0' in await gw.metrics_text()
+        await until(counted, timeout=10)
+
+    async with aiohttp.ClientSession() as s:
+        await left_after(s, 1, 1)
+        assert model.samples(ep) == (1, 0)
+        await left_after(s, 12, 2)
+        assert model.samples(ep) == (2, 1)
