@@ -27,6 +27,7 @@ class StreamScanner(Protocol):
     """What the relay reads off a stream scanner (``gateway.pipeline.sse.SSEScanner`` is one)."""
 
     first_token_at: float | None
+    last_token_at: float | None     # the last event that carried generated content
     token_events: int               # events that carried generated content (a token, a delta)
     usage: dict | None
     finish_reason: str | None

@@ -134,6 +134,10 @@ class ResponsesScanner:
         held, self._held = bytes(self._held), bytearray()
         return tail + held
 
+    @property
+    def last_token_at(self) -> float | None:
+        return self.last_delta_at
+
     def drain_itl(self) -> list[float]:
         gaps, self.itl = self.itl, []
         return gaps

@@ -100,6 +100,7 @@ class RequestRecord:
     error: str | None = None
     retries: int = 0
     ttft: float | None = None
+    last_token: float | None = None           # a stream's last generated content, seconds after ``started``
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None

@@ -726,6 +726,8 @@ class Relay:
         m = self.metrics
         if scanner.first_token_at is not None:
             rec.ttft = scanner.first_token_at - rec.started
+            if scanner.last_token_at is not None:
+                rec.last_token = scanner.last_token_at - rec.started
             m.child(m.ttft, rec.model).observe(rec.ttft)
             gaps = scanner.drain_itl()
             if gaps:

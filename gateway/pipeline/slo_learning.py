@@ -14,7 +14,9 @@ models from the gateway's own observations, for every strategy's requests:
 * ``on_request`` (a record observer) runs when the request has finished: a streamed answer's
   TTFT, measured from the decision (the time before it — parsing, an admission queue — is not the
   endpoint's), and its TPOT, (end − first token) / (completion tokens − 1), are what the model
-  learns, and the prediction's relative error is observed.
+  learns, and the prediction's relative error is observed. A stream its client left after its
+  first token teaches its TTFT; its TPOT only from ``CUT_MIN_TOKENS`` tokens a choice (the events
+  that carried them), first token to the last relayed; not its service time, cut short.
 
 Requests with objectives (``x-slo-ttft-ms``, ``x-slo-tpot-ms``) are counted as met or missed by
 what the client saw: the TTFT from the request's arrival at the gateway, the TPOT as above. A
@@ -44,6 +46,8 @@ from routers.latency import Features, LatencyModel
 # decisions awaiting their request's end at most (the oldest dropped beyond)
 MAX_PENDING = 65536
 ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+# a stream its client left teaches a time per token from this many tokens a choice
+CUT_MIN_TOKENS = 8
 RESULTS = ("met", "missed_ttft", "missed_tpot", "missed_both", "failed", "cancelled", "unmeasured")
 
 
@@ -57,8 +61,8 @@ class SloMetrics:
             "end), unmeasured (not streamed)",
             ["model", "strategy", "result"], registry=r)
         self.error = Histogram(
-            "switchyard_slo_routing_prediction_error_ratio", "Latency model's error on finished streamed "
-            "requests: |observed - predicted| / observed, by objective (ttft, tpot)",
+            "switchyard_slo_routing_prediction_error_ratio", "Latency model's error on the streamed requests it "
+            "learns from: |observed - predicted| / observed, by objective (ttft, tpot)",
             ["model", "objective"], buckets=ERROR_BUCKETS, registry=r)
         self.decisions = Counter(
             "switchyard_slo_routing_decisions", "Decisions of the slo strategy for requests with objectives, by "
@@ -130,18 +134,26 @@ class SloLearning:
             if tokens >= 2:
                 tpot_s = (duration - rec.ttft) / (tokens - 1)
         if ok and p.stream and rec.ttft is not None:
-            self._learn(rec, p, tpot_s, duration)
+            self._learn(rec, p, tpot_s, (duration - rec.ttft) * 1000.0)
+        elif rec.error_class == ErrorClass.CLIENT_CANCEL and p.stream and rec.ttft is not None:
+            # its client left after the first token: that TTFT was real; a time per token only from
+            # CUT_MIN_TOKENS a choice on (fewer are a gap or two: noise), first token to the last
+            # relayed (not to the client's leaving); nor how long it held its slot, cut short
+            tokens = rec.streamed_events / max(p.choices, 1)
+            if tokens >= CUT_MIN_TOKENS and rec.last_token is not None:
+                tpot_s = (rec.last_token - rec.ttft) / (tokens - 1)
+            self._learn(rec, p, tpot_s, None)
         if p.slo_ttft_ms is not None or p.slo_tpot_ms is not None:
             m = self.metrics
             m.child(m.requests, rec.model, rec.label_strategy, _result(rec, p, ok, tpot_s)).inc()
 
-    def _learn(self, rec: RequestRecord, p: _Pending, tpot_s: float | None, duration: float) -> None:
+    def _learn(self, rec: RequestRecord, p: _Pending, tpot_s: float | None, service_ms: float | None) -> None:
         assert rec.ttft is not None
         ttft_ms = (rec.started + rec.ttft - p.decided_at) * 1000.0
         if ttft_ms <= 0.0:           # the decision came after the first token (a stream's continuation)
             return
         tpot_ms = tpot_s * 1000.0 if tpot_s is not None else None
-        p.latency.observe(p.endpoint, p.features, ttft_ms, tpot_ms, (duration - rec.ttft) * 1000.0)
+        p.latency.observe(p.endpoint, p.features, ttft_ms, tpot_ms, service_ms)
         m = self.metrics
         if p.ttft_ms is not None:
             m.child(m.error, rec.model, "ttft").observe(abs(ttft_ms - p.ttft_ms) / ttft_ms)
