@@ -216,3 +216,32 @@ async def test_a_client_that_leaves_after_its_first_tokens_teaches_the_ttft_it_s
         assert model.samples(ep) == (1, 0)
         await left_after(s, 12, 2)
         assert model.samples(ep) == (2, 1)
+
+
+async def test_an_engine_whose_reobserving_request_it_refused_is_sent_the_next_one(sims, gateway):
+    """a, seen slow, is sent a request to observe it once slo_reobserve_s has passed; a refuses it
+    (429: busy), and the retry takes it to b. a was observed no more than before, so the next
+    request with objectives goes to a again. Before, a was passed over for another slo_reobserve_s,
+    as if it had been observed, and the next request went to b on a's old prediction."""
+    a = await sims("vllm", "m", ttft_base_ms=5, itl_ms=2)
+    b = await sims("vllm", "m", ttft_base_ms=120, itl_ms=2)
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url], strategy="slo")],
+                       routing={"slo_min_samples": 2, "slo_exploration": 0.0, "slo_select": "spread",
+                                "slo_half_life_s": 0.04, "slo_reobserve_s": 0.5})
+    a_pod, b_pod = (e.url.removeprefix("http://") for e in (a, b))
+    slo = {"x-slo-ttft-ms": "2000"}
+    async with aiohttp.ClientSession() as s:
+        async def sim(url: str, fault: str) -> None:
+            async with s.post(url + "/_sim/config", json={"fault": fault}) as r:
+                assert r.status == 200
+        await sim(a.url, "stall_before_first=0.2")
+        for i in range(4):                      # two observations of each
+            assert (await _stream(s, gw.url, f"{i} warm-up", {"routing-strategy": "round-robin"}))[0] == 200
+        assert await _stream(s, gw.url, "slow a", slo) == (200, b_pod)
+        await sim(a.url, "status=429")
+        await asyncio.sleep(0.6)
+        assert await _stream(s, gw.url, "refused by a", slo) == (200, b_pod)     # a's 429, retried on b
+        await sim(a.url, "none")
+        assert await _stream(s, gw.url, "next", slo) == (200, a_pod)
+    text = await gw.metrics_text()
+    assert 'switchyard_retries_total{' in text
