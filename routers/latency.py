@@ -285,7 +285,8 @@ class Features:
 
 
 class _EndpointModel:
-    __slots__ = ("ttft", "tpot", "service_ms", "services", "ttft_at", "tpot_at", "service_at", "reobserved_at")
+    __slots__ = ("ttft", "tpot", "service_ms", "services", "ttft_at", "tpot_at", "service_at", "reobserved_at",
+                 "again")
 
     def __init__(self, forgetting: float) -> None:
         self.ttft = OnlineRegression(len(TTFT_FEATURES), forgetting)
@@ -295,6 +296,7 @@ class _EndpointModel:
         # when each quantity was last observed (the model's clock)
         self.ttft_at = self.tpot_at = self.service_at = 0.0
         self.reobserved_at = float("-inf")      # when a request was last sent to observe it (``reobserving``)
+        self.again = False              # one such request observed nothing, and another may go at once
 
 
 class LatencyModel:
@@ -373,6 +375,7 @@ class LatencyModel:
         else:
             models.move_to_end(ep)
         now = self.clock()
+        m.again = False
         if ttft_ms is not None:
             m.ttft.update(f.ttft, ttft_ms - f.queue_ms, self._aged(m.ttft_at, now) if m.ttft.n else 1.0)
             m.ttft_at = now
@@ -429,6 +432,27 @@ class LatencyModel:
         m = self._models.get(ep)
         if m is not None:
             m.reobserved_at = now
+
+    def reobserved(self, ep: Endpoint) -> float | None:
+        """When the last request to observe ``ep`` was sent (``reobserving``); None: never."""
+        m = self._models.get(ep)
+        return m.reobserved_at if m is not None and m.reobserved_at > float("-inf") else None
+
+    def unobserved(self, ep: Endpoint, at: float) -> None:
+        """The request sent at ``at`` to observe ``ep`` observed nothing (the engine refused it and
+        a retry took it elsewhere, it failed, its client left before its first token): ``stalest``
+        may pick ``ep`` again at once, for the next request, rather than ``slo_reobserve_s`` later.
+        Once: when that one observes nothing either, ``ep`` waits ``slo_reobserve_s`` (an engine
+        that keeps refusing is sent two requests each ``slo_reobserve_s``, not the first try of
+        every request). Nothing when another was sent since."""
+        m = self._models.get(ep)
+        if m is None or m.reobserved_at != at:
+            return
+        if m.again:                 # the second in a row: it waits
+            m.again = False
+        else:
+            m.reobserved_at = float("-inf")
+            m.again = True
 
     def samples(self, ep: Endpoint) -> tuple[int, int]:
         """Observations of ``(TTFT, TPOT)`` on ``ep`` so far."""

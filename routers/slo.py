@@ -17,7 +17,8 @@ prefix index, or the engines' KV events, as ``prefix-cache`` reads them). Then:
    traffic, so the models fill quickly, and no queue builds on a prefix holder meanwhile;
 3. if no request has observed a candidate for ``slo_reobserve_s`` (nor been sent to observe it
    since) and this request can (it streams), that candidate, the one observed longest ago first
-   (reason ``slo_reobserve``; one at a time: the next only that long after): what a model
+   (reason ``slo_reobserve``; one at a time: the next only that long after, unless that one
+   observed nothing there, ``LatencyModel.unobserved``): what a model
    predicts too slow gets no request, and with ``slo_exploration: 0`` or little traffic, nothing
    would show it recovered;
 4. the candidates predicted to meet every objective the request states, each prediction at most

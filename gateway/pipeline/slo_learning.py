@@ -16,7 +16,10 @@ models from the gateway's own observations, for every strategy's requests:
   endpoint's), and its TPOT, (end − first token) / (completion tokens − 1), are what the model
   learns, and the prediction's relative error is observed. A stream its client left after its
   first token teaches its TTFT; its TPOT only from ``CUT_MIN_TOKENS`` tokens a choice (the events
-  that carried them), first token to the last relayed; not its service time, cut short.
+  that carried them), first token to the last relayed; not its service time, cut short. A
+  request the ``slo`` strategy sent to observe its endpoint (``slo_reobserve``) that learnt it
+  nothing there (refused by the engine and retried elsewhere, failed, left before its first
+  token) gives the next request the try (``LatencyModel.unobserved``).
 
 Requests with objectives (``x-slo-ttft-ms``, ``x-slo-tpot-ms``) are counted as met or missed by
 what the client saw: the TTFT from the request's arrival at the gateway, the TPOT as above. A
@@ -81,6 +84,7 @@ class _Pending:
     slo_ttft_ms: float | None
     slo_tpot_ms: float | None
     choices: int                     # the answer's choices, decoded side by side (InferenceRequest.choices)
+    reobserved: float | None = None  # sent to observe the endpoint (slo_reobserve): the mark's time
 
 
 class SloLearning:
@@ -112,11 +116,15 @@ class SloLearning:
         f = latency.features(tokens, ep, tokens * (decision.prefix_match or 0.0) / 100.0, None, in_flight)
         ttft, tpot = latency.predict(ep, f)
         pending = self.pending
+        before = pending.get(ireq.request_id)
+        if before is not None:      # a retry's decision (the leg before answered nothing), or a continuation's
+            self._unobserved(before)
         pending[ireq.request_id] = _Pending(latency, ep, f, ttft, tpot, at, ireq.stream,
-                                            ireq.slo_ttft_ms, ireq.slo_tpot_ms, ireq.choices)
+                                            ireq.slo_ttft_ms, ireq.slo_tpot_ms, ireq.choices,
+                                            latency.reobserved(ep) if decision.reason == "slo_reobserve" else None)
         pending.move_to_end(ireq.request_id)
         if len(pending) > MAX_PENDING:
-            pending.popitem(last=False)
+            self._unobserved(pending.popitem(last=False)[1])
         if (ireq.slo_ttft_ms is not None or ireq.slo_tpot_ms is not None) and decision.reason.startswith("slo_"):
             m = self.metrics
             m.child(m.decisions, ireq.model, decision.reason).inc()
@@ -133,8 +141,9 @@ class SloLearning:
             tokens = rec.completion_tokens / max(p.choices, 1)
             if tokens >= 2:
                 tpot_s = (duration - rec.ttft) / (tokens - 1)
+        learnt = False
         if ok and p.stream and rec.ttft is not None:
-            self._learn(rec, p, tpot_s, (duration - rec.ttft) * 1000.0)
+            learnt = self._learn(rec, p, tpot_s, (duration - rec.ttft) * 1000.0)
         elif rec.error_class == ErrorClass.CLIENT_CANCEL and p.stream and rec.ttft is not None:
             # its client left after the first token: that TTFT was real; a time per token only from
             # CUT_MIN_TOKENS a choice on (fewer are a gap or two: noise), first token to the last
@@ -142,16 +151,25 @@ class SloLearning:
             tokens = rec.streamed_events / max(p.choices, 1)
             if tokens >= CUT_MIN_TOKENS and rec.last_token is not None:
                 tpot_s = (rec.last_token - rec.ttft) / (tokens - 1)
-            self._learn(rec, p, tpot_s, None)
+            learnt = self._learn(rec, p, tpot_s, None)
+        if not learnt:
+            self._unobserved(p)
         if p.slo_ttft_ms is not None or p.slo_tpot_ms is not None:
             m = self.metrics
             m.child(m.requests, rec.model, rec.label_strategy, _result(rec, p, ok, tpot_s)).inc()
 
-    def _learn(self, rec: RequestRecord, p: _Pending, tpot_s: float | None, service_ms: float | None) -> None:
+    @staticmethod
+    def _unobserved(p: _Pending) -> None:
+        """A request sent to observe its endpoint that observed nothing there: the next may."""
+        if p.reobserved is not None:
+            p.latency.unobserved(p.endpoint, p.reobserved)
+
+    def _learn(self, rec: RequestRecord, p: _Pending, tpot_s: float | None, service_ms: float | None) -> bool:
+        """Whether the model learnt the request's TTFT."""
         assert rec.ttft is not None
         ttft_ms = (rec.started + rec.ttft - p.decided_at) * 1000.0
         if ttft_ms <= 0.0:           # the decision came after the first token (a stream's continuation)
-            return
+            return False
         tpot_ms = tpot_s * 1000.0 if tpot_s is not None else None
         p.latency.observe(p.endpoint, p.features, ttft_ms, tpot_ms, service_ms)
         m = self.metrics
@@ -159,6 +177,7 @@ class SloLearning:
             m.child(m.error, rec.model, "ttft").observe(abs(ttft_ms - p.ttft_ms) / ttft_ms)
         if p.tpot_ms is not None and tpot_ms:
             m.child(m.error, rec.model, "tpot").observe(abs(tpot_ms - p.tpot_ms) / tpot_ms)
+        return True
 
 
 class NoSloLearning:

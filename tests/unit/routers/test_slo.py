@@ -183,6 +183,35 @@ def test_an_endpoint_unobserved_for_slo_reobserve_s_gets_one_request_at_a_time()
     assert {router.route(req, [fast, slow]).endpoint for req in reqs} == {fast}
 
 
+def test_a_request_sent_to_reobserve_that_observed_nothing_lets_the_next_go_once():
+    """slow is sent a request to observe it; that request observes nothing there (the engine
+    refused it, the retry went elsewhere): the next streamed request goes to slow again. When that
+    one observes nothing either, slow waits slo_reobserve_s, as an engine that keeps refusing must
+    not take the first try of every request; one that did observe it starts the count anew."""
+    router, ctx, (fast, slow), _ = setup(slo_exploration=0.0, slo_reobserve_s=60.0)
+    teach(ctx, fast, 30, 100, 10)
+    teach(ctx, slow, 100, 600, 30)
+    model, clock = ctx.latency, ctx.clock
+    clock.t += 61
+    model.observe(fast, model.features(1000, fast, 0.0), 130.0, 10.0)
+
+    def route() -> tuple:
+        d = router.route(slo_req(ttft=300), [fast, slow])
+        return d.endpoint, d.reason
+
+    for _ in range(2):                          # each time slo_reobserve_s has passed
+        assert route() == (slow, "slo_reobserve")
+        model.unobserved(slow, model.reobserved(slow))
+        assert route() == (slow, "slo_reobserve")       # tried again at once
+        model.unobserved(slow, model.reobserved(slow))
+        assert route() == (fast, "slo_feasible")        # the second in a row: it waits
+        clock.t += 61
+        model.observe(fast, model.features(1000, fast, 0.0), 130.0, 10.0)
+    assert route() == (slow, "slo_reobserve")
+    model.observe(slow, model.features(1000, slow, 0.0), 130.0, 10.0)     # observed: a fresh start
+    assert route()[1] == "slo_feasible" and not model._models[slow].again
+
+
 def test_a_non_streamed_request_is_not_sent_exploring():
     """A non-streamed answer has no first token to time and teaches the models nothing: sent to a
     random endpoint, it would only risk its objectives. It is routed on the predictions; the
