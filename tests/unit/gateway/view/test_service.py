@@ -1088,3 +1088,44 @@ async def test_a_siblings_ejection_refused_here_is_counted_once_though_a_catch_u
                                 reason="gap", result="applied") == 1
         await until(caught_up, timeout=3)
         assert bbr.state(eb[0]) == CLOSED and capped(bbr) == 1 and capped(abr) == 0
+
+
+async def test_a_worker_that_missed_its_siblings_close_and_next_ejection_takes_both_from_the_catch_up(
+        monkeypatch):
+    """Two endpoints, one of which may be out. b holds a's ejection of the first; b's queue is full
+    when a's trials close it and a then ejects the second. b catches up from a's whole view, which
+    lists the second and not the first: b closes the first and holds the second, as a does, and
+    counts no refused ejection. Before, b weighed the second's ejection while it still held the
+    first: refused (counted in switchyard_breaker_ejections_capped_total) and then the first
+    closed, so b routed everything to the endpoint a had ejected."""
+    import gateway.view.service as service
+    from gateway.resilience.breaker import CLOSED, OPEN
+    from gateway.resilience.outcome import Outcome
+
+    monkeypatch.setattr(service, "CATCH_UP_EVERY_S", 0.0)
+    d = RunDirectory()
+    a, b, apool, bpool, abr, bbr = _breaker_pair(d, _config(heartbeat_s=0.05, peer_ttl_s=0.2, load_interval_s=0.01),
+                                                  _ejecting_at_once(), ask=True)
+    async with _running(d, a, b):
+        ea, eb = apool.endpoints("m"), bpool.endpoints("m")
+        abr.record(ea[0], Outcome.FAULT)
+        await until(lambda: bbr.state(eb[0]) == OPEN and bbr.breaker(eb[0]).held, timeout=2)
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(b.bus.sock.fileno())          # b reads nothing: its queue fills
+        for i in range(1, 100):
+            ea[1].in_flight = i
+            a._flush()
+        abr._close(ea[0], abr.breaker(ea[0]), abr.clock())     # the trials passed; the batch is refused
+        ea[1].in_flight = 0
+        abr.record(ea[1], Outcome.FAULT)                 # and the second is ejected: refused too
+        assert abr.state(ea[1]) == OPEN
+        await asyncio.sleep(0)
+        loop.add_reader(b.bus.sock.fileno(), b.bus._readable)
+
+        def caught_up() -> bool:
+            return metric_total(b.m.gm.render().decode(), "switchyard_view_catch_ups_total",
+                                reason="gap", result="applied") == 1
+        await until(caught_up, timeout=3)
+        assert (bbr.state(eb[0]), bbr.state(eb[1])) == (CLOSED, OPEN)
+        assert eb[0].ready and not eb[1].ready and bbr.breaker(eb[1]).held
+        assert not [s for fam in bbr.metrics.capped.collect() for s in fam.samples if s.name.endswith("_total")]
