@@ -1001,6 +1001,15 @@ class RoutingView:
         index = sender.rpartition("/")[2]
         by_sender = int(index) if index.isdigit() else -1
         n = 0
+        # the closes first: an ejection the sibling's view lists may need the room one of them held
+        heard = self._heard_seq.get(sender)
+        if not start and by_sender >= 0 and (heard is None or heard[0] != head.run or heard[1] <= head.seq):
+            # (a batch of the sibling's newer than its view may have told of an ejection since: then not)
+            listed = {f.ep for f in head.breakers}
+            # (and one refused here is over: the sibling's next ejection of it is another refusal)
+            for ep in self._breakers.held_for(by_sender):
+                if self._key(ep) not in listed:
+                    n += self._breakers.adopt_close(ep)
         if head.breakers:
             for f in head.breakers:
                 ep = self._resolve(f.ep)
@@ -1010,14 +1019,6 @@ class RoutingView:
                     continue
                 n += self._breakers.adopt_open(ep, f.open_for, f.ejections, owner=by_sender if f.by < 0 else f.by,
                                                own=mine, counted=not start)
-        heard = self._heard_seq.get(sender)
-        if not start and by_sender >= 0 and (heard is None or heard[0] != head.run or heard[1] <= head.seq):
-            # (a batch of the sibling's newer than its view may have told of an ejection since: then not)
-            listed = {f.ep for f in head.breakers}
-            # (and one refused here is over: the sibling's next ejection of it is another refusal)
-            for ep in self._breakers.held_for(by_sender):
-                if self._key(ep) not in listed:
-                    n += self._breakers.adopt_close(ep)
         if n:
             self.m.gm.child(self.m.applied, "worker", "breaker").inc(n)
 
