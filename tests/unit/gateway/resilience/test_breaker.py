@@ -514,3 +514,20 @@ def test_a_siblings_ejection_refused_here_counts_once_however_often_it_is_told()
     assert not br.adopt_open(a, 20.0, 2, owner=0)
     assert not br.adopt_open(a, 15.0, 2, owner=0)
     assert _capped(br) == 3 and br.state(a) == CLOSED and a.ready
+
+
+def test_a_siblings_ejection_a_starting_worker_refuses_is_not_counted_its_predecessor_did():
+    """A worker started again learns worker 0's ejection of A from its whole view (``counted``
+    False: its predecessor heard of that ejection when it was decided and counted what it made of
+    it, which the new worker carries on). Refused here as it was there (C down by the probes, B
+    out), it is not counted a second time; told again later (a catch-up), not either. A new
+    ejection of worker 0's after it is."""
+    br, (a, b, c), t = setup(n=3, consecutive_faults=1, max_ejection_percent=100)
+    br.index = 1
+    feed(br, b, [F])
+    c.healthy = False
+    assert not br.adopt_open(a, 10.0, 1, owner=0, counted=False)
+    assert not br.adopt_open(a, 9.0, 1, owner=0)
+    assert _capped(br) == 0
+    assert not br.adopt_open(a, 20.0, 2, owner=0)
+    assert _capped(br) == 1
