@@ -346,7 +346,8 @@ class Breakers:
         ``own``: it is this worker's (its predecessor at its index decided it, and a sibling's whole
         view told it at its start): this worker sends its trials. ``counted``: the ejection is a
         transition here (not for one a worker learns at its start: its predecessor, whose counts it
-        carries on, or the sibling that decided it, counted it)."""
+        carries on, or the sibling that decided it, counted it), and its refusal a refused ejection
+        (not at the start either: the predecessor counted it)."""
         cfg = self.config_for(ep.model)
         if not cfg.enabled or open_for <= 0 or ep.removed:
             return False
@@ -372,12 +373,15 @@ class Breakers:
             crossed = not self._may_eject(ep, health=False)
             victim = self._outranked(ep, owner) if crossed else None
             if victim is None or not self._may_eject(ep, without=victim):
-                # counted once: a catch-up after a gap tells the same ejection again, in the sibling's
-                # whole view (a new ejection of the sibling's, after a close or a failed trial, has
-                # another number of ejections, and a close forgets the refusal)
+                # counted once, though a catch-up after a gap tells the same ejection again in the
+                # sibling's whole view (a new ejection of the sibling's, after a close or a failed
+                # trial, has another number of ejections, and a close forgets the refusal); not at
+                # this worker's start (``counted`` False: its predecessor heard of it when it was
+                # decided and counted its refusal, which this worker's count carries on); nor when
+                # an earlier worker's ejection here outranks it (that worker undoes its own, and
+                # counts it)
                 seen, b.refused = b.refused, (owner, ejections)
-                if seen != b.refused and not (crossed and self._outranks(ep, owner)):
-                    # (else that worker undoes its own, and counts it)
+                if seen != b.refused and counted and not (crossed and self._outranks(ep, owner)):
                     self._child(self.metrics.capped, ep.model).inc()
                 return False
             self._displace(victim, owner)
