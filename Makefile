@@ -28,8 +28,9 @@ $(DEVSTAMP): pyproject.toml requirements-dev.lock | $(BIN)/python
 #   uv pip compile pyproject.toml --generate-hashes --universal --python-version 3.11 -o requirements.lock
 #   uv pip compile pyproject.toml --extra dev --generate-hashes --universal --python-version 3.11 -o requirements-dev.lock
 # --universal writes environment markers instead of resolving for this machine only, so one lock serves
-# Linux (CI, the image) and developers' macOS alike. The bench extra (matplotlib) and the grpc extra are
-# not locked: `make bench-routing` and `make bench-lora-pd` resolve them from their ranges.
+# Linux (CI, the image) and developers' macOS alike. The bench extra (matplotlib) is not locked: `make
+# bench-routing` and `make bench-lora-pd` resolve it from its range. The grpc extra's exporter is locked
+# in the dev lock (the tracing tests export over gRPC), not in the runtime one.
 LOCKVENV := .venv-lock
 UPGRADE ?=
 LOCK_ARGS := --custom-compile-command "make lock" --generate-hashes --universal --python-version 3.11 $(if $(UPGRADE),--upgrade)
