@@ -1,0 +1,91 @@
+"""Export to a real collector the ways a deployment sets it up: OTLP/HTTP over TLS with a certificate
+authority of its own (``OTEL_EXPORTER_OTLP_*_CERTIFICATE``), with an authorization header and gzip
+(``_HEADERS``, ``_COMPRESSION``), and OTLP/gRPC (the grpc extra). The receivers are real servers on
+loopback (tests/support/otlp_receiver.py), their certificates made by the test (tests/support/tls.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.support.http import post
+from tests.support.otlp_receiver import OTLPReceiver
+from tests.support.tls import CertificateAuthority
+
+MSG = [{"role": "user", "content": "Trace this request to a collector over TLS."}]
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+OTEL_VARS = ("HEADERS", "COMPRESSION", "CERTIFICATE", "CLIENT_KEY", "CLIENT_CERTIFICATE", "INSECURE",
+             "ENDPOINT", "PROTOCOL", "TIMEOUT")
+
+
+@pytest.fixture(autouse=True)
+def clean_otel_env(monkeypatch):
+    """Only what a test sets: the exporter reads these variables when the gateway starts (and
+    requests, which it sends with, reads a machine's CA bundle from the last two)."""
+    for var in OTEL_VARS:
+        monkeypatch.delenv(f"OTEL_EXPORTER_OTLP_{var}", raising=False)
+        monkeypatch.delenv(f"OTEL_EXPORTER_OTLP_TRACES_{var}", raising=False)
+    for var in ("REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory) -> CertificateAuthority:
+    return CertificateAuthority(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="module")
+def stranger(tmp_path_factory) -> CertificateAuthority:
+    """Another CA, which the gateway is not told to trust."""
+    return CertificateAuthority(tmp_path_factory.mktemp("tls-other"), name="another CA")
+
+
+def tracing(endpoint: str, **over) -> dict:
+    return {"enabled": True, "endpoint": endpoint, "batch_delay_s": 0.05, "export_timeout_s": 2.0, **over}
+
+
+def server_span(rx: OTLPReceiver, request_id: str):
+    return next((s for s in rx.spans if s.kind == "SERVER" and s.service == "switchyard"
+                 and s.attributes.get("gen_ai.request.id") == request_id), None)
+
+
+def sample(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+@pytest.mark.parametrize("bundle", [None, "REQUESTS_CA_BUNDLE"])
+async def test_https_collector_with_its_own_ca_gets_spans_headers_and_gzip(sims, gateway, ca, stranger,
+                                                                          monkeypatch, bundle):
+    """The CA, an authorization header (percent-encoded, as the variable's format says) and gzip,
+    all from the standard variables: the spans arrive whole, under the client's trace. The CA
+    given for the collector is the one used even on a machine whose environment names a CA bundle
+    of its own for every client (REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE: set in many images)."""
+    rx = await OTLPReceiver(ssl=ca.issue().server_context()).start()
+    try:
+        if bundle:
+            monkeypatch.setenv(bundle, str(stranger.cert))
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", str(ca.cert))
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer%20s3cret,x-scope-orgid=team-a")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
+        sim = await sims("vllm", "m")
+        gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}], tracing=tracing(rx.url))
+        status, headers, _ = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2, "stream": True},
+                                        {"traceparent": TRACEPARENT})
+        assert status == 200
+        rid = headers["request-id"]
+        assert await rx.wait_for(lambda r: server_span(r, rid) is not None and len(r.trace(CLIENT_TRACE)) >= 3)
+        root = server_span(rx, rid)
+        assert (root.trace_id, root.parent_id) == (CLIENT_TRACE, CLIENT_SPAN)
+        sent = rx.headers[0]
+        assert sent["authorization"] == "Bearer s3cret" and sent["x-scope-orgid"] == "team-a"
+        assert sent["content-encoding"] == "gzip" and sent["content-type"] == "application/x-protobuf"
+        text = await gw.metrics_text()
+        assert sample(text, "switchyard_trace_export_failures_total") == 0
+        assert sample(text, 'switchyard_trace_spans_total{result="exported"}') >= 3
+    finally:
+        await rx.close()
