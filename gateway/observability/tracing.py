@@ -594,7 +594,33 @@ def make_exporter(s: TracingSettings) -> SpanExporter:
                              "pip install 'switchyard[grpc]'") from None
         return GrpcExporter(endpoint=s.endpoint, timeout=s.export_timeout_s)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    return OTLPSpanExporter(endpoint=s.endpoint, timeout=s.export_timeout_s)
+    return OTLPSpanExporter(endpoint=s.endpoint, timeout=s.export_timeout_s, session=_http_session())
+
+
+# the SDK's variables naming a requests.Session of a plugin's, which a session given here would replace
+_CREDENTIAL_PROVIDERS = ("OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER",
+                         "OTEL_PYTHON_EXPORTER_OTLP_HTTP_TRACES_CREDENTIAL_PROVIDER")
+
+
+def _http_session() -> Any:
+    """The OTLP/HTTP exporter's requests session, in which the CA file it was given
+    (``OTEL_EXPORTER_OTLP_(TRACES_)CERTIFICATE``) is the one that verifies the collector. The exporter
+    sets it as the session's ``verify``, but requests lets ``REQUESTS_CA_BUNDLE`` or ``CURL_CA_BUNDLE``
+    (set to the system's bundle in many images) replace a session's own ``verify`` on every request:
+    a collector behind a private CA then failed verification on every export. None (the exporter's
+    own session) when a credential provider plugin names the session."""
+    if any(os.environ.get(v) for v in _CREDENTIAL_PROVIDERS):
+        return None
+    import requests
+
+    class Session(requests.Session):
+        def merge_environment_settings(self, url, proxies, stream, verify, cert):
+            merged = super().merge_environment_settings(url, proxies, stream, verify, cert)
+            if verify is None and isinstance(self.verify, str):     # a CA file, given to the exporter
+                merged["verify"] = self.verify
+            return merged
+
+    return Session()
 
 
 # where the middleware leaves a request's trace (aiohttp's request state; typed keys since aiohttp 3.13)
