@@ -6,6 +6,7 @@ loopback (tests/support/otlp_receiver.py), their certificates made by the test (
 
 from __future__ import annotations
 
+import logging
 import re
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from tests.support.http import post
 from tests.support.otlp_receiver import OTLPReceiver
 from tests.support.tls import CertificateAuthority
+from tests.support.waiting import wait_for
 
 MSG = [{"role": "user", "content": "Trace this request to a collector over TLS."}]
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -87,5 +89,35 @@ async def test_https_collector_with_its_own_ca_gets_spans_headers_and_gzip(sims,
         text = await gw.metrics_text()
         assert sample(text, "switchyard_trace_export_failures_total") == 0
         assert sample(text, 'switchyard_trace_spans_total{result="exported"}') >= 3
+    finally:
+        await rx.close()
+
+
+async def test_a_collector_whose_certificate_the_ca_does_not_sign_gets_nothing_and_the_log_says_why(
+        sims, gateway, ca, stranger, monkeypatch, caplog):
+    """A collector serving a certificate of another CA: no span is delivered (the handshake fails
+    before any request), each failed batch is counted, the requests are served as ever, and the
+    line that reports the failed export names the cause, a certificate not trusted: it is no
+    transient error, so the export does not wait and retry it."""
+    rx = await OTLPReceiver(ssl=stranger.issue().server_context()).start()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", str(ca.cert))
+        sim = await sims("vllm", "m")
+        gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}],
+                           tracing=tracing(rx.url, export_timeout_s=0.5))
+        caplog.set_level(logging.WARNING, logger="opentelemetry")
+        for i in range(4):
+            status, _, body = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2, "stream": i % 2 == 0})
+            assert status == 200 and body
+
+        async def all_failed() -> bool:      # 3 spans a request, in batches each counted once
+            text = await gw.metrics_text()
+            return sample(text, 'switchyard_trace_spans_total{result="failed"}') == 12 \
+                and sample(text, "switchyard_trace_export_failures_total") >= 1
+        assert await wait_for(all_failed, timeout=15)
+        assert rx.exports == 0
+        assert 'switchyard_trace_spans_total{result="exported"}' not in await gw.metrics_text()
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors and all("certificate verify failed" in e for e in errors), errors
     finally:
         await rx.close()
