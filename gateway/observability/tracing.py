@@ -607,8 +607,11 @@ def _http_session() -> Any:
     (``OTEL_EXPORTER_OTLP_(TRACES_)CERTIFICATE``) is the one that verifies the collector. The exporter
     sets it as the session's ``verify``, but requests lets ``REQUESTS_CA_BUNDLE`` or ``CURL_CA_BUNDLE``
     (set to the system's bundle in many images) replace a session's own ``verify`` on every request:
-    a collector behind a private CA then failed verification on every export. None (the exporter's
-    own session) when a credential provider plugin names the session."""
+    a collector behind a private CA then failed verification on every export. A certificate the CA
+    does not verify is ``CollectorNotTrusted``, no connection error: the exporter retries those until
+    its timeout (a certificate does not heal in seconds) and then logs a line without the cause;
+    this one it reports at once, its cause in the line. None (the exporter's own session) when a
+    credential provider plugin names the session."""
     if any(os.environ.get(v) for v in _CREDENTIAL_PROVIDERS):
         return None
     import requests
@@ -620,7 +623,38 @@ def _http_session() -> Any:
                 merged["verify"] = self.verify
             return merged
 
+        def send(self, request, **kwargs):
+            try:
+                return super().send(request, **kwargs)
+            except requests.exceptions.SSLError as e:
+                cause = _cert_verification(e)
+                if cause is None:           # a handshake cut short: transient, retried as before
+                    raise
+                verify = kwargs.get("verify")
+                ca = verify if isinstance(verify, str) else "the system's CA bundle"
+                raise CollectorNotTrusted(f"the collector's certificate is not trusted ({ca}): "
+                                          f"certificate verify failed: {cause}") from e
+
     return Session()
+
+
+class CollectorNotTrusted(Exception):
+    """The collector's certificate failed verification."""
+
+
+def _cert_verification(error: BaseException, depth: int = 0) -> str | None:
+    """What certificate verification said, if it is what ``error`` (requests' SSLError, wrapping
+    urllib3's) comes from."""
+    import ssl
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return error.verify_message or str(error)
+    if depth > 6:
+        return None
+    inner = [*getattr(error, "args", ()), getattr(error, "reason", None), error.__cause__, error.__context__]
+    for e in inner:
+        if isinstance(e, BaseException) and (found := _cert_verification(e, depth + 1)):
+            return found
+    return None
 
 
 # where the middleware leaves a request's trace (aiohttp's request state; typed keys since aiohttp 3.13)
