@@ -11,10 +11,12 @@ import re
 
 import pytest
 
-from tests.support.http import post
-from tests.support.otlp_receiver import OTLPReceiver
-from tests.support.tls import CertificateAuthority
-from tests.support.waiting import wait_for
+pytest.importorskip("cryptography", reason="the dev lock installs it (make test)")
+
+from tests.support.http import post  # noqa: E402
+from tests.support.otlp_receiver import GrpcOTLPReceiver, OTLPReceiver  # noqa: E402
+from tests.support.tls import CertificateAuthority  # noqa: E402
+from tests.support.waiting import wait_for  # noqa: E402
 
 MSG = [{"role": "user", "content": "Trace this request to a collector over TLS."}]
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -119,5 +121,54 @@ async def test_a_collector_whose_certificate_the_ca_does_not_sign_gets_nothing_a
         assert 'switchyard_trace_spans_total{result="exported"}' not in await gw.metrics_text()
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert errors and all("certificate verify failed" in e for e in errors), errors
+    finally:
+        await rx.close()
+
+
+def needs_grpc() -> None:
+    pytest.importorskip("grpc", reason="the dev lock installs the grpc extra's exporter (make test)")
+
+
+@pytest.mark.parametrize("form", ["url", "host:port"])
+async def test_grpc_export_with_headers_and_gzip(sims, gateway, monkeypatch, form):
+    """protocol: grpc, to the OTLP/gRPC trace service without TLS: the spans arrive under the
+    client's trace, gzip-compressed (the service inflates them), the headers as gRPC metadata. The
+    endpoint given as host:port means plain text, as it does over HTTP and as the default
+    (http://localhost:4317) does."""
+    needs_grpc()
+    rx = await GrpcOTLPReceiver().start()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "authorization=Bearer%20s3cret")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "gzip")
+        sim = await sims("vllm", "m")
+        endpoint = rx.url if form == "url" else rx.url.removeprefix("http://")
+        gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}],
+                           tracing=tracing(endpoint, protocol="grpc"))
+        status, headers, _ = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2},
+                                        {"traceparent": TRACEPARENT})
+        assert status == 200
+        rid = headers["request-id"]
+        assert await rx.wait_for(lambda r: server_span(r, rid) is not None and len(r.trace(CLIENT_TRACE)) >= 3)
+        root = server_span(rx, rid)
+        assert (root.trace_id, root.parent_id, root.name) == (CLIENT_TRACE, CLIENT_SPAN, "POST /v1/chat/completions")
+        assert {s.name for s in rx.children(root)} == {"route", "generate"}
+        assert rx.headers[0]["authorization"] == "Bearer s3cret"
+        assert sample(await gw.metrics_text(), 'switchyard_trace_spans_total{result="exported"}') >= 3
+    finally:
+        await rx.close()
+
+
+async def test_grpc_export_over_tls_with_its_own_ca(sims, gateway, ca, monkeypatch):
+    needs_grpc()
+    issued = ca.issue()
+    rx = await GrpcOTLPReceiver(tls=(issued.key.read_bytes(), issued.cert.read_bytes())).start()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", str(ca.cert))
+        sim = await sims("vllm", "m")
+        gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}],
+                           tracing=tracing(rx.url, protocol="grpc"))
+        status, headers, _ = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2})
+        assert status == 200 and rx.url.startswith("https://")
+        assert await rx.wait_for(lambda r: server_span(r, headers["request-id"]) is not None)
     finally:
         await rx.close()
