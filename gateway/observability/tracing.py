@@ -93,7 +93,7 @@ class TracingConfig(Block):
     else the default (see ``resolve``)."""
 
     enabled: Annotated[bool | None, Meta(description="Export traces; null: on when an OTLP endpoint is given here or in OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, unless OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER=none.")] = None
-    endpoint: Annotated[str | None, Meta(description="OTLP collector: an http(s):// URL or host:port (/v1/traces is added when it has no path) or a gRPC target; null: OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, else localhost:4318 (http) or localhost:4317 (grpc).")] = None
+    endpoint: Annotated[str | None, Meta(description="OTLP collector: an http(s):// URL or host:port (plain text, as http://; over HTTP /v1/traces is added when it has no path); null: OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, else localhost:4318 (http) or localhost:4317 (grpc).")] = None
     protocol: Annotated[OTLPProtocol | None, Meta(description="OTLP protocol: http/protobuf or grpc (needs the grpc extra); null: OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL, else http/protobuf.")] = None
     sample_ratio: Annotated[_Ratio | None, Meta(description="Share of new traces recorded, 0..1; null: OTEL_TRACES_SAMPLER(_ARG), else 1.")] = None
     parent_based: Annotated[bool | None, Meta(description="A client's sampled flag (traceparent) decides for its request; null: OTEL_TRACES_SAMPLER, else true.")] = None
@@ -188,7 +188,11 @@ def resolve(cfg: TracingConfig, env: Mapping[str, str] | None = None) -> Tracing
     if env_endpoint is not None:
         _check_endpoint(env_endpoint, "environment variable OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT")
     if cfg.endpoint is not None:
-        endpoint = _with_signal_path(cfg.endpoint) if protocol == "http/protobuf" else cfg.endpoint
+        # host:port is plain text for either protocol, as the defaults are (https:// for TLS); the
+        # gRPC exporter would take it for TLS (the OTLP spec's default for a gRPC endpoint without a
+        # scheme, which the environment's endpoint keeps)
+        endpoint = _with_signal_path(cfg.endpoint) if protocol == "http/protobuf" else \
+            cfg.endpoint if cfg.endpoint.startswith(("http://", "https://")) else "http://" + cfg.endpoint
     elif env_endpoint is not None:
         endpoint = env_endpoint
     else:

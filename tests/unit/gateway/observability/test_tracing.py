@@ -76,6 +76,12 @@ def test_grpc_protocol_from_block_or_environment():
     s = resolve(TracingConfig(), env={"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
                                       "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"})
     assert (s.protocol, s.endpoint, s.enabled) == ("grpc", "http://c:4317", True)
+    # the key's host:port is plain text, as over HTTP; https:// asks for TLS; the variable is the
+    # OTLP spec's, passed as it is (the exporter reads OTEL_EXPORTER_OTLP_INSECURE for it)
+    assert resolve(TracingConfig(protocol="grpc", endpoint="c:4317"), env={}).endpoint == "http://c:4317"
+    assert resolve(TracingConfig(protocol="grpc", endpoint="https://c:4317"), env={}).endpoint == "https://c:4317"
+    assert resolve(TracingConfig(), env={"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                                         "OTEL_EXPORTER_OTLP_ENDPOINT": "c:4317"}).endpoint == "c:4317"
 
 
 @pytest.mark.parametrize("env, message", [
