@@ -6,8 +6,11 @@ loopback (tests/support/otlp_receiver.py), their certificates made by the test (
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import re
+import sys
 
 import pytest
 
@@ -172,3 +175,25 @@ async def test_grpc_export_over_tls_with_its_own_ca(sims, gateway, ca, monkeypat
         assert await rx.wait_for(lambda r: server_span(r, headers["request-id"]) is not None)
     finally:
         await rx.close()
+
+
+# ``python -m gateway`` where the grpc extra is not installed: its exporter cannot be imported
+WITHOUT_GRPC_EXTRA = ("import runpy, sys; sys.modules['opentelemetry.exporter.otlp.proto.grpc'] = None; "
+                      "sys.argv[0] = 'gateway'; runpy.run_module('gateway', run_name='__main__', alter_sys=True)")
+
+
+async def test_grpc_without_the_extra_fails_start_up_with_one_line_saying_what_to_install(tmp_path):
+    """The one start-up message, naming the key that asked for gRPC and the extra to install; the
+    process exits 2, as for a config error."""
+    cfg = tmp_path / "gateway.yaml"
+    cfg.write_text("listen: {host: 127.0.0.1, port: 0}\ntracing: {enabled: true, protocol: grpc}\n"
+                   "models: [{name: m, engine: vllm, endpoints: ['http://127.0.0.1:9']}]\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", WITHOUT_GRPC_EXTRA, "--config", str(cfg),
+                                                env=env, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    async with asyncio.timeout(60):
+        out, err = await proc.communicate()
+    assert proc.returncode == 2, (out, err)
+    lines = [line for line in (out + err).decode().splitlines() if "grpc" in line]
+    assert lines == ["switchyard: tracing.protocol: grpc needs the OTLP gRPC exporter: pip install 'switchyard[grpc]'"]

@@ -4,6 +4,7 @@ exporter's failure count, excluded paths. The traces themselves: tests/integrati
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 
@@ -116,15 +117,18 @@ def test_block_in_config():
     assert c.tracing.enabled and c.tracing.sample_ratio == 0.1 and c.tracing.exclude_paths == ("/health",)
 
 
-def test_grpc_without_the_extra_is_a_clear_error():
-    pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
-    try:
-        import opentelemetry.exporter.otlp.proto.grpc  # noqa: F401
-    except ImportError:
-        with pytest.raises(ValueError, match=r"switchyard\[grpc\]"):
-            Tracing.from_config(TracingConfig(enabled=True, protocol="grpc"), GatewayMetrics(), env={})
-    else:
-        pytest.skip("the grpc extra is installed")
+@pytest.mark.parametrize("block, env, named", [
+    ({"protocol": "grpc"}, {}, "tracing.protocol"),
+    ({}, {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "OTEL_EXPORTER_OTLP_PROTOCOL"),
+    ({}, {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"),
+])
+def test_grpc_without_the_extra_is_a_clear_error_naming_what_asked_for_it(monkeypatch, block, env, named):
+    # the extra not installed: its exporter cannot be imported
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc", None)
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
+    with pytest.raises(ValueError) as e:
+        Tracing.from_config(TracingConfig(enabled=True, **block), GatewayMetrics(), env=env)
+    assert str(e.value) == f"{named}: grpc needs the OTLP gRPC exporter: pip install 'switchyard[grpc]'"
 
 
 def test_disabled_trace_does_nothing():
