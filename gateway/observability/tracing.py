@@ -135,6 +135,7 @@ class TracingSettings:
     export_timeout_s: float | None      # None: the exporter's own (OTEL_EXPORTER_OTLP_TRACES_TIMEOUT, 10 s)
     batch_delay_s: float | None         # None: the SDK's own (OTEL_BSP_SCHEDULE_DELAY, 5 s)
     max_queue_size: int | None          # None: the SDK's own (OTEL_BSP_MAX_QUEUE_SIZE, 2048)
+    protocol_from: str = "tracing.protocol"     # the key or the variable that chose the protocol
 
 
 def _env_float(env: Mapping[str, str], name: str, low: float, high: float) -> float:
@@ -170,10 +171,11 @@ def resolve(cfg: TracingConfig, env: Mapping[str, str] | None = None) -> Tracing
     """The block's keys, else the ``OTEL_*`` variables, else the defaults."""
     env = os.environ if env is None else env
     protocol = cfg.protocol
+    protocol_from = "tracing.protocol"
     if protocol is None:
         for var in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
             if env.get(var):
-                protocol = env[var].strip()
+                protocol, protocol_from = env[var].strip(), var
                 if protocol not in ("http/protobuf", "grpc"):
                     raise ValueError(f"environment variable {var}: {protocol!r} is not supported "
                                      "(http/protobuf or grpc)")
@@ -215,7 +217,7 @@ def resolve(cfg: TracingConfig, env: Mapping[str, str] | None = None) -> Tracing
     return TracingSettings(enabled=enabled, endpoint=endpoint, protocol=protocol, sample_ratio=ratio,
                            parent_based=parent, service_name=service, exclude_paths=cfg.exclude_paths,
                            export_timeout_s=cfg.export_timeout_s, batch_delay_s=cfg.batch_delay_s,
-                           max_queue_size=cfg.max_queue_size)
+                           max_queue_size=cfg.max_queue_size, protocol_from=protocol_from)
 
 
 def _with_signal_path(url: str) -> str:
@@ -594,7 +596,7 @@ def make_exporter(s: TracingSettings) -> SpanExporter:
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
         except ImportError:
-            raise ValueError("tracing.protocol: grpc needs the OTLP gRPC exporter: "
+            raise ValueError(f"{s.protocol_from}: grpc needs the OTLP gRPC exporter: "
                              "pip install 'switchyard[grpc]'") from None
         return GrpcExporter(endpoint=s.endpoint, timeout=s.export_timeout_s)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
