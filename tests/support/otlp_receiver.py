@@ -142,12 +142,14 @@ class OTLPReceiver:
 
 class GrpcOTLPReceiver(OTLPReceiver):
     """The OTLP/gRPC trace service on loopback (needs ``grpcio``). ``url`` is the exporter's
-    endpoint: ``http://127.0.0.1:PORT``, or ``https://...`` with ``tls`` (a server certificate
-    and key, PEM bytes). ``headers``: each export's metadata."""
+    endpoint: ``http://127.0.0.1:PORT``, or ``https://...`` with ``tls`` (a server key and
+    certificate, PEM bytes); ``client_ca`` (PEM bytes): clients must present a certificate that CA
+    signed. ``headers``: each export's metadata."""
 
-    def __init__(self, tls: tuple[bytes, bytes] | None = None) -> None:
+    def __init__(self, tls: tuple[bytes, bytes] | None = None, client_ca: bytes | None = None) -> None:
         super().__init__()
         self.tls = tls
+        self.client_ca = client_ca
         self._server: Any = None
 
     async def start(self) -> GrpcOTLPReceiver:
@@ -166,7 +168,9 @@ class GrpcOTLPReceiver(OTLPReceiver):
         self._server = grpc.aio.server()
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self._server)
         if self.tls:
-            port = self._server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([self.tls]))
+            creds = grpc.ssl_server_credentials([self.tls], root_certificates=self.client_ca,
+                                                require_client_auth=self.client_ca is not None)
+            port = self._server.add_secure_port("127.0.0.1:0", creds)
         else:
             port = self._server.add_insecure_port("127.0.0.1:0")
         await self._server.start()

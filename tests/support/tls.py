@@ -33,9 +33,14 @@ class Issued:
     cert: Path
     key: Path
 
-    def server_context(self) -> ssl.SSLContext:
+    def server_context(self, client_ca: Path | None = None) -> ssl.SSLContext:
+        """A server's context with this certificate; ``client_ca``: clients must present a
+        certificate that CA signed (mutual TLS)."""
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.load_cert_chain(self.cert, self.key)
+        if client_ca is not None:
+            ctx.verify_mode = ssl.CERT_REQUIRED
+            ctx.load_verify_locations(client_ca)
         return ctx
 
 

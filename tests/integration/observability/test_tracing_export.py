@@ -128,6 +128,32 @@ async def test_a_collector_whose_certificate_the_ca_does_not_sign_gets_nothing_a
         await rx.close()
 
 
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+async def test_mutual_tls_with_the_client_certificate_and_key_from_the_environment(sims, gateway, ca,
+                                                                                  monkeypatch, protocol):
+    """A collector that asks for a client certificate: the exporter presents the one of
+    OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE and _CLIENT_KEY, over either protocol."""
+    if protocol == "grpc":
+        needs_grpc()
+    server, client = ca.issue(), ca.issue(client=True)
+    if protocol == "grpc":
+        rx = GrpcOTLPReceiver(tls=(server.key.read_bytes(), server.cert.read_bytes()), client_ca=ca.cert.read_bytes())
+    else:
+        rx = OTLPReceiver(ssl=server.server_context(client_ca=ca.cert))
+    await rx.start()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", str(ca.cert))
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE", str(client.cert))
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY", str(client.key))
+        sim = await sims("vllm", "m")
+        gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}],
+                           tracing=tracing(rx.url, protocol=protocol))
+        status, headers, _ = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2})
+        assert status == 200
+        assert await rx.wait_for(lambda r: server_span(r, headers["request-id"]) is not None)
+    finally:
+        await rx.close()
+
 def needs_grpc() -> None:
     pytest.importorskip("grpc", reason="the dev lock installs the grpc extra's exporter (make test)")
 
@@ -197,3 +223,31 @@ async def test_grpc_without_the_extra_fails_start_up_with_one_line_saying_what_t
     assert proc.returncode == 2, (out, err)
     lines = [line for line in (out + err).decode().splitlines() if "grpc" in line]
     assert lines == ["switchyard: tracing.protocol: grpc needs the OTLP gRPC exporter: pip install 'switchyard[grpc]'"]
+
+
+async def test_a_grpc_client_certificate_without_its_key_fails_start_up_with_a_line_naming_them(tmp_path, ca):
+    """Mutual TLS over gRPC half configured (the key's variable unset): the start fails with the
+    config error's exit code and one line naming the variables, with --workers too."""
+    needs_grpc()
+    client = ca.issue(client=True)
+    cfg = tmp_path / "gateway.yaml"
+    cfg.write_text("listen: {host: 127.0.0.1, port: 0}\n"
+                   "tracing: {enabled: true, protocol: grpc, endpoint: 'https://127.0.0.1:9'}\n"
+                   "models: [{name: m, engine: vllm, endpoints: ['http://127.0.0.1:9']}]\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE=str(ca.cert),
+               OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE=str(client.cert))
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                "--workers", "2", env=env,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        async with asyncio.timeout(30):
+            out, err = await proc.communicate()
+    except TimeoutError:
+        proc.kill()
+        out, err = await proc.communicate()
+        raise AssertionError(f"the gateway did not stop; its output ends: {err[-1500:]!r}") from None
+    assert proc.returncode == 2, (proc.returncode, err[-2000:])
+    said = [line for line in (out + err).decode().splitlines() if "CLIENT" in line]
+    assert said == ["switchyard: environment variable OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE: a client "
+                    "certificate needs its key, in OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY"]
