@@ -591,7 +591,54 @@ class CountingProcessor(BatchSpanProcessor):
         super().on_end(span)
 
 
+_TLS_FILES = ("CERTIFICATE", "CLIENT_KEY", "CLIENT_CERTIFICATE")
+
+
+def _tls_files(protocol: str, env: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """The TLS files the exporter will read: {role: (variable, path)}. Over HTTP each role's traces
+    variable, else the general one; over gRPC the traces variables when the traces CA is set, else
+    the general ones when the general CA is, and no file without a CA (as the gRPC exporter reads
+    them)."""
+    traces, general = "OTEL_EXPORTER_OTLP_TRACES_", "OTEL_EXPORTER_OTLP_"
+    if protocol == "grpc":
+        prefix = traces if env.get(traces + "CERTIFICATE") is not None else \
+            general if env.get(general + "CERTIFICATE") else None
+        return {} if prefix is None else \
+            {role: (prefix + role, env[prefix + role]) for role in _TLS_FILES if env.get(prefix + role)}
+    found = {}
+    for role in _TLS_FILES:
+        var = next((p + role for p in (traces, general) if env.get(p + role)), None)
+        if var is not None:
+            found[role] = (var, env[var])
+    return found
+
+
+def check_tls_files(protocol: str, env: Mapping[str, str] | None = None) -> None:
+    """Refuse, naming the variable, a TLS file the exporter cannot read, and over gRPC a client
+    certificate without its key or a key without its certificate: grpc's core aborts the process
+    (SIGABRT, and with --workers each worker for ever) where the exporter builds its channel with
+    one of the two missing, which is also what a mistyped path gives (the exporter reads a file it
+    cannot open as none)."""
+    env = os.environ if env is None else env
+    files = _tls_files(protocol, env)
+    for var, path in files.values():
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            raise ValueError(f"environment variable {var}: cannot read {path!r}: {e.strerror}") from None
+    if protocol == "grpc":
+        key, cert = files.get("CLIENT_KEY"), files.get("CLIENT_CERTIFICATE")
+        if cert and not key:
+            raise ValueError(f"environment variable {cert[0]}: a client certificate needs its key, in "
+                             f"{cert[0].removesuffix('CLIENT_CERTIFICATE')}CLIENT_KEY")
+        if key and not cert:
+            raise ValueError(f"environment variable {key[0]}: a client key needs its certificate, in "
+                             f"{key[0].removesuffix('CLIENT_KEY')}CLIENT_CERTIFICATE")
+
+
 def make_exporter(s: TracingSettings) -> SpanExporter:
+    check_tls_files(s.protocol)
     if s.protocol == "grpc":
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter

@@ -20,6 +20,7 @@ from gateway.observability.tracing import (
     CountingExporter,
     Tracing,
     TracingConfig,
+    check_tls_files,
     resolve,
 )
 
@@ -129,6 +130,29 @@ def test_grpc_without_the_extra_is_a_clear_error_naming_what_asked_for_it(monkey
     with pytest.raises(ValueError) as e:
         Tracing.from_config(TracingConfig(enabled=True, **block), GatewayMetrics(), env=env)
     assert str(e.value) == f"{named}: grpc needs the OTLP gRPC exporter: pip install 'switchyard[grpc]'"
+
+
+def test_tls_files_the_exporter_cannot_use_are_refused_naming_the_variable(tmp_path):
+    pem = tmp_path / "x.pem"
+    pem.write_text("-")
+    t, g = "OTEL_EXPORTER_OTLP_TRACES_", "OTEL_EXPORTER_OTLP_"
+    for protocol in ("http/protobuf", "grpc"):
+        check_tls_files(protocol, {})
+        check_tls_files(protocol, {t + "CERTIFICATE": str(pem), t + "CLIENT_KEY": str(pem),
+                                   t + "CLIENT_CERTIFICATE": str(pem)})
+        with pytest.raises(ValueError, match=rf"^environment variable {g}CERTIFICATE: cannot read '/nonexistent.pem'"):
+            check_tls_files(protocol, {g + "CERTIFICATE": "/nonexistent.pem"})
+        with pytest.raises(ValueError, match=rf"^environment variable {t}CLIENT_KEY: cannot read"):
+            check_tls_files(protocol, {t + "CERTIFICATE": str(pem), t + "CLIENT_KEY": str(tmp_path / "typo.key"),
+                                       t + "CLIENT_CERTIFICATE": str(pem)})
+    # over HTTP one file may hold the certificate and its key; gRPC needs both (its core aborts without)
+    check_tls_files("http/protobuf", {t + "CLIENT_CERTIFICATE": str(pem)})
+    with pytest.raises(ValueError, match=rf"^environment variable {g}CLIENT_KEY: a client key needs its "
+                                         rf"certificate, in {g}CLIENT_CERTIFICATE$"):
+        check_tls_files("grpc", {g + "CERTIFICATE": str(pem), g + "CLIENT_KEY": str(pem)})
+    # the gRPC exporter reads the client files only beside a CA file, the traces ones beside the traces CA
+    check_tls_files("grpc", {g + "CLIENT_KEY": str(pem)})
+    check_tls_files("grpc", {t + "CERTIFICATE": str(pem), g + "CLIENT_KEY": str(pem)})
 
 
 def test_disabled_trace_does_nothing():
