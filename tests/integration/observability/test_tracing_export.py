@@ -203,6 +203,55 @@ async def test_grpc_export_over_tls_with_its_own_ca(sims, gateway, ca, monkeypat
         await rx.close()
 
 
+@pytest.mark.parametrize("collector", ["down", "silent"])
+async def test_a_grpc_collector_down_or_silent_costs_requests_nothing(sims, gateway, collector):
+    """Over gRPC as over HTTP: with the collector's port closed, every request is served while the
+    exports fail, each failed batch counted; with a collector that takes the connection and never
+    answers, the requests are served while the export is held, and the spans beyond the queue's
+    bound are dropped and counted."""
+    needs_grpc()
+    held: list[asyncio.StreamWriter] = []
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        await reader.read()
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    if collector == "down":
+        server.close()
+        await server.wait_closed()
+    sim = await sims("vllm", "m")
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}],
+                       tracing=tracing(f"http://127.0.0.1:{port}", protocol="grpc", max_queue_size=4,
+                                       export_timeout_s=0.5 if collector == "down" else 2.0))
+
+    async def served(n: int) -> None:
+        for i in range(n):
+            status, _, body = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2, "stream": i % 2 == 0})
+            assert status == 200 and body
+
+    try:
+        if collector == "down":
+            await served(4)
+
+            async def counted() -> bool:
+                text = await gw.metrics_text()
+                return sample(text, "switchyard_trace_export_failures_total") >= 1 \
+                    and sample(text, 'switchyard_trace_spans_total{result="failed"}') >= 1
+            assert await wait_for(counted, timeout=15)
+        else:
+            await served(1)
+            assert await wait_for(lambda: bool(held), timeout=10)     # its spans' export is held
+            await served(10)            # 3 spans each: 30 spans for a queue of 4
+            assert sample(await gw.metrics_text(), 'switchyard_trace_spans_total{result="dropped"}') >= 30 - 2 * 4
+        assert 'switchyard_trace_spans_total{result="exported"}' not in await gw.metrics_text()
+    finally:
+        for w in held:
+            w.close()
+        server.close()
+
+
 # ``python -m gateway`` where the grpc extra is not installed: its exporter cannot be imported
 WITHOUT_GRPC_EXTRA = ("import runpy, sys; sys.modules['opentelemetry.exporter.otlp.proto.grpc'] = None; "
                       "sys.argv[0] = 'gateway'; runpy.run_module('gateway', run_name='__main__', alter_sys=True)")
