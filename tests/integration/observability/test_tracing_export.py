@@ -7,17 +7,22 @@ loopback (tests/support/otlp_receiver.py), their certificates made by the test (
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
+import signal
 import sys
 
 import pytest
 
 pytest.importorskip("cryptography", reason="the dev lock installs it (make test)")
 
+from tests.support.gateway_process import get_new, post_new  # noqa: E402
 from tests.support.http import post  # noqa: E402
+from tests.support.metrics import metric  # noqa: E402
 from tests.support.otlp_receiver import GrpcOTLPReceiver, OTLPReceiver  # noqa: E402
+from tests.support.ports import listen_port  # noqa: E402
 from tests.support.tls import CertificateAuthority  # noqa: E402
 from tests.support.waiting import wait_for  # noqa: E402
 
@@ -301,3 +306,45 @@ async def test_a_grpc_client_certificate_without_its_key_fails_start_up_with_a_l
     said = {line for line in (out + err).decode().splitlines() if "CLIENT" in line}
     assert said == {"switchyard: environment variable OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE: a client "
                     "certificate needs its key, in OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY"}
+
+
+async def test_grpc_export_failures_are_logged_as_json_lines_only(sims, tmp_path):
+    """A gateway logging JSON (what a log pipeline parses), its gRPC exports failing at the TLS
+    handshake (a collector speaking plain text to an https:// endpoint): the exporter's failures
+    are JSON lines of the gateway's format, and grpc's own core prints none of its own format."""
+    needs_grpc()
+    rx = await GrpcOTLPReceiver().start()
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, log_format: json, log_level: warning}\n"
+                   f"tracing: {{enabled: true, protocol: grpc, endpoint: '{rx.url.replace('http:', 'https:')}', "
+                   "batch_delay_s: 0.05, export_timeout_s: 0.5}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "GRPC_"))}
+    err = tmp_path / "stderr"
+    with open(err, "wb") as f:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                    "--workers", "1", env=env, stderr=f)
+    try:
+        async def up() -> bool:
+            try:
+                return (await get_new(port, "/ready"))[0] == 200
+            except OSError:
+                return False
+        assert await wait_for(up, timeout=40)
+        assert (await post_new(port, "/v1/chat/completions", {"model": "m", "messages": MSG, "max_tokens": 1}))[0] == 200
+
+        async def failed() -> bool:
+            return metric((await get_new(port, "/metrics"))[1], "switchyard_trace_export_failures_total") >= 1
+        assert await wait_for(failed, timeout=20)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        async with asyncio.timeout(20):
+            await proc.wait()
+        await rx.close()
+    lines = err.read_text().splitlines()
+    records = [json.loads(line) for line in lines]      # every line: JSON
+    assert any(r.get("logger", "").startswith("opentelemetry.exporter.otlp.proto.grpc") and r["level"] == "error"
+               and "Failed to export traces" in r["event"] for r in records), lines
