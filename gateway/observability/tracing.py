@@ -640,6 +640,10 @@ def check_tls_files(protocol: str, env: Mapping[str, str] | None = None) -> None
 def make_exporter(s: TracingSettings) -> SpanExporter:
     check_tls_files(s.protocol)
     if s.protocol == "grpc":
+        # grpc's core writes its own lines to stderr, outside the gateway's format, and at its info
+        # level by default (a line at every failed handshake); the exporter logs each failure, with
+        # grpc's details, through the gateway's. Read when grpc loads; GRPC_VERBOSITY set wins.
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
         except ImportError:
