@@ -192,6 +192,22 @@ async def test_grpc_export_with_headers_and_gzip(sims, gateway, monkeypatch, for
         await rx.close()
 
 
+async def test_grpc_export_with_compression_none_as_the_specification_spells_it(sims, gateway, monkeypatch):
+    """OTEL_EXPORTER_OTLP_COMPRESSION=none, a value the OTLP specification lists (and manifests
+    often spell out), over gRPC."""
+    needs_grpc()
+    rx = await GrpcOTLPReceiver().start()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "none")
+        sim = await sims("vllm", "m")
+        gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}],
+                           tracing=tracing(rx.url, protocol="grpc"))
+        status, headers, _ = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2})
+        assert status == 200
+        assert await rx.wait_for(lambda r: server_span(r, headers["request-id"]) is not None)
+    finally:
+        await rx.close()
+
 async def test_grpc_export_over_tls_with_its_own_ca(sims, gateway, ca, monkeypatch):
     needs_grpc()
     issued = ca.issue()

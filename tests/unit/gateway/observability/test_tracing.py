@@ -155,6 +155,20 @@ def test_tls_files_the_exporter_cannot_use_are_refused_naming_the_variable(tmp_p
     check_tls_files("grpc", {t + "CERTIFICATE": str(pem), g + "CLIENT_KEY": str(pem)})
 
 
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+@pytest.mark.parametrize("var", ["OTEL_EXPORTER_OTLP_COMPRESSION", "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION"])
+def test_a_compression_the_exporter_does_not_have_is_refused_naming_the_variable(protocol, var):
+    with pytest.raises(ValueError, match=rf"^environment variable {var}: 'zstd' is not supported"):
+        resolve(TracingConfig(protocol=protocol), env={var: "zstd"})
+    assert resolve(TracingConfig(protocol=protocol), env={var: " GZip "}).compression == "gzip"
+    assert resolve(TracingConfig(protocol=protocol), env={var: "none"}).compression == "none"
+    assert resolve(TracingConfig(protocol=protocol), env={}).compression == "none"
+    # the signal's variable wins over the general one
+    assert resolve(TracingConfig(protocol=protocol), env={"OTEL_EXPORTER_OTLP_COMPRESSION": "gzip",
+                                                          "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION": "none"}
+                   ).compression == "none"
+
+
 def test_disabled_trace_does_nothing():
     headers = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
     leg = NO_TRACE.leg("generate", object())  # type: ignore[arg-type]
