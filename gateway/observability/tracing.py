@@ -136,6 +136,7 @@ class TracingSettings:
     batch_delay_s: float | None         # None: the SDK's own (OTEL_BSP_SCHEDULE_DELAY, 5 s)
     max_queue_size: int | None          # None: the SDK's own (OTEL_BSP_MAX_QUEUE_SIZE, 2048)
     protocol_from: str = "tracing.protocol"     # the key or the variable that chose the protocol
+    compression: str = "none"           # OTEL_EXPORTER_OTLP_(TRACES_)COMPRESSION: gzip, deflate (HTTP), none
 
 
 def _env_float(env: Mapping[str, str], name: str, low: float, high: float) -> float:
@@ -210,6 +211,19 @@ def resolve(cfg: TracingConfig, env: Mapping[str, str] | None = None) -> Tracing
     else:
         enabled = cfg.endpoint is not None or env_endpoint is not None
 
+    # read here, not by the exporters: the gRPC one knows gzip only (the specification's none
+    # raised where the app is built), the HTTP one warned of a value it did not know and sent the
+    # spans uncompressed
+    compression = "none"
+    for var in ("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "OTEL_EXPORTER_OTLP_COMPRESSION"):
+        if env.get(var, "").strip():
+            compression = env[var].strip().lower()
+            known = ("gzip", "deflate", "none") if protocol == "http/protobuf" else ("gzip", "none")
+            if compression not in known:
+                raise ValueError(f"environment variable {var}: {env[var].strip()!r} is not supported "
+                                 f"({', '.join(known[:-1])} or {known[-1]})")
+            break
+
     env_ratio, env_parent = _sampler_from_env(env)
     ratio = cfg.sample_ratio if cfg.sample_ratio is not None else env_ratio if env_ratio is not None else 1.0
     parent = cfg.parent_based if cfg.parent_based is not None else env_parent if env_parent is not None else True
@@ -217,7 +231,8 @@ def resolve(cfg: TracingConfig, env: Mapping[str, str] | None = None) -> Tracing
     return TracingSettings(enabled=enabled, endpoint=endpoint, protocol=protocol, sample_ratio=ratio,
                            parent_based=parent, service_name=service, exclude_paths=cfg.exclude_paths,
                            export_timeout_s=cfg.export_timeout_s, batch_delay_s=cfg.batch_delay_s,
-                           max_queue_size=cfg.max_queue_size, protocol_from=protocol_from)
+                           max_queue_size=cfg.max_queue_size, protocol_from=protocol_from,
+                           compression=compression)
 
 
 def _with_signal_path(url: str) -> str:
@@ -649,9 +664,14 @@ def make_exporter(s: TracingSettings) -> SpanExporter:
         except ImportError:
             raise ValueError(f"{s.protocol_from}: grpc needs the OTLP gRPC exporter: "
                              "pip install 'switchyard[grpc]'") from None
-        return GrpcExporter(endpoint=s.endpoint, timeout=s.export_timeout_s)
+        from grpc import Compression as GrpcCompression
+        return GrpcExporter(endpoint=s.endpoint, timeout=s.export_timeout_s,
+                            compression=GrpcCompression.Gzip if s.compression == "gzip" else GrpcCompression.NoCompression)
+    from opentelemetry.exporter.otlp.proto.http import Compression
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    return OTLPSpanExporter(endpoint=s.endpoint, timeout=s.export_timeout_s, session=_http_session())
+    compression = {"gzip": Compression.Gzip, "deflate": Compression.Deflate}.get(s.compression, Compression.NoCompression)
+    return OTLPSpanExporter(endpoint=s.endpoint, timeout=s.export_timeout_s, compression=compression,
+                            session=_http_session())
 
 
 # the SDK's variables naming a requests.Session of a plugin's, which a session given here would replace
