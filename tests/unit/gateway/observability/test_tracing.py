@@ -91,6 +91,10 @@ def test_grpc_protocol_from_block_or_environment():
     ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"}, "OTEL_TRACES_SAMPLER_ARG"),
     ({"OTEL_TRACES_SAMPLER": "jaeger_remote"}, "OTEL_TRACES_SAMPLER"),
     ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "not a url"}, "OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT"),
+    # the gRPC exporter raised float()'s own message for these, the HTTP one used its default
+    ({"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "10s"}, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"),
+    ({"OTEL_EXPORTER_OTLP_TIMEOUT": "-1"}, "OTEL_EXPORTER_OTLP_TIMEOUT"),
+    ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_TIMEOUT": "ten"}, "OTEL_EXPORTER_OTLP_TIMEOUT"),
 ])
 def test_bad_environment_is_named(env, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
