@@ -224,6 +224,19 @@ def resolve(cfg: TracingConfig, env: Mapping[str, str] | None = None) -> Tracing
                                  f"({', '.join(known[:-1])} or {known[-1]})")
             break
 
+    # checked here: the gRPC exporter parses them with float() where the app is built (its error
+    # names nothing; the signal's variable even when empty), the HTTP one drops a bad value for its
+    # default
+    for var in ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"):
+        if env.get(var, "").strip() or (protocol == "grpc" and var == "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"
+                                        and var in env):
+            try:
+                ok = float(env[var]) > 0
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"environment variable {var}: must be a number of seconds above 0, got {env[var]!r}")
+
     env_ratio, env_parent = _sampler_from_env(env)
     ratio = cfg.sample_ratio if cfg.sample_ratio is not None else env_ratio if env_ratio is not None else 1.0
     parent = cfg.parent_based if cfg.parent_based is not None else env_parent if env_parent is not None else True

@@ -95,6 +95,8 @@ def test_grpc_protocol_from_block_or_environment():
     ({"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "10s"}, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"),
     ({"OTEL_EXPORTER_OTLP_TIMEOUT": "-1"}, "OTEL_EXPORTER_OTLP_TIMEOUT"),
     ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_TIMEOUT": "ten"}, "OTEL_EXPORTER_OTLP_TIMEOUT"),
+    ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": ""},
+     "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"),
 ])
 def test_bad_environment_is_named(env, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
