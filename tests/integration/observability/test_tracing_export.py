@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("cryptography", reason="the dev lock installs it (make test)")
 
-from tests.support.gateway_process import get_new, post_new  # noqa: E402
+from tests.support.gateway_process import gateway_process, get_new, post_new  # noqa: E402
 from tests.support.http import post  # noqa: E402
 from tests.support.metrics import metric  # noqa: E402
 from tests.support.otlp_receiver import GrpcOTLPReceiver, OTLPReceiver  # noqa: E402
@@ -364,3 +364,26 @@ async def test_grpc_export_failures_are_logged_as_json_lines_only(sims, tmp_path
     records = [json.loads(line) for line in lines]      # every line: JSON
     assert any(r.get("logger", "").startswith("opentelemetry.exporter.otlp.proto.grpc") and r["level"] == "error"
                and "Failed to export traces" in r["event"] for r in records), lines
+
+
+async def test_two_workers_each_export_over_grpc(sims, tmp_path):
+    """gRPC and fork do not mix: each worker of --workers 2 builds its own channel after the fork
+    (the parent never loads grpc), and every request's spans arrive, from two instances."""
+    needs_grpc()
+    rx = await GrpcOTLPReceiver().start()
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, log_level: warning}\n"
+                   f"tracing: {{enabled: true, protocol: grpc, endpoint: '{rx.url}', batch_delay_s: 0.05, "
+                   "export_timeout_s: 1}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    try:
+        async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+            body = {"model": "m", "messages": MSG, "max_tokens": 1}
+            served = {(await post_new(port, "/v1/chat/completions", body))[1]["request-id"] for _ in range(20)}
+            assert await rx.wait_for(lambda r: served <= {s.attributes.get("gen_ai.request.id") for s in r.spans})
+        assert len({s.instance for s in rx.spans if s.service == "switchyard"}) == 2
+    finally:
+        await rx.close()
