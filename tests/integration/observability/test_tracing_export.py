@@ -1,7 +1,10 @@
-"""Export to a real collector the ways a deployment sets it up: OTLP/HTTP over TLS with a certificate
-authority of its own (``OTEL_EXPORTER_OTLP_*_CERTIFICATE``), with an authorization header and gzip
-(``_HEADERS``, ``_COMPRESSION``), and OTLP/gRPC (the grpc extra). The receivers are real servers on
-loopback (tests/support/otlp_receiver.py), their certificates made by the test (tests/support/tls.py).
+"""Export to a real collector the ways a deployment sets it up: over TLS with a certificate authority
+of its own (``OTEL_EXPORTER_OTLP_*_CERTIFICATE``, and mutual TLS with ``_CLIENT_KEY`` and
+``_CLIENT_CERTIFICATE``), with an authorization header and gzip (``_HEADERS``, ``_COMPRESSION``),
+over OTLP/HTTP and OTLP/gRPC (the grpc extra); a collector that is not trusted, down or silent; and
+the start-up lines of what cannot work (gRPC without its extra, half a client certificate). The
+receivers are real servers on loopback (tests/support/otlp_receiver.py), their certificates made by
+the test (tests/support/tls.py).
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ OTEL_VARS = ("HEADERS", "COMPRESSION", "CERTIFICATE", "CLIENT_KEY", "CLIENT_CERT
 
 @pytest.fixture(autouse=True)
 def clean_otel_env(monkeypatch):
-    """Only what a test sets: the exporter reads these variables when the gateway starts (and
-    requests, which it sends with, reads a machine's CA bundle from the last two)."""
+    """Only what a test sets: the exporters read these variables when the gateway starts, and
+    requests, which the HTTP one sends with, reads a machine's CA bundle from the last two."""
     for var in OTEL_VARS:
         monkeypatch.delenv(f"OTEL_EXPORTER_OTLP_{var}", raising=False)
         monkeypatch.delenv(f"OTEL_EXPORTER_OTLP_TRACES_{var}", raising=False)
