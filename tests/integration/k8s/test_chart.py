@@ -128,6 +128,9 @@ PD_HPA_ALL_NS = {
     "podDisruptionBudget": {"minAvailable": "50%"},
     "drain": {"preStopSleepSeconds": 0, "delaySeconds": 5, "graceSeconds": 120},
     "image": {"repository": "registry.example/switchyard", "tag": "1.2.3"},
+    "extraEnv": [{"name": "OTEL_EXPORTER_OTLP_CERTIFICATE", "value": "/etc/otel-ca/ca.crt"}],
+    "extraVolumes": [{"name": "otel-ca", "secret": {"secretName": "collector-ca"}}],
+    "extraVolumeMounts": [{"name": "otel-ca", "mountPath": "/etc/otel-ca", "readOnly": True}],
 }
 
 
@@ -150,6 +153,12 @@ def test_pd_hpa_all_namespaces_render(helm_render, tmp_path):
     assert "replicas" not in dep["spec"]            # the HPA owns it
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert "lifecycle" not in c and c["image"] == "registry.example/switchyard:1.2.3"
+    # a collector's CA from a Secret: the volume beside the chart's own, mounted beside theirs
+    pod = dep["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"]] == ["config", "tmp", "otel-ca"]
+    assert pod["volumes"][2]["secret"] == {"secretName": "collector-ca"}
+    assert c["volumeMounts"][-1] == {"name": "otel-ca", "mountPath": "/etc/otel-ca", "readOnly": True}
+    assert {"name": "OTEL_EXPORTER_OTLP_CERTIFICATE", "value": "/etc/otel-ca/ca.crt"} in c["env"]
     assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 125
     hpa = kinds["HorizontalPodAutoscaler"][0]["spec"]
     assert (hpa["minReplicas"], hpa["maxReplicas"], hpa["scaleTargetRef"]["name"]) == (3, 12, "gw-switchyard")
