@@ -453,6 +453,34 @@ async def test_decode_dying_mid_stream(sims, gateway, engine):
     assert sse_events(raw)[-1]["error"]["code"] == "upstream_incomplete"
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_continuable_stream_whose_decode_fails_with_no_pair_left_counts_what_its_legs_reported(
+        sims, gateway, engine):
+    """A model with migration_limit asks its legs for usage on every chunk, so a stream whose decode
+    fails mid-way knows its tokens exactly: when no other pair can continue it, its log line and
+    the token counters have the prompt and the tokens generated before the failure (as for a
+    stream its client left), for an error event, a broken connection and an idle decode alike."""
+    p, d = await pd_pair(sims, engine)
+    gw = await gateway([pd_model(engine, [roleset(engine, p, d)], migration_limit=1)],
+                       watchdog={"idle_timeout_s": 0.3})
+    faults = ("decode.error_after=3", "decode.drop_after=3", "decode.stall_after=3:30")
+    with gw.gw.request_log.capture() as logs:
+        st, _, raw = await post(gw, body(stream=True, max_tokens=20, stream_options={"include_usage": True}))
+        assert st == 200
+        prompt = [e for e in sse_events(raw) if e != "[DONE]" and e.get("usage")][-1]["usage"]["prompt_tokens"]
+        for fault in faults:
+            st, _, raw = await post(gw, body(stream=True, max_tokens=20), {"x-sim-fault": fault})
+            assert st == 200 and any(e != "[DONE]" and "error" in e for e in sse_events(raw)), raw[-300:]
+        await until(lambda: len([e for e in logs if e["event"] == "request"]) == 4)
+    lines = [e for e in logs if e["event"] == "request"][1:]
+    for fault, line in zip(faults, lines, strict=True):
+        assert line["error_class"] is not None and line["migrations"][0]["tokens"] == 3, (fault, line)
+        assert (line["prompt_tokens"], line["completion_tokens"]) == (prompt, 3), (fault, line)
+    metrics = await gw.metrics_text()
+    assert f'switchyard_completion_tokens_total{{model="m"}} {20.0 + 3 * 3}' in metrics
+    assert f'switchyard_prompt_tokens_total{{model="m"}} {4.0 * prompt}' in metrics
+
+
 @pytest.mark.parametrize("policy,status", [("fail", 500), ("recompute", 200)])
 async def test_vllm_kv_pull_failure_policies(sims, gateway, policy, status):
     p = await sims("vllm", "m", role="prefill")
