@@ -670,6 +670,32 @@ async def test_a_decode_that_answers_500_has_the_pair_chosen_again(sims, gateway
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+async def test_a_decodes_error_answer_reaches_the_client_naming_the_decode(sims, gateway, engine):
+    """A decode that answers an error status (its 400, its 503, a 500 with no other pair to take
+    the request) gives the client the engine's status and message in OpenAI's shape, as an
+    aggregated engine's, with ``x-error-pd-decode: http_status`` to say which leg failed, as a
+    prefill's error carries ``x-error-pd-prefill``; streamed or not."""
+    p, d = await pd_pair(sims, engine)
+    gw = await gateway([pd_model(engine, [roleset(engine, p, d)])])
+    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    try:
+        for status, error in ((400, openai.BadRequestError), (503, openai.InternalServerError),
+                              (500, openai.InternalServerError)):
+            for stream in (False, True):
+                with pytest.raises(error) as ei:
+                    await client.chat.completions.create(model="m", messages=MSG, max_tokens=8, stream=stream,
+                                                         extra_headers={"x-sim-fault": f"decode.status={status}"})
+                err = ei.value
+                assert err.status_code == status and f"HTTP {status}" in err.message, (status, stream, err.body)
+                assert err.response.headers.get("x-error-pd-decode") == "http_status", (status, stream)
+                assert "x-error-pd-prefill" not in err.response.headers
+    finally:
+        await client.close()
+    st, hdrs, _ = await post(gw, body(), {"x-sim-fault": "prefill.status=500"})
+    assert st == 502 and "x-error-pd-decode" not in hdrs        # the prefill's, named as such
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 async def test_the_openai_sdk_with_its_own_retries_off_gets_every_answer_while_a_decode_answers_500(
         sims, gateway, engine):
     p = await sims(engine, "m", role="prefill")
