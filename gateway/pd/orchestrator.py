@@ -605,7 +605,8 @@ class PDOrchestrator:
         ctx.rec.error_class = ErrorClass.UPSTREAM_STATUS
         raise PairFailed(status, str(e.get("message") or f"decode answered {status}"), endpoint=decode,
                          cause=f"decode_status_{status}", suspect=ctx.decision.prefill, code=e.get("code"),
-                         type_=e.get("type"), error_class=ErrorClass.UPSTREAM_STATUS)
+                         type_=e.get("type"), header=("x-error-pd-decode", "http_status"),
+                         error_class=ErrorClass.UPSTREAM_STATUS)
 
     # -- failures ------------------------------------------------------------------------------
 

@@ -451,6 +451,8 @@ class Relay:
             headers["Retry-After"] = resp.headers["Retry-After"]
         elif status in (429, 503):      # the engine named no wait: every 429 and 503 names one
             headers["Retry-After"] = ENGINE_RETRY_AFTER[status]
+        if ctx.pd_plan is not None:     # a P/D decode leg's answer: which leg failed, as a prefill's says
+            headers["x-error-pd-decode"] = "http_status"
         return self.error_answer(ctx, status, body, headers)
 
     async def _stream(self, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str],
