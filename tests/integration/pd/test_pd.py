@@ -70,6 +70,32 @@ async def test_vllm_decode_receives_the_kv_and_counts_it_cached(sims, gateway):
     assert (await sim_state(d.url))["pd"]["transfers"] == 1
 
 
+async def test_a_vllm_prefill_without_kv_params_has_the_decode_recompute_whatever_the_client_sent(sims, gateway):
+    """A prefill without a KV connector answers ``kv_transfer_params: null``: the decode is sent
+    none and computes the prompt itself, also when the client's body named its own (the legs'
+    params are the gateway's, as the prefill's are): the client does not get to point the decode
+    at a host to pull KV from."""
+    answer = {"id": "p", "object": "chat.completion", "model": "m", "kv_transfer_params": None,
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "a"}, "finish_reason": "length"}],
+              "usage": {"prompt_tokens": 100, "completion_tokens": 1, "total_tokens": 101}}
+
+    async def no_connector(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response(answer)
+
+    d = await sims("vllm", "m", role="decode")
+    own = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e", "remote_block_ids": [1],
+           "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "r"}
+    async with fake_engine(no_connector) as prefill:
+        gw = await gateway([pd_model("vllm", [{"name": "rs", "prefill": [prefill], "decode": [d.url]}])])
+        for stream in (False, True):
+            st, _, raw = await post(gw, body(stream=stream, kv_transfer_params=own))
+            assert st == 200, raw[:300]
+    sent = [r["body"] for r in (await sim_state(d.url))["received"] if r["method"] == "POST"]
+    assert len(sent) == 2 and all("kv_transfer_params" not in b for b in sent), sent
+    assert (await sim_state(d.url))["pd"]["kv_failures"] == 0
+
+
 async def test_a_vllm_decode_is_written_from_the_read_that_completes_the_prefills_answer(sims, gateway, monkeypatch):
     """The decode leg is begun from the prefill connection's read callback (no task runs there),
     before the request's task wakes for the answer: on the first request's new prefill connection
