@@ -80,6 +80,9 @@ def decode_body(data: dict[str, Any], kv: dict[str, Any] | None, prefill_host: s
     vLLM reports its configured side-channel host (``localhost`` by default), which a decode on
     another machine cannot reach, so ``remote_host`` is pointed at the prefill endpoint's host
     when ``prefill_host`` is given. ``extra`` overrides top-level keys (e.g. stream_options).
+    A prefill that answered none (no KV connector): the decode gets none and computes the prompt
+    itself; the client's own are dropped, as they are from the prefill's body (the legs' params
+    are the gateway's: a client does not point the decode at a host to pull KV from).
     """
     body = dict(data)
     if extra:
@@ -89,6 +92,8 @@ def decode_body(data: dict[str, Any], kv: dict[str, Any] | None, prefill_host: s
         if prefill_host is not None:
             kv["remote_host"] = prefill_host
         body["kv_transfer_params"] = kv
+    else:
+        body.pop("kv_transfer_params", None)
     return body_bytes(body, original)
 
 
