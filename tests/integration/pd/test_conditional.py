@@ -46,6 +46,23 @@ async def test_short_prompt_runs_whole_on_the_vllm_decode(sims, gateway):
     assert (await sim_state(d.url))["pd"]["recomputed"] == 0     # no KV params: a local prefill, not a failed pull
 
 
+async def test_a_request_run_whole_on_the_vllm_decode_computes_its_prompt_whatever_the_client_sent(sims, gateway):
+    """Run whole on the decode means a local prefill (the decode is sent no kv_transfer_params),
+    also when the client's body named params of its own: it does not get to point the decode at a
+    host to pull KV from."""
+    p, d = await sims("vllm", "m", role="prefill"), await sims("vllm", "m", role="decode")
+    gw = await gateway([vllm_model(p, d, disaggregate_min_prompt_tokens=1000)])
+    own = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e", "remote_block_ids": [1],
+           "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "r"}
+    for stream in (False, True):
+        status, headers, raw = await post(gw, chat_body([{"role": "user", "content": "hi"}], stream=stream,
+                                                        kv_transfer_params=own))
+        assert status == 200 and headers["x-pd-decision"] == "decode; reason=short_prompt", raw[:300]
+    sent = [r["body"] for r in (await sim_state(d.url))["received"] if r["method"] == "POST"]
+    assert len(sent) == 2 and all("kv_transfer_params" not in b for b in sent), sent
+    assert (await sim_state(d.url))["pd"]["kv_failures"] == 0 and await completed(p.url) == 0
+
+
 def _tools(n: int) -> list[dict]:
     """``n`` function tools, each with a described schema (about 300 characters)."""
     return [{"type": "function", "function": {
