@@ -37,11 +37,13 @@ reason=<reason>`` and logged as ``pd_mode``, ``pd_reason``, ``decode_uncached_to
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from gateway.endpoints import Endpoint
 from gateway.observability.metrics import Counter
+from gateway.request import body_bytes
 from routers.pd import in_bucket
 from routers.prefix_index import PrefixIndex
 
@@ -109,6 +111,7 @@ class PDDecider:
             return candidates
         if engine.decode_runs_whole:
             d.prefill = None
+            _without_kv_params(ctx)
             self._record(ctx, "decode", reason, uncached)
             return [decode]
         combined = [c for c in candidates if c.role in WHOLE_ROLES and in_bucket(c, n)]
@@ -162,3 +165,13 @@ class PDDecider:
         extra["pd_mode"], extra["pd_reason"] = mode, reason
         if uncached is not None:
             extra["decode_uncached_tokens"] = uncached
+
+
+def _without_kv_params(ctx: RequestContext) -> None:
+    """A request run whole on a decode is a local prefill: the client's own ``kv_transfer_params``
+    are dropped (they would have the decode pull KV from where they point), as from a P/D leg's."""
+    ireq = ctx.ireq
+    assert ireq is not None
+    if "kv_transfer_params" in ireq.data:
+        data = {k: v for k, v in ireq.data.items() if k != "kv_transfer_params"}
+        ctx.ireq = dataclasses.replace(ireq, data=data, body=body_bytes(data, ireq.body))

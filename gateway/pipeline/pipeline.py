@@ -516,6 +516,8 @@ class Pipeline:
             raise GatewayError(503, "no other endpoint to continue the stream on", error_class=ErrorClass.NO_ENDPOINT)
         adapter = adapter_for(candidates[0].engine)
         self.route_and_charge(ctx, rec.strategy, router, adapter, candidates, None)
+        cont = ctx.ireq                     # (a P/D decode that runs it whole sends it without KV params)
+        assert cont is not None
         decision = ctx.decision
         if decision.prefill is not None:
             return await self.pd.reopen(ctx, adapter)
