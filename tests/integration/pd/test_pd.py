@@ -480,6 +480,25 @@ async def test_decode_dying_mid_stream(sims, gateway, engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+async def test_a_stream_whose_decode_fails_after_its_head_says_the_decode_failed(sims, gateway, engine):
+    """After the client's head no header can say which leg failed: the stream's last event, in
+    OpenAI's shape, names the decode endpoint, as the errors before the head do, for an idle decode
+    and a broken one; its log line's error says the same."""
+    p, d = await pd_pair(sims, engine)
+    gw = await gateway([pd_model(engine, [roleset(engine, p, d)])], watchdog={"idle_timeout_s": 0.3})
+    name = d.url.split("//")[1]
+    for fault, code in (("decode.stall_after=3:30", "upstream_timeout"), ("decode.drop_after=3", "upstream_incomplete")):
+        with gw.gw.request_log.capture() as logs:
+            st, _, raw = await post(gw, body(stream=True, max_tokens=20), {"x-sim-fault": fault})
+            await until(lambda: [e for e in logs if e["event"] == "request"])
+        assert st == 200
+        error = sse_events(raw)[-1]["error"]
+        assert error["code"] == code and set(error) == {"message", "type", "param", "code"}, error
+        assert error["message"].startswith(f"decode endpoint {name}: "), error
+        assert next(e for e in logs if e["event"] == "request")["error"].startswith(f"decode endpoint {name}: ")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 async def test_a_continuable_stream_whose_decode_fails_with_no_pair_left_counts_what_its_legs_reported(
         sims, gateway, engine):
     """A model with migration_limit asks its legs for usage on every chunk, so a stream whose decode
