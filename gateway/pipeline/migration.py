@@ -56,6 +56,7 @@ from gateway.pipeline.relay import (
     Relay,
     Watchdog,
     WatchdogFired,
+    of_leg,
     open_sse,
     stream_failure,
     watchdog_fired,
@@ -329,6 +330,10 @@ class Migration:
             while True:
                 try:
                     error_class, message = await self._leg(resp, out, seen, wd)
+                    if error_class not in (None, ErrorClass.UPSTREAM_STREAM_ERROR, ErrorClass.UPSTREAM_STREAM_UNSUPPORTED):
+                        # the gateway's words for it (an engine's error event keeps its own): a P/D
+                        # decode's failure names the decode, as the plain relay's does
+                        error_class, message = of_leg(ctx, (error_class, message))
                 finally:
                     if resp.at_eof():
                         resp.release()

@@ -132,15 +132,25 @@ def coding_of(resp: UpstreamResponse) -> str | None:
 BROKEN_STREAM = "broken_stream"
 
 
-def stream_failure(e: WatchdogFired | UpstreamError) -> StreamFailure:
+def stream_failure(e: WatchdogFired | UpstreamError, ctx: RequestContext | None = None) -> StreamFailure:
     """What a leg's failure mid-stream is called, for the plain relay and a migrating stream alike:
     a watchdog that fired, the whole-exchange timeout (``upstream.total_timeout_s``), or the
-    engine's side breaking."""
+    engine's side breaking; a P/D decode's names the decode (``ctx``: the request)."""
     if isinstance(e, WatchdogFired):
-        return ErrorClass.watchdog(e.phase), f"no output from the engine for {e.seconds:g}s ({e.phase.replace('_', ' ')})"
-    if isinstance(e, UpstreamTimeout):
-        return ErrorClass.UPSTREAM_TIMEOUT, f"the engine did not finish the stream: {e}"
-    return ErrorClass.UPSTREAM_BROKEN, f"the engine connection broke mid-stream: {type(e).__name__}: {e}"
+        failure = ErrorClass.watchdog(e.phase), f"no output from the engine for {e.seconds:g}s ({e.phase.replace('_', ' ')})"
+    elif isinstance(e, UpstreamTimeout):
+        failure = ErrorClass.UPSTREAM_TIMEOUT, f"the engine did not finish the stream: {e}"
+    else:
+        failure = ErrorClass.UPSTREAM_BROKEN, f"the engine connection broke mid-stream: {type(e).__name__}: {e}"
+    return of_leg(ctx, failure)
+
+
+def of_leg(ctx: RequestContext | None, failure: StreamFailure) -> StreamFailure:
+    """``failure`` of a P/D request's stream, whose only leg streaming is its decode, named so (no
+    header can say which leg failed once the client's head is out); another's as it is."""
+    if ctx is None or ctx.pd_plan is None or ctx.decision is None:
+        return failure
+    return failure[0], f"decode endpoint {ctx.decision.endpoint.name}: {failure[1]}"
 
 
 class Watchdog:
@@ -635,27 +645,27 @@ class Relay:
             if tail:
                 await write(tail)
             if not scanner.done and scanner.error is None:
-                rec.error_class, rec.error = failure = EOF_FAILURE
+                rec.error_class, rec.error = failure = of_leg(ctx, EOF_FAILURE)
             elif scanner.done:
                 rec.delivered = True    # the client has the whole answer
         except WatchdogFired as w:
             if gating:
                 raise _unstarted(refused, FirstBytesFailed("timeout", w.seconds)) from None
             watchdog_fired(ctx, self.metrics, w.phase, w.seconds)
-            rec.error_class, rec.error = failure = stream_failure(w)
+            rec.error_class, rec.error = failure = stream_failure(w, ctx)
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
         except UpstreamTimeout as e:
             # upstream.total_timeout_s: the whole exchange took too long
             if gating:
                 raise _unstarted(refused, FirstBytesFailed("broken", e)) from None
-            rec.error_class, rec.error = failure = stream_failure(e)
+            rec.error_class, rec.error = failure = stream_failure(e, ctx)
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
         except UpstreamError as e:
             # the engine's side broke mid-stream (a client-side write failure raises
             # ConnectionResetError, handled below as a cancel)
             if gating:
                 raise _unstarted(refused, FirstBytesFailed("broken", e)) from None
-            rec.error_class, rec.error = failure = stream_failure(e)
+            rec.error_class, rec.error = failure = stream_failure(e, ctx)
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, BROKEN_STREAM).inc()
         except ConnectionResetError:
             # the client went away while we wrote: same as a disconnect (after the engine's error
