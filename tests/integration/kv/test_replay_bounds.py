@@ -121,6 +121,27 @@ def test_an_event_whose_values_make_no_sense_is_counted_and_skipped_and_the_entr
     assert registry.get_sample_value("switchyard_kv_events_decode_errors_total", {"model": "m"}) == 1
 
 
+def _nested_extra_keys(depth: int) -> bytes:
+    """A batch whose ``BlockStored`` names ``extra_keys`` nested ``depth`` arrays deep."""
+    b = batch([block_stored([7], None, list(range(16)), extra_keys=[[0]])])
+    i = b.index(b"\x91\x91\x00")
+    return b[:i] + b"\x91" * (depth + 2) + b"\x00" + b[i + 3:]
+
+
+def test_a_message_nested_too_deeply_is_counted_and_skipped_and_the_entries_stay():
+    """A few KB of msgpack arrays nested thousands deep (or ``extra_keys`` nested hundreds deep)
+    are malformed like any other message: counted and skipped, the entries kept, the stream going
+    on; they are not taken for a failure to apply, which clears the endpoint's entries."""
+    sub, registry = subscriber()
+    sub._sock = FakeSub([[b"", (0).to_bytes(8, "big"), stored(1, 2)],
+                          [b"", (1).to_bytes(8, "big"), b"\x91" * 5000 + b"\x01"],
+                          [b"", (2).to_bytes(8, "big"), _nested_extra_keys(800)],
+                          [b"", (3).to_bytes(8, "big"), stored(3)]])
+    sub._readable()
+    assert sorted(sub.st.emap) == [1, 2, 3] and sub.expected == 4
+    assert registry.get_sample_value("switchyard_kv_events_decode_errors_total", {"model": "m"}) == 2
+
+
 def test_messages_piling_up_behind_a_replay_are_dropped_past_a_bound(monkeypatch):
     monkeypatch.setattr(kv_events, "BACKLOG_MAX", 4)
     sub, registry = subscriber(listen_port())
