@@ -55,6 +55,9 @@ class WireError(ValueError):
     """A message that is not an event batch."""
 
 
+_TOO_DEEP = "arrays or maps nested too deeply"
+
+
 # The events, as ``decode_batch`` returns them. They are also the typed decoders' types for the map
 # encoding (tagged by ``type``; keys they do not name, such as the hybrid-model fields, are ignored).
 # gc=False: an event holds lists of ints and bytes only, never a cycle.
@@ -185,6 +188,8 @@ class BatchDecoder:
                     raw = decoders[arrays](payload)
                 except msgspec.DecodeError:          # a ValidationError too
                     continue
+                except RecursionError:               # arrays or maps nested thousands deep
+                    raise WireError(_TOO_DEEP) from None
                 if arrays != first:
                     self._events_as_arrays[as_map] = arrays
                 self.typed += 1
@@ -279,19 +284,25 @@ def _name(v: Any, field: str) -> str | None:
 
 
 _SCALARS = (str, int, float, bytes, bool)
+# how deep a block's extras may nest: vLLM's are an array of names and (feature hash, offset) pairs,
+# two deep; checked (and later frozen into tuples) by recursion, which a deeper value would exhaust
+_EXTRA_DEPTH = 8
 
 
 def _extra(v: Any) -> list | None:
     """``extra_keys``: per block, null or an array of scalars and arrays (what the engine hashed)."""
     if v is None:
         return None
-    if not isinstance(v, list) or not all(e is None or (e.__class__ is list and _plain(e)) for e in v):
-        raise WireError("extra_keys must be an array of arrays (or nulls) of plain values")
+    if not isinstance(v, list) or not all(e is None or (e.__class__ is list and _plain(e, 1)) for e in v):
+        raise WireError("extra_keys must be an array of arrays (or nulls) of plain values, "
+                        f"at most {_EXTRA_DEPTH} deep")
     return v
 
 
-def _plain(v: list) -> bool:
-    return all(isinstance(x, _SCALARS) or x is None or (x.__class__ is list and _plain(x)) for x in v)
+def _plain(v: list, depth: int) -> bool:
+    if depth > _EXTRA_DEPTH:
+        return False
+    return all(isinstance(x, _SCALARS) or x is None or (x.__class__ is list and _plain(x, depth + 1)) for x in v)
 
 
 def _block_size(v: Any) -> int:
@@ -364,6 +375,8 @@ def _untyped_batch(payload: bytes, rank: int | None = None) -> Batch:
         raw = _decode(payload)
     except msgspec.DecodeError as e:
         raise WireError(f"not msgpack: {e}") from None
+    except RecursionError:
+        raise WireError(_TOO_DEEP) from None
     if isinstance(raw, list) and len(raw) >= 2:
         ts, events, batch_rank = raw[0], raw[1], _at(raw, 2)
     elif isinstance(raw, dict) and "events" in raw:
