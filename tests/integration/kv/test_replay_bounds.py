@@ -142,6 +142,27 @@ def test_a_message_nested_too_deeply_is_counted_and_skipped_and_the_entries_stay
     assert registry.get_sample_value("switchyard_kv_events_decode_errors_total", {"model": "m"}) == 2
 
 
+async def test_a_malformed_batch_a_replay_brings_is_counted_and_skipped():
+    """A batch of the replay that is not an event batch is skipped as a live one is, and counted
+    as one: the batches around it are applied."""
+    port = listen_port()
+
+    async def serve(send) -> None:
+        for seq, payload in enumerate([stored(1, 2), b"\xc1 not msgpack", stored(3)]):
+            await send(seq, payload)
+        await send(-1, b"")
+
+    server = await replay_server(port, serve)
+    try:
+        sub, registry = subscriber(port, timeout=30)
+        await asyncio.wait_for(sub.replay(0, 3), 30)          # a hang guard, not a timing
+        assert sorted(sub.st.emap) == [1, 2, 3]
+        assert registry.get_sample_value("switchyard_kv_events_replays_total", {"model": "m", "result": "ok"}) == 1
+        assert registry.get_sample_value("switchyard_kv_events_decode_errors_total", {"model": "m"}) == 1
+    finally:
+        server.cancel()
+
+
 def test_messages_piling_up_behind_a_replay_are_dropped_past_a_bound(monkeypatch):
     monkeypatch.setattr(kv_events, "BACKLOG_MAX", 4)
     sub, registry = subscriber(listen_port())
