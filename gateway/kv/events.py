@@ -531,11 +531,13 @@ class Subscriber:
             # 256 of them), as a live message over that size is applied in stretches
             size = k = 0
             for _, payload in got:
-                with contextlib.suppress(WireError):
+                try:
                     if len(payload) <= STRETCH_BYTES:
                         self.apply(self.decoder.decode(payload, self.rank))
                     else:
                         await self.apply_stretched(self.decoder.decode(payload, self.rank))
+                except WireError as e:          # skipped as a live one is, and counted
+                    self._bad(e)
                 size += len(payload)
                 k += 1
                 if size >= STRETCH_BYTES or k == 256:
