@@ -163,6 +163,22 @@ async def test_a_malformed_batch_a_replay_brings_is_counted_and_skipped():
         server.cancel()
 
 
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_a_block_hash_longer_than_any_engines_is_malformed_and_not_held(encoding):
+    """Engines name a block by an int or a digest of at most 32 bytes. A publisher naming blocks by
+    long byte strings (here 60 KB each) would have the index hold them: max_blocks_per_endpoint
+    entries of that size are gigabytes. The message is counted as malformed and skipped."""
+    sub, registry = subscriber()
+    long = b"h" * 60_000
+    sub._sock = FakeSub([[b"", (0).to_bytes(8, "big"), stored(1, 2)],
+                          [b"", (1).to_bytes(8, "big"), event_batch(encoding, [block_stored([long], None, list(range(16)))])],
+                          [b"", (2).to_bytes(8, "big"), batch([block_stored([b"d" * 32], 2, list(range(16)))])]])
+    sub._readable()
+    assert long not in sub.st.emap and sub.expected == 3
+    assert set(sub.st.emap) == {1, 2, b"d" * 32}          # a 32-byte digest is a hash as before
+    assert registry.get_sample_value("switchyard_kv_events_decode_errors_total", {"model": "m"}) == 1
+
+
 def test_messages_piling_up_behind_a_replay_are_dropped_past_a_bound(monkeypatch):
     monkeypatch.setattr(kv_events, "BACKLOG_MAX", 4)
     sub, registry = subscriber(listen_port())
