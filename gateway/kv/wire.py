@@ -12,7 +12,7 @@ event is tagged with its type name, in one of two encodings:
 * a map with ``type`` as the tag: ``{"type": "BlockStored", "block_hashes": [...], ...}``.
 
 A block hash is an int (the low 64 bits of the engine's hash) or bytes (the full hash, when the
-engine is told not to shorten it); either is only an identifier here.
+engine is told not to shorten it, at most ``MAX_HASH_BYTES``); either is only an identifier here.
 
 Data parallelism: a batch names the engine's ``data_parallel_rank`` (vLLM publishes each rank on
 ``port + rank``). Hashes of a batch from rank r > 0 are decoded as ``(r, hash)``, so the ranks of one
@@ -46,8 +46,12 @@ from msgspec import Meta, Struct
 _decode = msgspec.msgpack.Decoder().decode
 END_SEQ = -1
 
+# the longest block hash taken as bytes: engines send a digest of at most 32 bytes (vLLM's sha256 or
+# xxhash of a block); a longer one is malformed, as the index holds every hash it is sent, and
+# ``max_blocks_per_endpoint`` hashes of a message's size each would be gigabytes
+MAX_HASH_BYTES = 256
 BlockHash = int | bytes | tuple      # (rank, hash) for data-parallel ranks > 0
-_Hash = int | bytes                  # a hash on the wire
+_Hash = int | Annotated[bytes, Meta(max_length=MAX_HASH_BYTES)]      # a hash on the wire
 _Rank = Annotated[int, Meta(ge=0)]
 
 
@@ -254,21 +258,21 @@ def _ranked(ev: Event, rank: int) -> None:
 # takes what older engines sent as it is (a block size as a float, a lora_id of any type).
 
 def _is_hash(v: Any) -> bool:
-    return (v.__class__ is int) or isinstance(v, bytes)
+    return (v.__class__ is int) or (isinstance(v, bytes) and len(v) <= MAX_HASH_BYTES)
 
 
 def _hashes(v: Any) -> list[BlockHash]:
     if not isinstance(v, list):
         raise WireError("block_hashes must be an array")
     if not all(map(_is_hash, v)):
-        raise WireError("block hashes must be integers or bytes")
+        raise WireError(f"block hashes must be integers or bytes (at most {MAX_HASH_BYTES})")
     return v
 
 
 def _hash(v: Any) -> BlockHash | None:
     if v is None or _is_hash(v):
         return v
-    raise WireError("parent_block_hash must be an integer, bytes or null")
+    raise WireError(f"parent_block_hash must be an integer, bytes (at most {MAX_HASH_BYTES}) or null")
 
 
 def _tokens(v: Any) -> list[int]:
