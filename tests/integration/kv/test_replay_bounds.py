@@ -179,6 +179,31 @@ def test_a_block_hash_longer_than_any_engines_is_malformed_and_not_held(encoding
     assert registry.get_sample_value("switchyard_kv_events_decode_errors_total", {"model": "m"}) == 1
 
 
+async def test_a_flood_of_cache_resets_leaves_the_endpoints_bit_in_the_index_small():
+    """Each clear gives the endpoint a new bit in the index's masks while its old one is drained. A
+    publisher sending thousands of AllBlocksCleared (alone, or between stores of a block) left the
+    endpoint on a bit thousands of places up once they were drained: every mask naming its blocks
+    then an integer of thousands of bits, and each block stored after costing as much."""
+    sub, _ = subscriber()
+    index = sub.m.index
+    cleared = {"type": "AllBlocksCleared"}
+    messages = [batch([cleared] * 2000), batch([cleared] * 2000),
+                batch([e for k in range(500) for e in (block_stored([10 + k], None, list(range(16))), cleared)])]
+    assert all(len(p) <= kv_events.STRETCH_BYTES for p in messages)       # each applied at once
+    sub._sock = FakeSub([[b"", seq.to_bytes(8, "big"), p] for seq, p in enumerate([stored(1, 2), *messages])])
+    sub._readable()
+    for _ in range(100_000):                     # the clears' old entries drained, a stretch a loop turn
+        if not index.retiring:
+            break
+        await asyncio.sleep(0)
+    assert not index.retiring
+    sub._sock = FakeSub([[b"", (4).to_bytes(8, "big"), stored(3, 4)]])
+    sub._readable()
+    assert sorted(sub.st.emap) == [3, 4]
+    assert sub.st.slot < 64 and max(m.bit_length() for m in index._holders.values()) <= 64
+    await sub.m.close()
+
+
 def test_messages_piling_up_behind_a_replay_are_dropped_past_a_bound(monkeypatch):
     monkeypatch.setattr(kv_events, "BACKLOG_MAX", 4)
     sub, registry = subscriber(listen_port())
