@@ -40,6 +40,7 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
+from heapq import heappop, heappush
 from itertools import accumulate, chain, islice, repeat
 from operator import and_
 from typing import Any, NamedTuple
@@ -57,7 +58,8 @@ _NO_EXTRAS = repeat(None)                  # the extras of blocks whose event ca
 # 1-2 ms of the event loop's time
 STRETCH_BLOCKS = 2048
 # the entries of a cleared endpoint taken out of the shared maps in one stretch (``EventIndex.drain``):
-# about 1-2 ms of the event loop's time
+# about 1-2 ms of the event loop's time. An endpoint holding fewer entries is unlinked at once
+# and keeps its slot (``EventIndex.clear``)
 CLEAR_STRETCH = 4096
 
 
@@ -154,6 +156,7 @@ class EndpointState:
     rank_pending_q: deque[tuple[float, int]] = field(default_factory=deque)
     # ranks cleared whose old entries are still in the maps above, out of routing (``clear_rank``)
     rank_clearing: dict[int, _RankClear] = field(default_factory=dict)
+    held: bool = False        # blocks were held for it speculatively under its slot (``routed``)
 
     @property
     def bit(self) -> int:
@@ -200,6 +203,7 @@ class EventIndex:
         self.ranked: dict[Endpoint, EndpointState] = {}   # those whose data-parallel rank the gateway picks
         self._by_slot: dict[int, EndpointState] = {}
         self._free: list[int] = []
+        self.clear_at_once = CLEAR_STRETCH     # a cleared endpoint holding fewer entries is unlinked at once
         self._slots = 0                           # slots ever made (live, free or retired)
         # cleared endpoints' old entries, unlinked from the shared maps a stretch at a time (``drain``);
         # ``on_retired`` is told when there are some (None: they are unlinked at once)
@@ -239,8 +243,8 @@ class EventIndex:
         return st
 
     def _slot(self) -> int:
-        if self._free:
-            return self._free.pop()
+        if self._free:               # the lowest: masks are integers as wide as their highest bit
+            return heappop(self._free)
         self._slots += 1
         return self._slots - 1
 
@@ -643,9 +647,30 @@ class EventIndex:
         slot is free again after that."""
         if self._by_slot.get(st.slot) is not st:      # forgotten already: nothing of it is held
             return
+        if len(st.owned) < self.clear_at_once and not st.held and st.rank_keys is None:
+            self._unlink(st)            # a stretch's worth: at once, keeping its slot
+            return
         self._retire(st)
         st.slot = self._slot()
+        st.held = False
         self._by_slot[st.slot] = st
+
+    def _unlink(self, st: EndpointState) -> None:
+        """Clear ``st``, which holds less than a stretch of ``drain`` and nothing speculatively, at
+        once: its keys lose its bit and it keeps its slot. A new slot per clear (a publisher sending
+        thousands of ``AllBlocksCleared``) left it on a bit thousands of places up, every mask naming
+        its blocks then as wide."""
+        holders, pending, leave, keep = self._holders, self._pending, self._leave, ~st.bit
+        for key in st.owned:
+            mask = holders.get(key, 0) & keep
+            if mask:
+                holders[key] = mask
+            else:
+                holders.pop(key, None)
+                if key not in pending:
+                    leave(key)
+        st.emap, st.media, st.owned = {}, {}, {}
+        self._walked = (None, {})
 
     def _retire(self, st: EndpointState) -> None:
         """Take ``st``'s slot and maps out of routing, for ``drain`` to unlink."""
@@ -719,7 +744,7 @@ class EventIndex:
             if held:
                 continue
             q.popleft()
-            self._free.append(slot)
+            heappush(self._free, slot)
         return bool(q)
 
     def clear_rank(self, st: EndpointState, rank: int) -> None:
@@ -1049,6 +1074,7 @@ class EventIndex:
             pend_until[(k, slot)] = until
             parent = k
         self._pending_q.append((until, slot, new))
+        st.held = True
 
     def rank_depths(self, req: InferenceRequest, ep: Endpoint) -> list[int] | None:
         """Cached tokens of ``req`` on each data-parallel rank of ``ep``, from the keys ``match``

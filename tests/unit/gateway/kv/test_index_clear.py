@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.endpoints import Endpoint
-from gateway.kv.index import EventIndex
+from gateway.kv.index import CLEAR_STRETCH, EventIndex
 from gateway.kv.settings import KVEventsConfig
 from gateway.kv.tokenization import ModelTokenizer
 from gateway.kv.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored
@@ -30,13 +30,16 @@ class Clock:
         return self.t
 
 
-def _index(at_once: bool, ranks: int = 1) -> tuple[EventIndex, list[Endpoint], Clock]:
+def _index(at_once: bool, ranks: int = 1, unlink: int = 0) -> tuple[EventIndex, list[Endpoint], Clock]:
+    """``at_once``: every clear unlinked at once; else by the test, a stretch at a time, but for an
+    endpoint holding fewer than ``unlink`` entries (0: none; the gateway's is ``CLEAR_STRETCH``)."""
     cfg = KVEventsConfig(enabled=True, speculative_ttl_s=5.0, stall_timeout_s=1000, data_parallel_size=ranks,
                          port=5557, replay_port=None)
     clock = Clock()
     idx = EventIndex({"m": TOK}, lambda m: cfg, clock)
     if not at_once:
         idx.on_retired = lambda: None              # drained by the test, a stretch at a time
+        idx.clear_at_once = unlink
     eps = [Endpoint(url=f"http://10.0.0.{i}:8000", model="m") for i in (1, 2, 3)]
     for ep in eps:
         idx.track(ep, cfg)
@@ -73,10 +76,10 @@ _ops = st.lists(st.tuples(st.sampled_from(["store", "store", "store", "remove", 
 
 
 @settings(max_examples=80, deadline=None)
-@given(_ops, st.sampled_from([1, 2]))
-def test_a_clear_in_stretches_routes_as_a_clear_at_once(ops, ranks):
+@given(_ops, st.sampled_from([1, 2]), st.sampled_from([0, CLEAR_STRETCH]))
+def test_a_clear_in_stretches_routes_as_a_clear_at_once(ops, ranks, unlink):
     whole, weps, wclock = _index(True, ranks)
-    cut, eps, clock = _index(False, ranks)
+    cut, eps, clock = _index(False, ranks, unlink)
     for i, (op, e, c, n, x, stretch) in enumerate(ops):
         rank = None if ranks == 1 else x % ranks
         for idx, ep in ((whole, weps[e]), (cut, eps[e])):
