@@ -204,6 +204,19 @@ async def test_a_flood_of_cache_resets_leaves_the_endpoints_bit_in_the_index_sma
     await sub.m.close()
 
 
+async def test_a_negative_sequence_number_is_malformed():
+    """Engines number their batches from 0 up. A message numbered below 0 is counted as malformed
+    and skipped; the next one is a first contact as if it had not come."""
+    sub, registry = subscriber(listen_port())
+    sub._sock = FakeSub([[b"", (-5).to_bytes(8, "big", signed=True), stored(1)],
+                          [b"", (0).to_bytes(8, "big"), stored(2, 3)]])
+    sub._readable()
+    while sub._backlog:                         # what the subscriber's task does with what waits
+        await sub.on_message(*sub._backlog.popleft())
+    assert sorted(sub.st.emap) == [2, 3] and sub.expected == 1
+    assert registry.get_sample_value("switchyard_kv_events_decode_errors_total", {"model": "m"}) == 1
+
+
 def test_messages_piling_up_behind_a_replay_are_dropped_past_a_bound(monkeypatch):
     monkeypatch.setattr(kv_events, "BACKLOG_MAX", 4)
     sub, registry = subscriber(listen_port())
