@@ -349,6 +349,8 @@ class Subscriber:
                 if len(frames) != 3:
                     raise WireError(f"{len(frames)} frames, expected 3 (topic, seq, payload)")
                 seq = seq_of(frames[1])
+                if seq < 0:                   # engines number their batches from 0
+                    raise WireError(f"sequence number {seq}")
                 payload = frames[2]
                 if backlog or len(payload) > STRETCH_BYTES or self._replay_first(seq):
                     if len(backlog) >= BACKLOG_MAX:
