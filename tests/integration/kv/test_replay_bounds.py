@@ -217,6 +217,25 @@ async def test_a_negative_sequence_number_is_malformed():
     assert registry.get_sample_value("switchyard_kv_events_decode_errors_total", {"model": "m"}) == 1
 
 
+def test_an_sglang_salt_is_kept_when_the_batch_is_decoded_untyped():
+    """A batch the typed decoders refuse (here one with an event type this gateway does not know:
+    a newer engine's) is decoded untyped, and so are the 64 after it. SGLang's ``cache_salt`` on a
+    ``BlockStored`` keys its chain from a salted root either way."""
+    salted = batch([block_stored([7], None, list(range(16)), cache_salt="t1")])
+    typed, _ = subscriber()
+    typed._sock = FakeSub([[b"", (0).to_bytes(8, "big"), salted]])
+    typed._readable()
+    sub, _ = subscriber()
+    sub._sock = FakeSub([[b"", (0).to_bytes(8, "big"), batch([{"type": "BlockPinned", "block_hashes": [1]}])],
+                          [b"", (1).to_bytes(8, "big"), salted],
+                          [b"", (2).to_bytes(8, "big"), batch([{"type": "BlockPinned", "block_hashes": [1]},
+                                                               block_stored([8], None, list(range(16)),
+                                                                            cache_salt="t1")])]])
+    sub._readable()
+    assert sub.decoder.untyped == 3
+    assert sub.st.emap[7] == sub.st.emap[8] == typed.st.emap[7]
+
+
 def test_messages_piling_up_behind_a_replay_are_dropped_past_a_bound(monkeypatch):
     monkeypatch.setattr(kv_events, "BACKLOG_MAX", 4)
     sub, registry = subscriber(listen_port())
