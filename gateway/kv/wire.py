@@ -322,12 +322,12 @@ def _at(a: list, i: int, default: Any = None) -> Any:
 
 
 def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any, medium: Any, lora_name: Any,
-            extra: Any, group_idx: Any) -> BlockStored:
+            extra: Any, group_idx: Any, cache_salt: Any = None) -> BlockStored:
     lora_name = _name(lora_name, "lora_name")
     if lora_name is None and lora_id is not None:      # engines before lora_name: the id names it
         lora_name = str(lora_id)
     return BlockStored(_hashes(hashes), _hash(parent), _tokens(tokens), _block_size(block_size), lora_name,
-                       _name(medium, "medium"), group_idx, _extra(extra), lora_id)
+                       _name(medium, "medium"), group_idx, _extra(extra), lora_id, _name(cache_salt, "cache_salt"))
 
 
 def _stored_from_array(a: list) -> BlockStored:
@@ -341,7 +341,8 @@ def _stored_from_array(a: list) -> BlockStored:
 def _stored_from_map(m: dict) -> BlockStored:
     try:
         return _stored(m["block_hashes"], m.get("parent_block_hash"), m["token_ids"], m["block_size"],
-                       m.get("lora_id"), m.get("medium"), m.get("lora_name"), m.get("extra_keys"), m.get("group_idx"))
+                       m.get("lora_id"), m.get("medium"), m.get("lora_name"), m.get("extra_keys"), m.get("group_idx"),
+                       m.get("cache_salt"))
     except KeyError as e:
         raise WireError(f"BlockStored without {e.args[0]}") from None
 
