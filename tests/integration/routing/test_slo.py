@@ -245,3 +245,25 @@ async def test_an_engine_whose_reobserving_request_it_refused_is_sent_the_next_o
         assert await _stream(s, gw.url, "next", slo) == (200, a_pod)
     text = await gw.metrics_text()
     assert 'switchyard_retries_total{' in text
+
+
+async def test_a_stream_its_engine_cut_after_its_first_token_teaches_the_ttft_it_saw(sims, gateway):
+    """A stream whose engine breaks it after its first token (the connection reset, an in-stream
+    error event, the idle watchdog's fire) had a real time to first token: the endpoint's latency
+    model learns it, and a time per token from 8 tokens on, up to the last one relayed (not the
+    stall the watchdog ended). That the engine breaks streams is its breaker's business. Before,
+    such a stream taught nothing."""
+    sim = await sims("vllm", "m", ttft_base_ms=5, itl_ms=2)
+    gw = await gateway([model_block("m", "vllm", [sim.url], strategy="slo")],
+                       watchdog={"aggregated": True, "idle_timeout_s": 0.2})
+    model = gw.gw.routing.ctx.latency
+    ep = gw.gw.pool.endpoints("m")[0]
+    async with aiohttp.ClientSession() as s:
+        for fault, samples in (("drop_after=12", (1, 1)), ("error_after=1", (2, 1)), ("stall_after=10:inf", (3, 2))):
+            status, _ = await _stream(s, gw.url, fault, {"x-slo-ttft-ms": "5000", "x-sim-fault": fault},
+                                      max_tokens=20)
+            assert status == 200
+            await until(lambda samples=samples: model.samples(ep) == samples, timeout=5)
+    text = await gw.metrics_text()
+    assert 'switchyard_slo_routing_requests_total{model="m",result="failed",strategy="slo"} 3.0' in text
+
