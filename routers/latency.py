@@ -440,7 +440,7 @@ class LatencyModel:
 
     def unobserved(self, ep: Endpoint, at: float) -> None:
         """The request sent at ``at`` to observe ``ep`` observed nothing (the engine refused it and
-        a retry took it elsewhere, it failed, its client left before its first token): ``stalest``
+        a retry took it elsewhere, it failed or its client left before its first token): ``stalest``
         may pick ``ep`` again at once, for the next request, rather than ``slo_reobserve_s`` later.
         Once: when that one observes nothing either, ``ep`` waits ``slo_reobserve_s`` (an engine
         that keeps refusing is sent two requests each ``slo_reobserve_s``, not the first try of

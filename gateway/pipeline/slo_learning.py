@@ -14,11 +14,12 @@ models from the gateway's own observations, for every strategy's requests:
 * ``on_request`` (a record observer) runs when the request has finished: a streamed answer's
   TTFT, measured from the decision (the time before it — parsing, an admission queue — is not the
   endpoint's), and its TPOT, (end − first token) / (completion tokens − 1), are what the model
-  learns, and the prediction's relative error is observed. A stream its client left after its
-  first token teaches its TTFT; its TPOT only from ``CUT_MIN_TOKENS`` tokens a choice (the events
+  learns, and the prediction's relative error is observed. A stream cut after its first token
+  (its client left, or its engine broke it: a reset, an in-stream error event, the idle watchdog)
+  teaches its TTFT, which was real; its TPOT only from ``CUT_MIN_TOKENS`` tokens a choice (the events
   that carried them), first token to the last relayed; not its service time, cut short. A
   request the ``slo`` strategy sent to observe its endpoint (``slo_reobserve``) that learnt it
-  nothing there (refused by the engine and retried elsewhere, failed, left before its first
+  nothing there (refused by the engine and retried elsewhere, failed or left before its first
   token) gives the next request the try (``LatencyModel.unobserved``).
 
 Requests with objectives (``x-slo-ttft-ms``, ``x-slo-tpot-ms``) are counted as met or missed by
@@ -144,10 +145,12 @@ class SloLearning:
         learnt = False
         if ok and p.stream and rec.ttft is not None:
             learnt = self._learn(rec, p, tpot_s, (duration - rec.ttft) * 1000.0)
-        elif rec.error_class == ErrorClass.CLIENT_CANCEL and p.stream and rec.ttft is not None:
-            # its client left after the first token: that TTFT was real; a time per token only from
+        elif p.stream and rec.ttft is not None:
+            # cut after its first token, by its client's leaving or by its engine (the connection
+            # broke, an in-stream error event, the idle watchdog's fire): that TTFT was real (an
+            # engine that breaks streams is its breaker's business); a time per token only from
             # CUT_MIN_TOKENS a choice on (fewer are a gap or two: noise), first token to the last
-            # relayed (not to the client's leaving); nor how long it held its slot, cut short
+            # relayed (not to the leaving, nor through a stall); nor how long it held its slot, cut short
             tokens = rec.streamed_events / max(p.choices, 1)
             if tokens >= CUT_MIN_TOKENS and rec.last_token is not None:
                 tpot_s = (rec.last_token - rec.ttft) / (tokens - 1)

@@ -255,7 +255,7 @@ async def test_a_stream_its_engine_cut_after_its_first_token_teaches_the_ttft_it
     such a stream taught nothing."""
     sim = await sims("vllm", "m", ttft_base_ms=5, itl_ms=2)
     gw = await gateway([model_block("m", "vllm", [sim.url], strategy="slo")],
-                       watchdog={"aggregated": True, "idle_timeout_s": 0.2})
+                       watchdog={"aggregated": True, "idle_timeout_s": 0.5})
     model = gw.gw.routing.ctx.latency
     ep = gw.gw.pool.endpoints("m")[0]
     async with aiohttp.ClientSession() as s:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.errors import ErrorClass
 from gateway.observability.metrics import GatewayMetrics
 from gateway.pipeline import slo_learning
 from gateway.pipeline.context import RequestRecord
@@ -82,6 +83,24 @@ def test_objectives_are_counted_met_or_missed_by_what_the_client_saw():
     assert _count(metrics, "switchyard_slo_routing_decisions_total", model="m", reason="slo_feasible") == 5
     assert _count(metrics, "switchyard_slo_routing_decisions_total", model="m", reason="slo_explore") == 1
     assert model.samples(ep) == (4, 4)                      # the failed and the non-streamed taught nothing
+
+
+@pytest.mark.parametrize("cut", [ErrorClass.CLIENT_CANCEL, ErrorClass.UPSTREAM_BROKEN, ErrorClass.UPSTREAM_STREAM_ERROR,
+                                 ErrorClass.WATCHDOG_IDLE])
+def test_a_stream_cut_after_its_first_token_teaches_its_ttft_whoever_cut_it(cut):
+    """Its client or its engine: the TTFT was real; a TPOT from 8 tokens, to the last one relayed."""
+    learning, model, metrics, _ = _setup()
+    (ep,) = endpoints(1)
+    for rid, events in (("one", 1), ("nine", 9)):
+        learning.decided(_req(rid, slo_ttft_ms=5000.0), Decision(ep, "slo", reason="slo_feasible"), model)
+        rec = _rec(rid, ttft=0.35, tokens=events)
+        rec.error_class, rec.streamed_events, rec.last_token = cut, events, 0.35 + (events - 1) * 0.02
+        learning.on_request(rec, duration=5.0)                  # a stall the watchdog ended: not a gap
+    assert model.samples(ep) == (2, 1)
+    ttft, tpot = model.predict(ep, model.features(1000, ep, 0.0))
+    assert ttft == pytest.approx(250.0, rel=1e-3) and tpot == pytest.approx(20.0, rel=1e-3)
+    result = "cancelled" if cut == ErrorClass.CLIENT_CANCEL else "failed"
+    assert _count(metrics, "switchyard_slo_routing_requests_total", model="m", strategy="slo", result=result) == 2
 
 
 def test_what_is_not_learnt():
