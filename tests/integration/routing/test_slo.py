@@ -267,3 +267,21 @@ async def test_a_stream_its_engine_cut_after_its_first_token_teaches_the_ttft_it
     text = await gw.metrics_text()
     assert 'switchyard_slo_routing_requests_total{model="m",result="failed",strategy="slo"} 3.0' in text
 
+
+async def test_a_stream_continued_on_another_engine_teaches_the_first_engine_its_ttft(sims, gateway):
+    """A stream whose engine broke after 4 tokens goes on on another (migration_limit). Its first
+    token came from the first engine, whose model learns that TTFT; not a time per token, which the
+    two engines' tokens and the gap between them make; the engine that continued it learns nothing
+    (its first token was not the answer's). Before, the continuation's decision took the place of
+    the first leg's, its TTFT came out negative and was dropped: neither learnt anything."""
+    a = await sims("vllm", "m", ttft_base_ms=5, itl_ms=2, fault="drop_after=4")
+    b = await sims("vllm", "m", ttft_base_ms=5, itl_ms=2)
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url], strategy="round-robin", migration_limit=1)])
+    model = gw.gw.routing.ctx.latency
+    ep_a, ep_b = sorted(gw.gw.pool.endpoints("m"), key=lambda e: e.url != a.url)
+    async with aiohttp.ClientSession() as s:
+        assert await _stream(s, gw.url, "broken on a", {"x-slo-ttft-ms": "5000"}, max_tokens=12) == (
+            200, a.url.removeprefix("http://"))                     # the head came from a
+    await until(lambda: model.samples(ep_a) == (1, 0), timeout=5)
+    assert model.samples(ep_b) == (0, 0)
+    assert 'switchyard_migrations_total{model="m",outcome="continued",reason="broken"} 1.0' in await gw.metrics_text()
