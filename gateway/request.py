@@ -140,6 +140,10 @@ class InferenceRequest:
     # told the answer's text (``None``, and why not, when there is none) once a chat's answer is relayed
     # whole (set by the KV-events router, which tokenizes it ahead of the next turn: gateway/kv/events.py)
     answered: Callable[..., None] | None = None
+    # a mid-stream continuation's leg (gateway/pipeline/migration.py): what the client already has,
+    # its first token included, came from the legs before (a leg that starts over, nothing generated
+    # nor sent, is not one)
+    continues: bool = False
 
     @property
     def is_embeddings(self) -> bool:

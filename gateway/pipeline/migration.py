@@ -553,7 +553,7 @@ class Migration:
             self.partial.prompt_tokens = self.prompt_tokens
             path, data = continuation(self.partial, self.mode, self.default_max)
         cont = dataclasses.replace(self.ireq, path=path, data=data, body=body_bytes(data, self.ireq.body),
-                                   include_usage=True)
+                                   include_usage=True, continues=not restart)
         ctx.trace.event("migration", {"switchyard.migration.reason": reason, "switchyard.endpoint": failed_ep})
         ctx.trace.legs_broke(error_class)     # the broken leg's span ends here, as an error
         refused: str | None = None

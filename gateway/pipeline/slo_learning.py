@@ -27,7 +27,10 @@ what the client saw: the TTFT from the request's arrival at the gateway, the TPO
 non-streamed answer has no first token to time: counted ``unmeasured``, and teaches nothing. A
 request whose client left before its end is counted ``cancelled``, not ``failed`` (an error answer).
 
-Only whole-request decisions are learnt (a P/D pair's latency is two endpoints'). Request ids
+Only whole-request decisions are learnt (a P/D pair's latency is two endpoints'). A stream
+continued on other legs (``InferenceRequest.continues``, ``gateway.pipeline.migration``) teaches
+its first leg's endpoint its TTFT only, and the continuations' endpoints nothing (``_continued``);
+a TTFT that comes out 0 or less is never learnt. Request ids
 are what links a decision to its end: a client that reuses one id for two concurrent requests
 may pair one decision with the other's end, once; the pending table is bounded.
 """
@@ -86,6 +89,7 @@ class _Pending:
     slo_tpot_ms: float | None
     choices: int                     # the answer's choices, decoded side by side (InferenceRequest.choices)
     reobserved: float | None = None  # sent to observe the endpoint (slo_reobserve): the mark's time
+    continued: bool = False          # the stream went on on other legs (a mid-stream continuation)
 
 
 class SloLearning:
@@ -99,9 +103,9 @@ class SloLearning:
     @staticmethod
     def wants(ireq: InferenceRequest, decision: Decision) -> bool:
         """Whether ``decided`` keeps anything of this decision: a whole request, streamed or with
-        objectives."""
+        objectives; or notes it: a stream's continuation, whatever its leg."""
         return (ireq.stream or ireq.slo_ttft_ms is not None or ireq.slo_tpot_ms is not None) and (
-            decision.prefill is None and not ireq.is_embeddings)     # a non-streamed request without them: at once
+            decision.prefill is None and not ireq.is_embeddings) or ireq.continues   # a non-streamed request without them: at once
 
     def decided(self, ireq: InferenceRequest, decision: Decision, latency: LatencyModel,
                 in_flight: int | None = None, at: float | None = None) -> None:
@@ -109,6 +113,9 @@ class SloLearning:
         charge. Called there, or later (once the leg is written, off the path to the engine) with
         what the step saw: the endpoint's ``in_flight`` and the clock ``at``."""
         if not self.wants(ireq, decision):
+            return
+        if ireq.continues:
+            self._continued(ireq, decision, latency)
             return
         ep = decision.endpoint
         tokens = ireq.prompt_tokens_est
@@ -126,6 +133,25 @@ class SloLearning:
         pending.move_to_end(ireq.request_id)
         if len(pending) > MAX_PENDING:
             self._unobserved(pending.popitem(last=False)[1])
+        self._count_decision(ireq, decision)
+
+    def _continued(self, ireq: InferenceRequest, decision: Decision, latency: LatencyModel) -> None:
+        """A stream's continuation on another leg (``InferenceRequest.continues``). The answer's first
+        token came from its first leg, whose decision stays pending: it learns that TTFT, not a TPOT
+        nor a service time, which several legs' tokens and the gaps between them make. The
+        continuation's own first token is not the answer's: its endpoint learns nothing (had its
+        TTFT been timed from this decision, it would come out negative), and one the ``slo``
+        strategy sent to observe that endpoint observes nothing there."""
+        p = self.pending.get(ireq.request_id)
+        if p is not None:
+            p.continued = True
+        if decision.reason == "slo_reobserve" and decision.prefill is None:
+            at = latency.reobserved(decision.endpoint)
+            if at is not None:
+                latency.unobserved(decision.endpoint, at)
+        self._count_decision(ireq, decision)
+
+    def _count_decision(self, ireq: InferenceRequest, decision: Decision) -> None:
         if (ireq.slo_ttft_ms is not None or ireq.slo_tpot_ms is not None) and decision.reason.startswith("slo_"):
             m = self.metrics
             m.child(m.decisions, ireq.model, decision.reason).inc()
@@ -143,7 +169,11 @@ class SloLearning:
             if tokens >= 2:
                 tpot_s = (duration - rec.ttft) / (tokens - 1)
         learnt = False
-        if ok and p.stream and rec.ttft is not None:
+        if p.continued:
+            # continued on other legs: the first's TTFT only (``_continued``)
+            if p.stream and rec.ttft is not None:
+                learnt = self._learn(rec, p, None, None)
+        elif ok and p.stream and rec.ttft is not None:
             learnt = self._learn(rec, p, tpot_s, (duration - rec.ttft) * 1000.0)
         elif p.stream and rec.ttft is not None:
             # cut after its first token, by its client's leaving or by its engine (the connection

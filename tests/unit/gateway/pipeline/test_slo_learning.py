@@ -103,6 +103,36 @@ def test_a_stream_cut_after_its_first_token_teaches_its_ttft_whoever_cut_it(cut)
     assert _count(metrics, "switchyard_slo_routing_requests_total", model="m", strategy="slo", result=result) == 2
 
 
+def test_a_stream_continued_on_other_legs_teaches_its_first_leg_its_ttft_only():
+    """The first token came from the first leg's endpoint: it learns that TTFT (from its own
+    decision), not a TPOT nor a service time, which two engines' tokens and the gap between them
+    make; a continuation's endpoint learns nothing, whole or P/D, and nothing negative is learnt.
+    A continuation sent to observe its endpoint observes nothing there: the next may."""
+    learning, model, metrics, clock = _setup()
+    first, other, pre = endpoints(3)
+    model.observe(other, model.features(1000, other, 0.0), 100.0, 10.0)
+    learning.decided(_req("c", slo_ttft_ms=5000.0), Decision(first, "slo", reason="slo_feasible"), model)   # at 10.0
+    clock.t = 10.5                                              # past the first token (10.25)
+    model.reobserving(other, clock.t)
+    cont = _req("c", slo_ttft_ms=5000.0)
+    cont.continues = True
+    learning.decided(cont, Decision(other, "slo", reason="slo_reobserve"), model)
+    assert model.reobserved(other) is None                      # the next request may observe it
+    cont2 = _req("c", slo_ttft_ms=5000.0)
+    cont2.continues = True
+    learning.decided(cont2, Decision(other, "pd", prefill=pre), model)      # a second one, on a P/D pair
+    learning.on_request(_rec("c", ttft=0.35, tokens=11), duration=0.35 + 10 * 0.02)
+    assert model.samples(first) == (1, 0) and model.samples(other) == (1, 1) and model.samples(pre) == (0, 0)
+    assert model.predict(first, model.features(1000, first, 0.0))[0] == pytest.approx(250.0, rel=1e-3)
+    assert model._models[first].services == 0                  # its time from first token to last: not its own
+    assert _count(metrics, "switchyard_slo_routing_requests_total", model="m", strategy="slo", result="met") == 1
+    assert _count(metrics, "switchyard_slo_routing_decisions_total", model="m", reason="slo_reobserve") == 1
+    assert not learning.pending
+    # a continuation whose first leg was not whole (a P/D pair) keeps nothing
+    learning.decided(cont, Decision(other, "slo", reason="slo_feasible"), model)
+    assert not learning.pending
+
+
 def test_what_is_not_learnt():
     learning, model, _, _ = _setup()
     dec, pre = endpoints(2)
