@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 
 from enginesim.server import start_sim
-from tests.support.factories import model_block
+from tests.support.factories import model_block, pd_model, pd_pair, roleset
 from tests.support.waiting import until
 
 
@@ -285,3 +285,35 @@ async def test_a_stream_continued_on_another_engine_teaches_the_first_engine_its
     await until(lambda: model.samples(ep_a) == (1, 0), timeout=5)
     assert model.samples(ep_b) == (0, 0)
     assert 'switchyard_migrations_total{model="m",outcome="continued",reason="broken"} 1.0' in await gw.metrics_text()
+
+
+
+async def test_a_disaggregated_request_is_counted_by_its_objectives_and_teaches_neither_endpoint(sims, gateway):
+    """A P/D pair's latency is two endpoints': neither learns anything from a disaggregated
+    request, nor from one the pd strategy ran whole on the decode (a short prompt), nor from one
+    whose decode broke and which another pair continued (and which broke again: the limit). Each
+    request with objectives is counted by what its client saw, as every strategy's. Before, a
+    request the pd strategy routed was never counted in switchyard_slo_routing_requests_total."""
+    p1, d1 = await pd_pair(sims, "vllm", ttft_base_ms=5, itl_ms=2)
+    p2, d2 = await pd_pair(sims, "vllm", ttft_base_ms=5, itl_ms=2)
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p1, d1), roleset("vllm", p2, d2, name="rs-2")],
+                                 migration_limit=1, pd={"disaggregate_min_prompt_tokens": 100})])
+    words = " ".join(f"w{i}" for i in range(150))
+    slo = {"x-slo-ttft-ms": "5000"}
+    async with aiohttp.ClientSession() as s:
+        for text, headers in ((words, slo), ("short", slo),
+                              (f"broken {words}", {**slo, "x-sim-fault": "decode.drop_after=3"})):
+            assert (await _stream(s, gw.url, text, headers, max_tokens=8))[0] == 200
+
+    async def counted() -> str | None:
+        text = await gw.metrics_text()
+        return text if 'switchyard_slo_routing_requests_total{model="m",result="failed",strategy="pd"}' in text else None
+
+    text = await until(counted, timeout=5)
+    assert 'switchyard_slo_routing_requests_total{model="m",result="met",strategy="pd"} 2.0' in text
+    assert 'switchyard_slo_routing_requests_total{model="m",result="failed",strategy="pd"} 1.0' in text
+    assert 'switchyard_pd_decisions_total{mode="decode",model="m",reason="short_prompt"} 1.0' in text
+    assert 'switchyard_migrations_total{model="m",outcome="continued",reason="broken"} 1.0' in text
+    model = gw.gw.routing.ctx.latency
+    assert [model.samples(ep) for ep in gw.gw.pool.endpoints("m")] == [(0, 0)] * 4
+    assert not gw.gw.routing.slo.pending
