@@ -217,12 +217,12 @@ class Routing:
             except Exception:     # as an observer's
                 log.exception("decision claim failed", request_id=ireq.request_id)
         if later is None:
-            self._slo_decided(ireq, decision, None, None)
+            self._slo_decided(ireq, decision, None, None, decision.prefill is not None)
             self._report(ireq, decision, spec, elapsed)
         else:
             if self.slo.wants(ireq, decision):   # what the latency models read, taken now; the rest later
                 later.append(partial(self._slo_decided, ireq, decision, decision.endpoint.in_flight,
-                                     self.slo.clock()))
+                                     self.slo.clock(), decision.prefill is not None))
             if decision.learn is not None:
                 later.append(decision.learn)
                 decision.learn = None
@@ -236,9 +236,9 @@ class Routing:
         return c
 
     def _slo_decided(self, ireq: InferenceRequest, decision: Decision, in_flight: int | None,
-                     at: float | None) -> None:
+                     at: float | None, pair: bool) -> None:
         try:
-            self.slo.decided(ireq, decision, self.ctx.latency, in_flight, at)
+            self.slo.decided(ireq, decision, self.ctx.latency, in_flight, at, pair)
         except Exception:         # as an observer's
             log.exception("latency model bookkeeping failed", request_id=ireq.request_id)
 

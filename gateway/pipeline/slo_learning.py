@@ -27,7 +27,8 @@ what the client saw: the TTFT from the request's arrival at the gateway, the TPO
 non-streamed answer has no first token to time: counted ``unmeasured``, and teaches nothing. A
 request whose client left before its end is counted ``cancelled``, not ``failed`` (an error answer).
 
-Only whole-request decisions are learnt (a P/D pair's latency is two endpoints'). A stream
+Only whole-request decisions are learnt (a P/D pair's latency is two endpoints': one with
+objectives is counted, as routed, though the P/D decider may then run it whole). A stream
 continued on other legs (``InferenceRequest.continues``, ``gateway.pipeline.migration``) teaches
 its first leg's endpoint its TTFT only, and the continuations' endpoints nothing (``_continued``);
 a TTFT that comes out 0 or less is never learnt. Request ids
@@ -80,7 +81,7 @@ class SloMetrics:
 class _Pending:
     latency: LatencyModel            # the model the decision read (a reload may build another)
     endpoint: Endpoint
-    features: Features
+    features: Features | None        # None: a P/D pair's, counted by its objectives and not learnt
     ttft_ms: float | None            # predicted, when the model could
     tpot_ms: float | None
     decided_at: float                # perf_counter seconds, as RequestRecord.started
@@ -102,34 +103,41 @@ class SloLearning:
 
     @staticmethod
     def wants(ireq: InferenceRequest, decision: Decision) -> bool:
-        """Whether ``decided`` keeps anything of this decision: a whole request, streamed or with
-        objectives; or notes it: a stream's continuation, whatever its leg."""
-        return (ireq.stream or ireq.slo_ttft_ms is not None or ireq.slo_tpot_ms is not None) and (
-            decision.prefill is None and not ireq.is_embeddings) or ireq.continues   # a non-streamed request without them: at once
+        """Whether ``decided`` keeps anything of this decision: a request with objectives (a P/D
+        pair's only to count them), a streamed whole request; or notes it: a stream's
+        continuation, whatever its leg."""
+        if ireq.slo_ttft_ms is not None or ireq.slo_tpot_ms is not None:
+            return not ireq.is_embeddings
+        # a non-streamed request without them: answered at the second test
+        return (ireq.stream and decision.prefill is None and not ireq.is_embeddings) or ireq.continues
 
     def decided(self, ireq: InferenceRequest, decision: Decision, latency: LatencyModel,
-                in_flight: int | None = None, at: float | None = None) -> None:
+                in_flight: int | None = None, at: float | None = None, pair: bool | None = None) -> None:
         """A routing decision: its features as they were in its synchronous step, before the
         charge. Called there, or later (once the leg is written, off the path to the engine) with
-        what the step saw: the endpoint's ``in_flight`` and the clock ``at``."""
+        what the step saw: the endpoint's ``in_flight``, the clock ``at`` and whether the decision
+        was a P/D ``pair`` (the P/D decider may since have made it a whole request's)."""
         if not self.wants(ireq, decision):
             return
         if ireq.continues:
             self._continued(ireq, decision, latency)
             return
         ep = decision.endpoint
-        tokens = ireq.prompt_tokens_est
         if at is None:
             at = self.clock()
-        f = latency.features(tokens, ep, tokens * (decision.prefix_match or 0.0) / 100.0, None, in_flight)
-        ttft, tpot = latency.predict(ep, f)
+        if pair if pair is not None else decision.prefill is not None:
+            f, ttft, tpot, reobserved = None, None, None, None        # two endpoints' latency: counted only
+        else:
+            tokens = ireq.prompt_tokens_est
+            f = latency.features(tokens, ep, tokens * (decision.prefix_match or 0.0) / 100.0, None, in_flight)
+            ttft, tpot = latency.predict(ep, f)
+            reobserved = latency.reobserved(ep) if decision.reason == "slo_reobserve" else None
         pending = self.pending
         before = pending.get(ireq.request_id)
-        if before is not None:      # a retry's decision (the leg before answered nothing), or a continuation's
+        if before is not None:      # a retry's decision (the leg before answered nothing), or a restart's
             self._unobserved(before)
         pending[ireq.request_id] = _Pending(latency, ep, f, ttft, tpot, at, ireq.stream,
-                                            ireq.slo_ttft_ms, ireq.slo_tpot_ms, ireq.choices,
-                                            latency.reobserved(ep) if decision.reason == "slo_reobserve" else None)
+                                            ireq.slo_ttft_ms, ireq.slo_tpot_ms, ireq.choices, reobserved)
         pending.move_to_end(ireq.request_id)
         if len(pending) > MAX_PENDING:
             self._unobserved(pending.popitem(last=False)[1])
@@ -169,7 +177,9 @@ class SloLearning:
             if tokens >= 2:
                 tpot_s = (duration - rec.ttft) / (tokens - 1)
         learnt = False
-        if p.continued:
+        if p.features is None:
+            pass                    # a P/D pair's: counted below, not learnt
+        elif p.continued:
             # continued on other legs: the first's TTFT only (``_continued``)
             if p.stream and rec.ttft is not None:
                 learnt = self._learn(rec, p, None, None)
@@ -199,7 +209,7 @@ class SloLearning:
 
     def _learn(self, rec: RequestRecord, p: _Pending, tpot_s: float | None, service_ms: float | None) -> bool:
         """Whether the model learnt the request's TTFT."""
-        assert rec.ttft is not None
+        assert rec.ttft is not None and p.features is not None
         ttft_ms = (rec.started + rec.ttft - p.decided_at) * 1000.0
         if ttft_ms <= 0.0:           # the decision came after the first token (a stream's continuation)
             return False
@@ -221,7 +231,7 @@ class NoSloLearning:
         return False
 
     def decided(self, ireq: InferenceRequest, decision: Decision, latency: LatencyModel,
-                in_flight: int | None = None, at: float | None = None) -> None:
+                in_flight: int | None = None, at: float | None = None, pair: bool | None = None) -> None:
         return None
 
 

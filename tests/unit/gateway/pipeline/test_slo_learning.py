@@ -145,6 +145,23 @@ def test_what_is_not_learnt():
     learning.on_request(_rec("never-routed", ttft=0.2), 0.3)
 
 
+
+def test_a_p_d_pair_is_counted_by_its_objectives_and_teaches_nothing():
+    """Its latency is two endpoints': nothing is learnt, but the objectives are counted by what
+    the client saw, as every strategy's. Whether it was a pair is as routed: the P/D decider may
+    have made the decision a whole request's (run on the decode) by the time it is noted."""
+    learning, model, metrics, _ = _setup()
+    dec, pre = endpoints(2)
+    learning.decided(_req("pd", slo_ttft_ms=200.0), Decision(dec, "pd", prefill=pre), model)
+    learning.decided(_req("whole", slo_ttft_ms=200.0), Decision(dec, "pd"), model, 0, 10.0, pair=True)
+    learning.on_request(_rec("pd", ttft=0.35, strategy="pd"), duration=0.5)
+    learning.on_request(_rec("whole", ttft=0.1, strategy="pd"), duration=0.5)
+    assert model.samples(dec) == (0, 0) and model.samples(pre) == (0, 0)
+    assert _count(metrics, "switchyard_slo_routing_requests_total", model="m", strategy="pd", result="missed_ttft") == 1
+    assert _count(metrics, "switchyard_slo_routing_requests_total", model="m", strategy="pd", result="met") == 1
+    assert not learning.pending
+
+
 def test_the_pending_table_is_bounded(monkeypatch):
     monkeypatch.setattr(slo_learning, "MAX_PENDING", 3)
     learning, model, _, _ = _setup()
