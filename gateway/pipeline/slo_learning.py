@@ -108,7 +108,7 @@ class SloLearning:
         continuation, whatever its leg."""
         if ireq.slo_ttft_ms is not None or ireq.slo_tpot_ms is not None:
             return not ireq.is_embeddings
-        # a non-streamed request without them: answered at the second test
+        # a non-streamed request without them: answered at the first tests
         return (ireq.stream and decision.prefill is None and not ireq.is_embeddings) or ireq.continues
 
     def decided(self, ireq: InferenceRequest, decision: Decision, latency: LatencyModel,
@@ -211,7 +211,7 @@ class SloLearning:
         """Whether the model learnt the request's TTFT."""
         assert rec.ttft is not None and p.features is not None
         ttft_ms = (rec.started + rec.ttft - p.decided_at) * 1000.0
-        if ttft_ms <= 0.0:           # the decision came after the first token (a stream's continuation)
+        if ttft_ms <= 0.0:           # the decision came after the first token: not this endpoint's (never learnt)
             return False
         tpot_ms = tpot_s * 1000.0 if tpot_s is not None else None
         p.latency.observe(p.endpoint, p.features, ttft_ms, tpot_ms, service_ms)
