@@ -317,3 +317,20 @@ async def test_a_disaggregated_request_is_counted_by_its_objectives_and_teaches_
     model = gw.gw.routing.ctx.latency
     assert [model.samples(ep) for ep in gw.gw.pool.endpoints("m")] == [(0, 0)] * 4
     assert not gw.gw.routing.slo.pending
+
+
+async def test_a_stream_no_other_engine_would_continue_teaches_as_its_engine_cut_it(sims, gateway):
+    """The engine that was to continue a broken stream refused it (503): the stream ended on its
+    first leg, cut by its engine after 12 tokens, and teaches that endpoint its TTFT and its time
+    per token, as any stream its engine cut. Before, the refused continuation's decision kept it
+    from teaching a time per token."""
+    a = await sims("vllm", "m", ttft_base_ms=5, itl_ms=2, fault="drop_after=12")
+    b = await sims("vllm", "m", ttft_base_ms=5, itl_ms=2, fault="status=503")
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url], strategy="round-robin", migration_limit=1)])
+    model = gw.gw.routing.ctx.latency
+    ep_a, ep_b = sorted(gw.gw.pool.endpoints("m"), key=lambda e: e.url != a.url)
+    async with aiohttp.ClientSession() as s:
+        assert (await _stream(s, gw.url, "broken on a", {"x-slo-ttft-ms": "5000"}, max_tokens=20))[0] == 200
+    await until(lambda: model.samples(ep_a) != (0, 0), timeout=5)
+    assert model.samples(ep_a) == (1, 1) and model.samples(ep_b) == (0, 0)
+    assert 'switchyard_migrations_total{model="m",outcome="failed",reason="broken"} 1.0' in await gw.metrics_text()
