@@ -30,7 +30,8 @@ request whose client left before its end is counted ``cancelled``, not ``failed`
 Only whole-request decisions are learnt (a P/D pair's latency is two endpoints': one with
 objectives is counted, as routed, though the P/D decider may then run it whole). A stream
 continued on other legs (``InferenceRequest.continues``, ``gateway.pipeline.migration``) teaches
-its first leg's endpoint its TTFT only, and the continuations' endpoints nothing (``_continued``);
+its first leg's endpoint its TTFT only, and the continuations' endpoints nothing (``_continued``;
+one no leg took ended on its first, as its engine cut it);
 a TTFT that comes out 0 or less is never learnt. Request ids
 are what links a decision to its end: a client that reuses one id for two concurrent requests
 may pair one decision with the other's end, once; the pending table is bounded.
@@ -179,7 +180,7 @@ class SloLearning:
         learnt = False
         if p.features is None:
             pass                    # a P/D pair's: counted below, not learnt
-        elif p.continued:
+        elif p.continued and _went_on(rec):
             # continued on other legs: the first's TTFT only (``_continued``)
             if p.stream and rec.ttft is not None:
                 learnt = self._learn(rec, p, None, None)
@@ -236,6 +237,12 @@ class NoSloLearning:
 
 
 NO_SLO_LEARNING = NoSloLearning()
+
+
+def _went_on(rec: RequestRecord) -> bool:
+    """Whether a leg took the stream's continuation (every leg asked may have refused it: the
+    stream then ended on its first leg, as its engine cut it)."""
+    return any(e.get("outcome") == "continued" for e in rec.extra.get("migrations") or ())
 
 
 def _result(rec: RequestRecord, p: _Pending, ok: bool, tpot_s: float | None) -> str:

@@ -121,7 +121,9 @@ def test_a_stream_continued_on_other_legs_teaches_its_first_leg_its_ttft_only():
     cont2 = _req("c", slo_ttft_ms=5000.0)
     cont2.continues = True
     learning.decided(cont2, Decision(other, "pd", prefill=pre), model)      # a second one, on a P/D pair
-    learning.on_request(_rec("c", ttft=0.35, tokens=11), duration=0.35 + 10 * 0.02)
+    rec = _rec("c", ttft=0.35, tokens=11)
+    rec.extra["migrations"] = [{"reason": "broken", "outcome": "continued", "endpoint": first.name, "tokens": 4}]
+    learning.on_request(rec, duration=0.35 + 10 * 0.02)
     assert model.samples(first) == (1, 0) and model.samples(other) == (1, 1) and model.samples(pre) == (0, 0)
     assert model.predict(first, model.features(1000, first, 0.0))[0] == pytest.approx(250.0, rel=1e-3)
     assert model._models[first].services == 0                  # its time from first token to last: not its own
