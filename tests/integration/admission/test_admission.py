@@ -944,3 +944,33 @@ async def test_a_sighup_that_shrinks_then_grows_the_cap_applies_to_the_queue_wai
                  for o in ("dispatched", "cancelled", "shed")}
         assert waits["dispatched"] >= 3 and waits["dispatched"] + waits["cancelled"] == 4 and waits["shed"] == 0
         assert (await post(base, body())).status == 200       # no slot left held
+
+
+async def test_a_request_of_several_choices_is_reserved_every_choices_output(sims, gateway):
+    """Alice's request of 8 choices of 20 tokens reserves 8 x 20 output tokens on her counter while
+    it runs, not one choice's 20: Bob, whose one request of 50 tokens was served meanwhile, has been
+    served less and goes before her next request."""
+    auth = {"api_keys": [{"key": k, "user": u} for u, k in KEYS.items()]}
+    _, gw = await capped_gateway(sims, gateway, {"max_in_flight_per_endpoint": 2}, auth=auth)
+    served: list[str] = []
+    gw.gw.observers.append(lambda rec, _d: served.append(rec.request_id) if rec.status == 200 else None)
+    ep = gw.gw.pool.endpoints("m")[0]
+    blockers = []
+    for i in range(2):
+        blockers.append(asyncio.create_task(post(gw.url, body(), {**HOLD, "Authorization": "Bearer sk-erin"})))
+        assert await wait_for(lambda n=i + 1: ep.in_flight == n)
+    order = [("a1", "alice", {"n": 8, "max_tokens": 20}, HOLD), ("b1", "bob", {"max_tokens": 50}, {}),
+             ("a2", "alice", {"max_tokens": 1}, {}), ("b2", "bob", {"max_tokens": 1}, {})]
+    tasks = []
+    for i, (rid, user, fields, fault) in enumerate(order):
+        h = {"Authorization": f"Bearer {KEYS[user]}", "x-request-id": rid, **fault}
+        tasks.append(asyncio.create_task(post(gw.url, chat_body(CHAT, ignore_eos=True, **fields), h)))
+        assert await wait_for(lambda n=i + 1: len(queue(gw)) == n)
+    await cancel(blockers[0])           # a1 goes first (the users tie; alice waited first), and runs on
+    assert await wait_for(lambda: len(queue(gw)) == 3)
+    assert queue(gw).counter(1, "alice") >= 2 * 8 * 20
+    await cancel(blockers[1])
+    results = await asyncio.gather(*tasks[1:])
+    assert [st for st, _, _ in results] == [200] * 3
+    assert served == ["b1", "b2", "a2"]
+    await cancel(tasks[0])
