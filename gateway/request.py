@@ -137,6 +137,11 @@ class InferenceRequest:
     # how many choices the answer carries: ``n`` (1 unless asked), times the prompts of a completion's
     # batch; the relay reads a stream of several its own way (gateway/pipeline/sse.py ``ChoicesScanner``)
     choices: int = 1
+    # how many sequences the engine generates for each prompt: ``n``, or ``best_of`` where it asks
+    # for more (the engine keeps ``n`` of them), and for the whole request (times a completion's
+    # batch of prompts); admission's output estimate counts each
+    fan: int = 1
+    sequences: int = 1
     # told the answer's text (``None``, and why not, when there is none) once a chat's answer is relayed
     # whole (set by the KV-events router, which tokenizes it ahead of the next turn: gateway/kv/events.py)
     answered: Callable[..., None] | None = None
@@ -714,7 +719,7 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
 
 def _parse_named(path: str, body: bytes, headers: dict[str, str], request_id: str, data: dict[str, Any],
                  model: str) -> InferenceRequest:
-    choices = 1
+    choices = fan = prompts = 1
     if path == EMBEDDINGS:
         # not fields of an embeddings request: the engines ignore them, and nothing streams
         stream = include_usage = False
@@ -732,11 +737,11 @@ def _parse_named(path: str, body: bytes, headers: dict[str, str], request_id: st
         if "n" in data:
             n = _int_field(data, "n", nullable=path == CHAT)
             if n is not None:
-                choices = _fan_out(n, "n")
+                choices = fan = _fan_out(n, "n")
         if "best_of" in data:       # vLLM's ``best_of: Optional[int]``, on chat as on completions
             best_of = _int_field(data, "best_of")
             if best_of is not None:
-                _fan_out(best_of, "best_of")
+                fan = max(fan, _fan_out(best_of, "best_of"))
         seed = data.get("seed")
         if seed is not None and not (type(seed) is int and -_I64 <= seed < _I64):
             _check_seed(seed)
@@ -753,9 +758,10 @@ def _parse_named(path: str, body: bytes, headers: dict[str, str], request_id: st
         prompt_text, exact_tokens = _completion_prompt(data)
         prompt = data.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            choices *= len(prompt)      # a batch of prompts: n choices each
+            prompts = len(prompt)       # a batch of prompts: n choices each
         elif prompt is None and isinstance(data.get("prompt_embeds"), list):
-            choices *= len(data["prompt_embeds"])     # a batch of prompt embeddings, likewise
+            prompts = len(data["prompt_embeds"])      # a batch of prompt embeddings, likewise
+        choices *= prompts
     else:
         prompt_text, exact_tokens = _embedding_input(data, media)
 
@@ -783,6 +789,8 @@ def _parse_named(path: str, body: bytes, headers: dict[str, str], request_id: st
         slo_ttft_ms=slo_ttft,
         slo_tpot_ms=slo_tpot,
         choices=choices,
+        fan=fan,
+        sequences=fan * prompts,
     )
 
 

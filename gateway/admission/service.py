@@ -509,14 +509,15 @@ class Admission:
 
 
 def expected_output(ireq: InferenceRequest) -> int:
-    """The output tokens a request is expected to produce: its limit when it names one, else as many
-    as its prompt (a rough guess, corrected once the answer's usage is known)."""
+    """The output tokens a request is expected to produce, for each sequence the engine generates
+    (``n`` choices, ``best_of``, each prompt of a completion's batch): its limit when it names one,
+    else as many as its prompt (a rough guess, corrected once the answer's usage is known)."""
     data = ireq.data
     for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
         v = data.get(key)
         if type(v) is int and v >= 0:
-            return v
-    return ireq.prompt_tokens_est
+            return v * ireq.sequences
+    return ireq.prompt_tokens_est * ireq.fan     # the batch's prompts together, each ``fan`` times
 
 
 def request_cost(ireq: InferenceRequest) -> float:
