@@ -374,17 +374,23 @@ class VllmApi:
                               headers: dict[str, str]) -> web.StreamResponse:
         """A stream of several choices, as vLLM sends it: each chunk carries one choice (its
         ``index``), the choices' chunks interleaved as their tokens come; a chat's role chunks
-        first, one per choice; each choice's last chunk carries its ``finish_reason``."""
+        first, one per choice; each choice's last chunk carries its ``finish_reason``. With
+        ``continuous_usage_stats`` each chunk's usage is its own choice's (vLLM's
+        ``previous_num_tokens[i]``); the final usage chunk sums them."""
         writer = SseWriter(request, charset="utf-8", headers=headers)
         seq = seqs[0]
         await slow_headers(self.engine, seq.fault)
         await writer.start()
         chat = req.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
+        continuous = req.include_usage and req.continuous_usage
 
         def chunk(choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
-            return {"id": seq.id, "object": obj, "created": seq.created, "model": seq.lora or self.cfg.served_name,
-                    "choices": [choice], **extra}
+            out = {"id": seq.id, "object": obj, "created": seq.created, "model": seq.lora or self.cfg.served_name,
+                   "choices": [choice], **extra}
+            if continuous:
+                out["usage"] = self._usage(seqs[choice["index"]], final=False)
+            return out
 
         came: asyncio.Queue[tuple[int, StepOutput | Dropped]] = asyncio.Queue()
 

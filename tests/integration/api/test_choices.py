@@ -14,7 +14,7 @@ from aiohttp import web
 
 from tests.support.factories import model_block
 from tests.support.fake_engine import fake_engine
-from tests.support.http import openai_client, sim_state
+from tests.support.http import openai_client, post, sim_state
 from tests.support.metrics import metric
 
 
@@ -204,3 +204,29 @@ async def test_a_fan_out_past_128_or_below_1_is_refused_before_routing(sims, gat
     for best_of in (1, None):       # null is "not set", to vLLM's Optional[int]
         got = await chat(model="m", messages=MSGS, max_tokens=1, extra_body={"best_of": best_of})
         assert len(got.choices) == 1
+
+
+async def test_a_broken_stream_of_several_choices_with_usage_on_every_chunk_counts_every_choice(sims, gateway):
+    """vLLM's (and SGLang's) usage on every chunk of a stream of several choices is that chunk's
+    choice's: a stream the engine breaks before its final usage is counted as every choice's last
+    usage together, not as the one choice whose chunk came last."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    payload = {"model": "m", "messages": MSGS, "max_tokens": 20, "n": 3, "stream": True, "ignore_eos": True,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with gw.gw.request_log.capture() as logs:
+        r = await post(gw.url, payload, {"x-sim-fault": "drop_after=4"})
+    assert r.status == 200
+    events = [orjson.loads(line[6:]) for line in r.body.decode().split("\n\n") if line.startswith("data: {")]
+    tokens = [0, 0, 0]
+    for e in events:
+        for c in e.get("choices") or ():
+            if c.get("delta", {}).get("content"):
+                tokens[c["index"]] += 1
+    assert not any(e.get("choices") == [] for e in events)     # no final usage came
+    last = {c["index"]: e["usage"] for e in events if e.get("usage") for c in e["choices"]}
+    assert sorted(last) == [0, 1, 2] and [last[i]["completion_tokens"] for i in range(3)] == tokens
+    line = next(e for e in logs if e["event"] == "request")
+    assert line["completion_tokens"] == sum(tokens) and line["prompt_tokens"] == last[0]["prompt_tokens"]
+    text = await gw.metrics_text()
+    assert metric(text, "switchyard_completion_tokens_total", model="m") == sum(tokens)
