@@ -477,7 +477,8 @@ class Relay:
             scanner = api.scanner(ctx)
         elif ctx.ireq is not None and ctx.ireq.choices > 1:     # a chat's or completion's, parsed
             # several choices, interleaved: choice 0's gaps alone; each choice's finish as it comes
-            scanner = ChoicesScanner(ctx.ireq.choices, strip_usage)
+            ireq = ctx.ireq         # n: the choices of each prompt (``fan`` times the prompts is ``sequences``)
+            scanner = ChoicesScanner(ireq.choices, strip_usage, ireq.choices * ireq.fan // ireq.sequences)
             rec.extra["finish_reasons"] = scanner.finish_reasons
         else:
             scanner = SSEScanner(strip_usage)

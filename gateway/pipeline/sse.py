@@ -552,6 +552,10 @@ class SSEScanner:
             return 0
         if not isinstance(obj, dict):
             return 0
+        return self._read(obj)
+
+    def _read(self, obj: dict) -> int:
+        """What a decoded event says: its usage, error and finish."""
         usage = obj.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
@@ -601,17 +605,30 @@ class ChoicesScanner(SSEScanner):
     by index, up to the last that finished (``None`` for an earlier one that did not): the list grows
     with the finishes that come, never to the count the request claims (a completion's batch times
     ``n`` may claim millions). A stream of one choice keeps the plain ``SSEScanner``: nothing here
-    runs for it."""
+    runs for it.
 
-    __slots__ = ("finish_reasons", "_choices", "_zero_at", "_zero", "_chunk")
+    Usage on every chunk (``continuous_usage_stats``) is, on vLLM and SGLang alike, the chunk's
+    choice's alone: its completion tokens, and its prompt's. Until the final usage chunk (no
+    choices) comes with the whole answer's, ``usage`` is every choice's last usage together: their
+    completion tokens added up, and each prompt of a batch counted once (choice ``i`` is of prompt
+    ``i // n``, as both engines number them), so a stream broken before its end is counted for all
+    its choices, not for the one whose chunk came last."""
 
-    def __init__(self, choices: int, strip_usage: bool = False) -> None:
+    __slots__ = ("finish_reasons", "_choices", "_zero_at", "_zero", "_chunk", "_n", "_whole", "_completions",
+                 "_prompts", "_completion", "_prompt", "_cached")
+
+    def __init__(self, choices: int, strip_usage: bool = False, n: int = 1) -> None:
         super().__init__(strip_usage)
         self.finish_reasons: list[str | None] = []
         self._choices = choices                 # the indexes a finish may name: 0 to this, excluded
         self._zero_at: float | None = None     # the last content of choice 0
         self._zero: bool | None = None         # this read carried content of choice 0 (None: not known yet)
         self._chunk = b""
+        self._n = max(1, n)                    # choices of each prompt
+        self._whole = False                    # the final usage came: the answer's, taken as it is
+        self._completions: dict[int, int] = {}              # choice → its completion tokens so far
+        self._prompts: dict[int, tuple[int, int]] = {}      # prompt → its prompt and cached tokens
+        self._completion = self._prompt = self._cached = 0  # their sums
 
     def feed(self, chunk: bytes, now: float) -> bytes:
         self._chunk = chunk
@@ -643,24 +660,46 @@ class ChoicesScanner(SSEScanner):
                 self.itl.append(now - last)
             self._zero_at = now
 
-    def _decode(self, p: bytes | bytearray) -> int:
-        first = self.finish_reason
-        flags = SSEScanner._decode(self, p)    # usage, error, and a finish of some choice
+    def _read(self, obj: dict) -> int:
+        first, whole = self.finish_reason, self.usage if self._whole else None
+        flags = SSEScanner._read(self, obj)    # usage, error, and a finish of some choice
         self.finish_reason = first
-        if _FINISH_RE.search(p) is None:
-            return flags
-        try:
-            choices = orjson.loads(p).get("choices")    # a finish: which choice's
-        except (ValueError, AttributeError):
+        if flags & _USAGE_ONLY:
+            self._whole = True
+        elif whole is not None:             # a choice's usage after the answer's: the answer's stands
+            self.usage = whole
+        choices = obj.get("choices")
+        if not isinstance(choices, list):
             return flags
         reasons = self.finish_reasons
-        for c in choices if isinstance(choices, list) else ():
+        for c in choices:
             if isinstance(c, dict):
                 fr, i = c.get("finish_reason"), c.get("index", 0)
-                if isinstance(fr, str) and fr and isinstance(i, int) and 0 <= i < self._choices:
+                if not (isinstance(i, int) and 0 <= i < self._choices):
+                    continue
+                if isinstance(fr, str) and fr:
                     if i >= len(reasons):
                         reasons.extend([None] * (i + 1 - len(reasons)))     # in place: the log line holds it
                     reasons[i] = fr
                     if i == 0:
                         self.finish_reason = fr
+                usage = obj.get("usage")
+                if isinstance(usage, dict) and not self._whole:
+                    self._choice_usage(i, usage)
         return flags
+
+    def _choice_usage(self, i: int, usage: dict) -> None:
+        """Choice ``i``'s usage so far, from a chunk of its own: ``usage`` becomes every choice's."""
+        prompt, completion, cached = usage_tokens(usage)
+        self._completion += completion - self._completions.get(i, 0)
+        self._completions[i] = completion
+        k = i // self._n
+        was_prompt, was_cached = self._prompts.get(k, (0, 0))
+        self._prompt += prompt - was_prompt
+        self._cached += cached - was_cached
+        self._prompts[k] = (prompt, cached)
+        together: dict = {"prompt_tokens": self._prompt, "completion_tokens": self._completion,
+                          "total_tokens": self._prompt + self._completion}
+        if self._cached:
+            together["prompt_tokens_details"] = {"cached_tokens": self._cached}
+        self.usage = together

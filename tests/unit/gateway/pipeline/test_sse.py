@@ -709,3 +709,28 @@ def test_choices_index_written_after_the_delta_is_read_from_the_json():
     s = ChoicesScanner(2)
     _feed(s, [late % 0, late % 1, late % 1, late % 0, late % 1, late % 0])
     assert s.itl == [3.0, 2.0]
+
+
+def _text_chunk(index: int, prompt: int, completion: int, cached: int = 0) -> bytes:
+    """A completion's chunk of choice ``index`` with its own usage on it (``continuous_usage_stats``)."""
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return b"data: " + orjson.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+                                     "choices": [{"index": index, "text": " w", "finish_reason": None}],
+                                     "usage": usage}) + b"\n\n"
+
+
+def test_choices_usage_on_every_chunk_is_every_choices_together_until_the_final_usage():
+    """A batch of two prompts (5 and 7 tokens, 4 of the second cached), two choices each: choices 0
+    and 1 are the first prompt's, 2 and 3 the second's. Each prompt counts once, each choice's
+    completion tokens as its last chunk says; the final usage chunk, when it comes, is taken as is."""
+    s = ChoicesScanner(4, n=2)
+    _feed(s, [_text_chunk(0, 5, 1), _text_chunk(2, 7, 1, 4), _text_chunk(1, 5, 1), _text_chunk(0, 5, 2),
+              _text_chunk(3, 7, 1, 4), _text_chunk(2, 7, 2, 4)])
+    assert usage_tokens(s.usage) == (12, 6, 4) and s.usage["total_tokens"] == 18
+    s = ChoicesScanner(4, n=2)
+    final = (b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[],'
+             b'"usage":{"prompt_tokens":12,"completion_tokens":9,"total_tokens":21}}\n\n')
+    _feed(s, [_text_chunk(0, 5, 1), final, _text_chunk(1, 5, 1), DONE])
+    assert usage_tokens(s.usage) == (12, 9, 0)
