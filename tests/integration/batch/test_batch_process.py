@@ -293,3 +293,45 @@ async def test_a_batch_dir_the_gateway_cannot_write_stops_its_start_with_one_lin
     assert "Traceback" not in text, text
     assert f"switchyard: batch.dir {tmp_path / 'batch'} cannot be used" in text and "Read-only file system" in text, text
     assert proc.returncode == 2, text
+
+
+@pytest.mark.timeout(120)
+async def test_no_line_starts_while_the_other_workers_admission_queue_holds_a_request(sims, tmp_path):
+    """With ``--workers 2`` the worker that runs the batch lines leaves the engine to interactive
+    requests while either worker's admission queue holds one of the model's, not only its own;
+    once the queue is empty the lines run."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(config_text(port, sim.url, str(tmp_path / "batch"), "max_concurrency: 2, endpoint_capacity: 8")
+                   + "admission: {enabled: true, max_in_flight_per_endpoint: 2, queue_timeout_s: 60}\n")
+    hold = {"model": "m", "messages": [{"role": "user", "content": "hold"}], "max_tokens": 3}
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+        sessions, held = [], []
+        try:
+            while True:         # the other worker's requests, until its queue holds one
+                s = await _session_on_worker(port, runs_batches=False)
+                sessions.append(s)
+                held.append(asyncio.create_task(s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=hold,
+                                                       headers={"x-sim-fault": "stall_before_first=inf"})))
+
+                async def settled() -> tuple[float] | None:
+                    queued = metric_total((await get_new(port, "/metrics"))[1], "switchyard_admission_queue_depth")
+                    return (queued,) if queued + len((await sim_state(sim.url))["running"]) == len(held) else None
+                if (await until(settled, timeout=20))[0]:
+                    break
+            c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+            f = await c.files.create(file=("in.jsonl", jsonl(rows(2))), purpose="batch")
+            b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+            await asyncio.sleep(1.0)        # twenty passes of the runner's dispatch
+            page = (await get_new(port, "/metrics"))[1]
+            assert metric_total(page, "switchyard_batch_lines_in_flight") == 0
+            assert metric_total(page, "switchyard_admission_queue_depth", priority="sheddable") == 0
+            assert not [r for r in (await sim_state(sim.url))["received"] if "batch_req_" in str(r)]
+        finally:
+            for t in held:
+                t.cancel()
+            for s in sessions:
+                await s.close()
+        done = await run_to_end(c, b.id)
+        assert done.status == "completed" and done.request_counts.completed == 2
