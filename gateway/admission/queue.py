@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from bisect import insort
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +75,9 @@ class FairQueue:
         # per class: user → tokens served (virtual)
         self.counters: list[OrderedDict[str, float]] = [OrderedDict() for _ in range(classes)]
         self._seq = 0
+        self._held = 0
+        # told when the queue fills (its first request) or empties (its last one left)
+        self.on_change: Callable[[], None] | None = None
 
     def __len__(self) -> int:
         return sum(self._counts)
@@ -126,6 +130,9 @@ class FairQueue:
         line.cost += w.cost
         self._counts[w.rank] += 1
         self.bytes += w.size
+        self._held += 1
+        if self._held == 1 and self.on_change is not None:
+            self.on_change()
 
     def _next_user(self, rank: int) -> str | None:
         lines = self._classes[rank]
@@ -166,6 +173,9 @@ class FairQueue:
             del lines[w.user]
         self._counts[w.rank] -= 1
         self.bytes -= w.size
+        self._held -= 1
+        if not self._held and self.on_change is not None:
+            self.on_change()
         return True
 
     def higher_waiting(self, rank: int) -> bool:

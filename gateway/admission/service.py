@@ -108,6 +108,9 @@ class Admission:
         self.workers = 1
         self.worker_index = 0
         self.slo_counts: dict[str, dict[str, dict[str, int]]] = {}     # model → objective → outcome → count
+        # told when a model's queue fills or empties (``queued``: which hold requests now); the shared
+        # view tells the siblings, whose batch runner leaves the model's engines to them meanwhile
+        self.on_queue_change: Callable[[], None] | None = None
         self.reconfigure(config)
         metrics.registry.register(_AdmissionState(self))
 
@@ -153,6 +156,7 @@ class Admission:
                     for r in range(len(PRIORITIES))]
                 mq = self._models.setdefault(model, ModelQueue(drain=DrainRate(s.drain_window_s)))
                 mq.drain.resize(s.drain_window_s)          # a reload may have changed it
+                mq.queue.on_change = self._queue_changed
             return s
 
     def tracked(self) -> list[str]:
@@ -302,6 +306,14 @@ class Admission:
         rank = RANK.get(ctx.rec.extra.get("priority", ""), RANK[s.default_priority])
         th, now = self._by_class[ctx.ireq.model][rank], self.clock()
         return [ep for ep in eps if not estimate(ep, th, now).saturated]
+
+    def _queue_changed(self) -> None:
+        if self.on_queue_change is not None:
+            self.on_queue_change()
+
+    def queued(self) -> list[str]:
+        """The models whose queue holds requests now."""
+        return [model for model, mq in self._models.items() if len(mq.queue)]
 
     def waiting(self, model: str) -> int:
         """Requests of ``model`` waiting in its queue now (the batch runner leaves room to them)."""

@@ -16,7 +16,8 @@ an interactive request never waits behind a batch line in the engine's queue. Pe
 
 An endpoint gives no room when its engine queues anything (interactive traffic is waiting), its
 KV-cache usage is at ``batch.max_kv_usage``, or its metrics are stale (a silent engine is not an
-idle one). A model gives no room while admission holds any of its requests in its queue. So the
+idle one). A model gives no room while admission holds any of its requests in its queue (with
+``--workers N``, any worker's: ``RoutingView.sibling_queued``). So the
 batch fills idle slots and stops taking new ones the moment interactive traffic needs them; the
 lines in flight end on their own (each is one request).
 

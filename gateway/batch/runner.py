@@ -495,7 +495,8 @@ class BatchRunner:
     def _room(self, model: str, now: float) -> int:
         """Lines ``model``'s engines take now: none while it cannot run one (no ready endpoint; for a
         model routed as pairs, no ready prefill/decode pair nor whole-request endpoint: its lines
-        wait for one), nor while interactive requests wait in its admission queue."""
+        wait for one), nor while interactive requests wait in its admission queue (this worker's or,
+        with ``--workers N``, a sibling's)."""
         cfg = self.cfg
         eps = self.pool.ready(model)
         pairs = self.pairs(model)

@@ -342,10 +342,20 @@ def _add_batch(app: web.Application, config: Config, s: Services, reloader: Relo
         except GatewayError:
             return False
 
+    admission, view = s.admission, s.view
+    waiting = admission.waiting
+    if view.bus is not None:
+        # --workers N: each worker tells the others the models its admission queue holds requests
+        # of, and the runner, in one of them, leaves those engines to them as to its own queue's
+        admission.on_queue_change, view.queued_source = view.told_queued, admission.queued
+
+        def waiting(model: str) -> int:
+            return admission.waiting(model) or view.sibling_queued(model)
+
     batch = BatchService(config.batch, s.tenancy, pool, s.metrics.registry,
                          engine_signals=lambda: reloader.live.config.scrape.enabled,
                          metrics_max_age=lambda: reloader.live.config.routing.metrics_max_age_s,
-                         admission_waiting=s.admission.waiting,
+                         admission_waiting=waiting,
                          # from the drain's start (the listener stays open through its delay)
                          draining=lambda: lifecycle.draining or app[NOT_READY_KEY].is_set(),
                          targets=targets, pairs=pairs)

@@ -77,7 +77,8 @@ class ViewMetrics:
                                "insertion; session; load: one sibling's in-flight counts; breaker: a sibling's ejection or "
                                "close adopted; tokens: a sibling's tokenized "
                                "prompt segment new to this worker; preempt: a batch line stopped for a sibling's "
-                               "interactive request; unknown_endpoint: "
+                               "interactive request; queued: a sibling's list of the models its admission queue holds requests "
+                               "of; unknown_endpoint: "
                                "naming an endpoint this process does not have, skipped)",
                                ["source", "kind"], registry=r)
         self.catch_ups = Counter("switchyard_view_catch_ups",

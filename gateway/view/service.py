@@ -42,7 +42,12 @@ own view, without telling anyone again:
   from other gateways' in the engine's counts (``EngineMetrics.gateway_in_flight``);
 * between workers, an interactive request routed to an endpoint with no free slot
   (``tell_preempt``): the worker that runs batches stops its newest batch line there
-  (``on_preempt``), as it does for its own requests (``gateway.batch``).
+  (``on_preempt``), as it does for its own requests (``gateway.batch``);
+* between workers, with batches on, the models whose requests wait in the worker's admission
+  queue (``told_queued`` → ``sibling_queued``), all of them, as one's queue fills or empties and
+  every ``view.heartbeat_s`` while any holds some: the worker that runs batches starts no line of
+  those, as for its own queue (dropped after ``view.peer_ttl_s`` of silence or at the sender's
+  restart).
 
 Catching up, between workers: a count heals with the next batch, an insertion or a session is sent
 once. So a worker that starts (a restart after a crash or a stalled loop) asks its siblings for
@@ -249,6 +254,13 @@ class RoutingView:
         self._sent_busy: dict[str, list[str]] = {}
         self._sent_busy_at = 0.0
         self._sibling_busy: dict[str, tuple[int, dict[str, list[str]], float]] = {}   # sibling → (run, busy, heard at)
+        # the models this worker's admission queue holds requests of (``told_queued``): read from
+        # ``queued_source`` as they change, as last sent, and its siblings'
+        self.queued_source: Callable[[], list[str]] | None = None
+        self._queued_changed = False
+        self._sent_queued: list[str] = []
+        self._sent_queued_at = 0.0
+        self._sibling_queued: dict[str, tuple[int, list[str], float]] = {}   # sibling → (run, models, heard at)
         self._flushed_at = -1e9              # loop time of the last message to the siblings
         self._tick_at: asyncio.Handle | None = None
         self._tick_when = 0.0       # when ``_tick_at`` fires (uvloop's handle for a delay under half a
@@ -430,6 +442,21 @@ class RoutingView:
                 busy.pop(self._key(ep), None)
         self._busy_changed = set()
         return busy
+
+    def told_queued(self) -> None:
+        """A model's admission queue in this worker filled or emptied: the siblings learn every model
+        it holds requests of at the end of this turn (not held: the batch runner reads it before
+        it starts a line), and every ``heartbeat_s`` while any."""
+        if self.bus is not None and self.queued_source is not None:
+            self._queued_changed = True
+            self._soon()
+
+    def sibling_queued(self, model: str) -> bool:
+        """Whether a sibling, heard within ``peer_ttl_s``, holds requests of ``model`` in its admission queue."""
+        if not self._sibling_queued:
+            return False
+        cut = time.monotonic() - self.cfg.peer_ttl_s
+        return any(heard >= cut and model in models for _, models, heard in self._sibling_queued.values())
 
     def tell_preempt(self, ep: Endpoint) -> None:
         """An interactive request was routed to ``ep`` with no free slot: the siblings learn it at
@@ -680,12 +707,24 @@ class RoutingView:
                     busy, self._sent_busy, self._sent_busy_at = snap, snap, now
                     if snap:
                         self._arm(self.cfg.heartbeat_s)      # said again until nothing is in flight
+        queued = None
+        if (self._queued_changed or self._sent_queued) and self.queued_source is not None:
+            now = time.monotonic()
+            due = bool(self._sent_queued) and now - self._sent_queued_at >= self.cfg.heartbeat_s - 0.01
+            if self._queued_changed or due:
+                self._queued_changed = False
+                snap = sorted(self.queued_source())
+                if due or snap != self._sent_queued:
+                    queued, self._sent_queued, self._sent_queued_at = snap, snap, now
+                    if snap:
+                        self._arm(self.cfg.heartbeat_s)      # said again until no queue holds any
         bus = self.bus
         if bus is not None and (inserts or sessions or tokens or ejects or probes or scrapes or served or preempt
-                                or lora_loads or load is not None or busy is not None or (heartbeat and self._owe)):
+                                or lora_loads or load is not None or busy is not None or queued is not None
+                                or (heartbeat and self._owe)):
             payloads, self._seq = encode_numbered(self.sender, time.time(), inserts, sessions, load,
                                                   self.cfg.max_datagram_bytes, tokens, ejects, probes, scrapes, served,
-                                                  preempt, self.run, self._seq, busy, lora_loads)
+                                                  preempt, self.run, self._seq, busy, lora_loads, queued)
             self.m.gm.child(self.m.sent, "worker").inc(bus.send(payloads))
             if bus.refused:
                 # a sibling missed facts, or the number that tells it so: say it again on the heartbeat
@@ -734,7 +773,7 @@ class RoutingView:
         except Exception:     # never let the ticker die: the siblings would see this one go silent
             log.exception("shared routing view: tick failed")
         if (self.bus_load and (self._sent_load or self._peers)) or self._owe or self._sent_busy or self._sibling_busy \
-                or self._loading:
+                or self._loading or self._sent_queued or self._sibling_queued:
             self._arm(self.cfg.heartbeat_s)
 
     # -- applying ------------------------------------------------------------------------------
@@ -775,6 +814,9 @@ class RoutingView:
             held = self._sibling_busy.get(batch.sender) if self._sibling_busy else None
             if held is not None and held[0] != batch.run:      # the sibling restarted: nothing in flight of before
                 del self._sibling_busy[batch.sender]
+            was = self._sibling_queued.get(batch.sender) if self._sibling_queued else None
+            if was is not None and was[0] != batch.run:        # nor anything queued
+                del self._sibling_queued[batch.sender]
             if self._lora is not None and self.share_monitoring:
                 self._lora.sibling_run(batch.sender, batch.run)    # nor any load under way
         unknown = stale = expired = 0
@@ -867,6 +909,14 @@ class RoutingView:
             else:
                 self._sibling_busy.pop(batch.sender, None)
             m.gm.child(m.applied, source, "busy").inc()
+        if batch.queued is not None and source == "worker":
+            if batch.queued:
+                self._sibling_queued[batch.sender] = (batch.run, batch.queued, time.monotonic())
+                if self._tick_at is None:          # held marks expire if their sender goes silent
+                    self._arm(self.cfg.heartbeat_s)
+            else:
+                self._sibling_queued.pop(batch.sender, None)
+            m.gm.child(m.applied, source, "queued").inc()
         if batch.loads and self.share_monitoring and self._lora is not None and source == "worker":
             n = 0
             for f in batch.loads:
@@ -1120,6 +1170,9 @@ class RoutingView:
         if self._sibling_busy:
             for s in [s for s, (_, _, heard) in self._sibling_busy.items() if heard < cut]:
                 del self._sibling_busy[s]
+        if self._sibling_queued:
+            for s in [s for s, (_, _, heard) in self._sibling_queued.items() if heard < cut]:
+                del self._sibling_queued[s]
         if not self._peers:
             return
         silent = [s for s, (_, heard) in self._peers.items() if heard < cut]

@@ -41,6 +41,10 @@ discovery alike):
   short). A sibling that needs the adapter while the load is under way waits for its end rather
   than loading it too. ``at`` is on ``time.monotonic``, the same clock in every worker. Sent at the
   end of the loop turn (not held by ``view.flush_delay_s``), in the first batch. The local bus only;
+* ``queued``: the models the sender's admission queue holds requests of, all of them (absolute, as
+  ``load``), sent when one's queue fills or empties and with every ``view.heartbeat_s`` while any
+  holds some; the worker that runs batches starts no line of those (``gateway.batch``). The local
+  bus only;
 * ``run`` and ``seq`` (the local bus): the sender's process (a random number, new at each start) and
   how many batches with insertions, sessions or breakers' ejections and closes it has sent so far,
   this one included. A sibling that sees the count jump missed some (its queue was full: stopped,
@@ -142,6 +146,9 @@ class Batch(msgspec.Struct, array_like=True):
     # (absolute: the next one heals a lost one); None: not in this batch, {}: none anywhere
     busy: dict[str, list[str]] | None = None
     loads: list[LoraLoad] = []           # LoRA adapter loads' outcomes (a few, small: in the first batch)
+    # the models the sender's admission queue holds requests of, all of them (absolute); None: not in
+    # this batch, []: none
+    queued: list[str] | None = None
 
 
 class ViewSnapshot(msgspec.Struct, array_like=True):
@@ -245,11 +252,12 @@ def encode(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequen
            load: dict[str, int] | None, max_bytes: int, tokens: Sequence[Tokens] = (),
            breakers: Sequence[Eject] = (), probes: Sequence[Probe] = (),
            scrapes: Sequence[Scrape] = (), served: Sequence[Served] = (), preempt: Sequence[str] = (),
-           busy: dict[str, list[str]] | None = None, loads: Sequence[LoraLoad] = ()) -> list[bytes]:
+           busy: dict[str, list[str]] | None = None, loads: Sequence[LoraLoad] = (),
+           queued: list[str] | None = None) -> list[bytes]:
     """The batches (encoded) that carry these facts, each within ``max_bytes`` unless a single
     fact is larger (it then travels alone; the bus counts it dropped if the socket refuses it)."""
     return encode_numbered(sender, sent, inserts, sessions, load, max_bytes, tokens, breakers, probes, scrapes,
-                           served, preempt, busy=busy, loads=loads)[0]
+                           served, preempt, busy=busy, loads=loads, queued=queued)[0]
 
 
 def encode_numbered(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequence[Session],
@@ -257,13 +265,14 @@ def encode_numbered(sender: str, sent: float, inserts: Sequence[Insert], session
                     breakers: Sequence[Eject] = (), probes: Sequence[Probe] = (),
                     scrapes: Sequence[Scrape] = (), served: Sequence[Served] = (), preempt: Sequence[str] = (),
                     run: int = 0, seq: int = 0, busy: dict[str, list[str]] | None = None,
-                    loads: Sequence[LoraLoad] = ()) -> tuple[list[bytes], int]:
+                    loads: Sequence[LoraLoad] = (), queued: list[str] | None = None) -> tuple[list[bytes], int]:
     """``encode``, each batch carrying ``run`` and its number (``seq``, counting the batches with
     insertions, sessions or breakers' ejections and closes; with ``run`` 0 nothing is numbered);
     returns the batches and the last
-    number given. ``load``, ``busy``, ``breakers``, ``preempt`` and ``loads`` ride in the first."""
+    number given. ``load``, ``busy``, ``breakers``, ``preempt``, ``loads`` and ``queued`` ride in the first."""
     budget = max_bytes - 64 - len(sender) - (sum(len(k) + 10 for k in load) if load else 0) \
-        - (sum(len(k) + 8 + sum(len(a) + 4 for a in v) for k, v in busy.items()) if busy else 0)
+        - (sum(len(k) + 8 + sum(len(a) + 4 for a in v) for k, v in busy.items()) if busy else 0) \
+        - (sum(len(m) + 4 for m in queued) if queued else 0)
     out: list[bytes] = []
     lists: dict[type, list] = {Insert: [], Session: [], Tokens: [], Probe: [], Scrape: [], Served: []}
     used = 64 * len(breakers) + sum(len(k) + 8 for k in preempt) \
@@ -275,18 +284,19 @@ def encode_numbered(sender: str, sent: float, inserts: Sequence[Insert], session
             seq += 1
         return _encoder.encode(Batch(sender, sent, lists[Insert], lists[Session], load, lists[Tokens],
                                      list(breakers), lists[Probe], lists[Scrape], lists[Served], list(preempt),
-                                     run, seq, busy, list(loads)))
+                                     run, seq, busy, list(loads), queued))
 
     for fact in (*inserts, *sessions, *tokens, *probes, *scrapes, *served):
         n = _size(fact)
         if used + n > budget and (breakers or preempt or loads or any(lists.values())):
             out.append(batch())
-            load = busy = None
+            load = busy = queued = None
             lists = {Insert: [], Session: [], Tokens: [], Probe: [], Scrape: [], Served: []}
             breakers = preempt = loads = ()
             used = 0
         lists[fact.__class__].append(fact)
         used += n
-    if any(lists.values()) or breakers or preempt or loads or load is not None or busy is not None or not out:
+    if any(lists.values()) or breakers or preempt or loads or load is not None or busy is not None \
+            or queued is not None or not out:
         out.append(batch())
     return out, seq

@@ -116,7 +116,7 @@ def test_adapters_in_flight_travel_once_in_the_first_batch_and_a_batch_of_either
     assert decode(none).busy == {}
     # a sibling of the version before (no busy, nor what came after) and one of a later version (a field more) both decode
     enc = msgspec.msgpack.Encoder()
-    older = msgspec.msgpack.decode(out[0])[:-2]
+    older = msgspec.msgpack.decode(out[0])[:-3]
     assert decode(enc.encode(older)).busy is None and decode(enc.encode(older)).inserts == decode(out[0]).inserts
     newer = [*msgspec.msgpack.decode(out[0]), {"unknown": 1}]
     assert decode(enc.encode(newer)).busy == busy
@@ -134,9 +134,26 @@ def test_adapter_load_outcomes_travel_once_in_the_first_batch_and_a_batch_of_eit
     assert [b.loads for b in map(decode, out)] == [loads] + [[]] * (len(out) - 1)
     (alone,) = encode("g/1", 1.0, [], [], None, 4096, loads=loads)
     assert decode(alone).loads == loads and decode(alone).loads[1].message == "" and decode(alone).loads[1].at == 0.0
-    # a sibling of the version before (no loads) and one of a later version (a field more) both decode
+    # a sibling of the version before (no loads, nor what came after) and one of a later version (a field more) both decode
     enc = msgspec.msgpack.Encoder()
-    older = msgspec.msgpack.decode(out[0])[:-1]
+    older = msgspec.msgpack.decode(out[0])[:-2]
     assert decode(enc.encode(older)).loads == [] and decode(enc.encode(older)).inserts == decode(out[0]).inserts
     newer = [*msgspec.msgpack.decode(out[0]), {"unknown": 1}]
     assert decode(enc.encode(newer)).loads == loads
+
+
+def test_the_models_queued_travel_once_in_the_first_batch_and_a_batch_of_either_layout_decodes():
+    import msgspec
+
+    ins = [Insert(f"m|http://a:{i}", list(range(i * 100, i * 100 + 100))) for i in range(20)]
+    out = encode("g/1", 1.0, ins, [], None, 4096, queued=["m", "n"])
+    assert len(out) > 1 and all(len(p) <= 4096 for p in out)
+    assert [b.queued for b in map(decode, out)] == [["m", "n"]] + [None] * (len(out) - 1)
+    (none,) = encode("g/1", 1.0, [], [], None, 4096, queued=[])
+    assert decode(none).queued == []
+    # a sibling of the version before (no queued) and one of a later version (a field more) both decode
+    enc = msgspec.msgpack.Encoder()
+    older = msgspec.msgpack.decode(out[0])[:-1]
+    assert decode(enc.encode(older)).queued is None and decode(enc.encode(older)).inserts == decode(out[0]).inserts
+    newer = [*msgspec.msgpack.decode(out[0]), {"unknown": 1}]
+    assert decode(enc.encode(newer)).queued == ["m", "n"]
