@@ -314,3 +314,24 @@ async def test_the_openai_sdk_reuses_its_connection_across_plain_and_streaming_r
         finally:
             await client.close()
         assert gw.samples().get("switchyard_client_protocol_errors_total{status=400}", 0) == 0
+
+
+@on_both_loops
+async def test_empty_lines_between_requests_are_no_next_request_and_start_no_head_clock():
+    """RFC 9112 §2.2: a server SHOULD ignore an empty line (CRLF) received before a request line;
+    some clients send one after a POST's body. It is not the head of a next request: the kept-alive
+    connection is idle after the answer, gets no 408 when the head clock would have passed, and
+    serves the next request. Sent with the body or after the answer, on the fast lane and on
+    aiohttp's path (a query string)."""
+    async with edge_gateway(keepalive_timeout_s=30.0, header_timeout_s=0.2) as gw:
+        runs = []
+        for target in (CHAT, CHAT + "?x=1"):
+            first = request("POST", target, BODY)
+            last = request("POST", target, BODY, close=True)
+            runs.append(exchange(gw.port, first + b"\r\n", last, pause=0.7))
+            runs.append(exchange(gw.port, first, b"\r\n\r\n", last, pause=0.7))
+        for ex in await asyncio.gather(*runs):
+            assert [r.status for r in ex.responses] == [200, 200], [r.body[:200] for r in ex.responses]
+            assert ex.closed and not ex.trailing
+        assert gw.timeouts("header") == 0
+        assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
