@@ -6,7 +6,8 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
 - **Slow clients.** One lazily re-armed timer per connection (a deadline field plus at most one
   ``call_at`` handle, the way aiohttp's own keep-alive timer works) covers the phases of a
   connection: the request head (``header_timeout_s``, from accept, or from the first byte of the
-  next request on a kept-alive connection), the idle kept-alive connection
+  next request on a kept-alive connection; the empty lines a client may send before a request
+  line, RFC 9112 §2.2, are no byte of one), the idle kept-alive connection
   (``keepalive_timeout_s``), and the body (``body_timeout_s`` between reads,
   ``body_total_timeout_s`` in all). A head or body that times out gets a 408 in OpenAI shape
   (Anthropic's on the Messages paths) when the client can still read one (nothing of a response went out yet), then the connection
@@ -127,6 +128,9 @@ _IDLE = 1      # kept-alive, no byte of a next request yet
 _READY = 2     # a complete head is queued, the handler is about to start
 _BODY = 3      # the handler runs and the body is still arriving
 _BUSY = 4      # the handler runs, the body is complete: only the write-stall clock applies
+
+# CR and LF, the bytes of the empty lines a server ignores before a request line (RFC 9112 §2.2)
+_EMPTY_LINE = b"\r\n"
 
 # how many first bytes of a request head the edge keeps (``_e_line``): enough for the method and a
 # Messages path, to answer a head that does not parse in its API's shape, in absolute form too (a
@@ -438,10 +442,24 @@ class EdgeProtocol(web.RequestHandler):
             self._lane_more(data)
             return
         if self._lane is not None:      # a lane request runs: its successor waits its turn
+            if not self._lane_held:
+                data = data.lstrip(b"\r\n")     # empty lines after a body are no next request (RFC 9112 §2.2)
+                if not data:
+                    return
             self._e_pipelined = True
             self._lane_held.append(data)
             if sum(map(len, self._lane_held)) > lane.HOLD_BYTES and self.transport is not None:
                 self.transport.pause_reading()
+            return
+        if (phase == _IDLE or (phase == _HEAD and not self._e_rx_head)) and data[0] in _EMPTY_LINE \
+                and not data.strip(b"\r\n"):
+            # RFC 9112 §2.2: empty lines before a request line are ignored, and no byte of a head:
+            # the connection is as idle as it was. The parser reads them (it skips them, or they
+            # end a line of a head it holds part of)
+            parsed = self._e_parsed
+            super().data_received(data)
+            if self._e_parsed != parsed:
+                self._e_phase = _READY
             return
         if phase == _IDLE:              # first byte of the next request
             if self._lane_server is not None and self._lane_take(data):
@@ -477,6 +495,9 @@ class EdgeProtocol(web.RequestHandler):
                 self._e_body_done()
             return
         if phase == _BUSY:
+            if not self._e_pipelined and not data.strip(b"\r\n"):
+                super().data_received(data)     # empty lines the parser skips: no next request yet
+                return
             self._e_pipelined = True
         if len(self._e_line) < _LINE_KEEP:         # the head of a next request
             self._e_line += data[:_LINE_KEEP]
@@ -501,8 +522,10 @@ class EdgeProtocol(web.RequestHandler):
             self._lane_wait(got, lim)
         else:                                   # a Split: what follows waits its turn, as if it came meanwhile
             self._lane_start(got.first)
-            self._e_pipelined = True
-            self._lane_held.append(got.rest)
+            rest = got.rest.lstrip(b"\r\n")    # empty lines after a body are no next request (RFC 9112 §2.2)
+            if rest:
+                self._e_pipelined = True
+                self._lane_held.append(rest)
         return True
 
     def _lane_open(self, begun: bool) -> bool:
