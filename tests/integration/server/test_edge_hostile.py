@@ -41,6 +41,10 @@ CASES = [
     ("te_obfuscated", [H + b"Transfer-Encoding: xchunked\r\n\r\n" + chunked(BODY)], 400, 0),
     ("te_not_last", [H + b"Transfer-Encoding: chunked, identity\r\n\r\n" + chunked(BODY)], 400, 0),
     ("te_space_before_colon", [H + b"Transfer-Encoding : chunked\r\n\r\n" + chunked(BODY)], 400, 0),
+    # a transfer coding before chunked that the gateway does not apply (RFC 9112 §6.1: 501): never
+    # served as if the body had none of it
+    ("te_gzip_chunked", [H + b"Transfer-Encoding: gzip, chunked\r\n\r\n" + chunked(gzip.compress(BODY))], 501, 0),
+    ("te_unknown_chunked", [H + b"Transfer-Encoding: x-foo, chunked\r\n\r\n" + chunked(BODY)], 501, 0),
     ("double_content_length", [H + b"Content-Length: %d\r\nContent-Length: 5\r\n\r\n" % len(BODY) + BODY], 400, 0),
     ("double_content_length_equal",
      [H + b"Content-Length: %d\r\nContent-Length: %d\r\n\r\n" % (len(BODY), len(BODY)) + BODY], 400, 0),
