@@ -42,8 +42,8 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   sends (up to 10 s, or the body clock) goes on behind it, so the close does not reset the
   connection under an answer not yet read.
 - **The request log.** Every answer the edge writes itself (those above, the 408s, and the
-  refusals of ``EdgeServer``'s handler: a version, ``CONNECT``, a ``Content-Length``, a coding, an
-  ``Expect``) has a request log line (``log_edge_answer``, the shape of every request line), its
+  refusals of ``EdgeServer``'s handler: a version, ``CONNECT``, a ``Content-Length``, a transfer
+  coding, a coding, an ``Expect``) has a request log line (``log_edge_answer``, the shape of every request line), its
   method and path as far as the edge read them, its duration from the head's start
   (``e_head_started``: the start of the head clock the edge runs anyway). A 408 or 400 for a body
   the pipeline was reading is left to the pipeline's line, which says that answer
@@ -1053,9 +1053,10 @@ class EdgeProtocol(web.RequestHandler):
 
 
 def _closing_error(request: web.BaseRequest, status: int, message: str, code: str,
-                   headers: dict[str, str] | None = None, param: str | None = None) -> web.Response:
+                   headers: dict[str, str] | None = None, param: str | None = None,
+                   type_: str | None = None) -> web.Response:
     rid = request_id_from(request.headers.get("x-request-id"))
-    body = _shaped_body(request.path, status, message, _error_type(status), code, param,   # Anthropic's on its paths
+    body = _shaped_body(request.path, status, message, type_ or _error_type(status), code, param,   # Anthropic's on its paths
                         request.headers)
     resp = error_response(status, body, {"request-id": rid, "x-request-id": rid, **(headers or {})})
     resp.force_close()      # Connection: close; aiohttp reads and drops an unread body a little while first
@@ -1157,6 +1158,23 @@ def coding_refused(request: web.BaseRequest) -> web.Response | None:
             return None
     return _closing_error(request, 415, _coding_message(value), "unsupported_content_encoding",
                           {hdrs.ACCEPT_ENCODING: ACCEPT_ENCODING}, param="Content-Encoding")
+
+
+def transfer_coding_refused(request: web.BaseRequest) -> web.Response | None:
+    """RFC 9112 §6.1: a request in a transfer coding the server does not understand SHOULD get a
+    501. The HTTP parser frames a body whose ``Transfer-Encoding`` ends in ``chunked`` and applies no
+    other coding listed before it (``gzip, chunked``, ``x-foo, chunked``; two fields it refuses as
+    duplicates): such a body would be served as if it had none of them. The gateway decodes only
+    ``chunked`` (a compressed body is sent with ``Content-Encoding``); shaped as every error, the
+    connection closed after it (the body is not read). None: ``chunked`` alone, in any case (the
+    parser refuses every other framing)."""
+    value = ", ".join(request.headers.getall(hdrs.TRANSFER_ENCODING))
+    if all(c.strip().lower() == "chunked" for c in value.split(",")):
+        return None
+    return _closing_error(request, 501, f"the request's Transfer-Encoding {safe_header_value(value)[:64]!r} has a "
+                          "transfer coding the gateway does not implement: only chunked is (a compressed body "
+                          "is sent with Content-Encoding)", "unsupported_transfer_encoding",
+                          param="Transfer-Encoding", type_="invalid_request_error")    # the client's doing
 
 
 class XGzipBody(StreamReader):
@@ -1455,6 +1473,11 @@ class EdgeServer(web.Server):
                     return refused(request, body_too_large(request, max_body))
                 if length > max_upload:
                     return refused(request, file_too_large(request, edge.limits.upload_file_bytes))
+            if hdrs.TRANSFER_ENCODING in request.headers:
+                coding = transfer_coding_refused(request)   # one before chunked, which the parser ignores
+                if coding is not None:
+                    edge.metrics.protocol_errors.labels("501").inc()
+                    return refused(request, coding)
             if hdrs.CONTENT_ENCODING in request.headers and request.body_exists:
                 coding = coding_refused(request)        # one the parser did not decode
                 if coding is not None:
