@@ -180,6 +180,30 @@ async def test_pipelined_requests_are_answered_in_order():
 
 
 @on_both_loops
+async def test_requests_before_a_broken_one_in_the_same_read_are_answered_off_the_fast_lane_too():
+    """Requests the HTTP parser reads (a GET, an inference path with a query string, which the
+    fast lane leaves to it) followed in the same write by a broken one: each is answered, then the
+    broken one gets its 400 and the connection ends; nothing behind it runs. The client never reads
+    the broken request's answer as its first request's."""
+    chat_q = CHAT + "?x=1"
+    smuggling = H + b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + SMUGGLED
+    async with edge_gateway(**SERVER) as gw:
+        exchanges = await asyncio.gather(
+            exchange(gw.port, request("GET", "/health") + b"NOT HTTP AT ALL\r\n\r\n"),
+            exchange(gw.port, request("GET", "/health") + request("GET", "/v1/models") + smuggling),
+            exchange(gw.port, request("POST", chat_q, BODY) + smuggling),
+            exchange(gw.port, request("POST", chat_q, BODY) + b"GARBAGE-AFTER-THE-BODY"))
+        want = [[200, 400], [200, 200, 400], [200, 400], [200, 400]]
+        assert [[r.status for r in ex.responses] for ex in exchanges] == want, \
+            [[r.body[:120] for r in ex.responses] for ex in exchanges]
+        for ex in exchanges:
+            assert ex.closed and not ex.trailing
+            assert_openai_error(ex.responses[-1], 400)
+        got = await gw.received()
+        assert [r["path"] for r in got] == [CHAT, CHAT] and all(r["json_object"] for r in got)
+
+
+@on_both_loops
 async def test_pipelined_request_behind_a_broken_one_is_never_run():
     async with edge_gateway(**SERVER) as gw:
         ex = await exchange(gw.port, H + b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}" + SMUGGLED)
