@@ -62,7 +62,8 @@ documented-in-source override points). Semi-private, and pinned by tests in
 runner's factory of its ``Server``), ``Server._kwargs`` (the handler keyword arguments the runner
 collected), ``RequestHandler._request_count`` (requests parsed on this connection),
 ``web_protocol.ERROR`` (the message of the request aiohttp hands ``handle_error`` for a head it
-could not parse), and for a body in ``x-gzip`` (``XGzipBody``) ``BaseRequest._payload`` with its
+could not parse), ``web_protocol._ErrInfo`` and ``RequestHandler._messages`` (a refused read, as
+queued after the requests before it: ``_e_feed``), and for a body in ``x-gzip`` (``XGzipBody``) ``BaseRequest._payload`` with its
 reified ``content``, ``StreamReader._wait`` and ``_protocol`` (the connection a body that does not
 decode is answered on) and the parser's ``DeflateBuffer``.
 """
@@ -92,6 +93,7 @@ from aiohttp.http_exceptions import (
 from aiohttp.http_parser import DeflateBuffer
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import ERROR as _UNPARSED
+from aiohttp.web_protocol import _ErrInfo
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -128,6 +130,9 @@ _IDLE = 1      # kept-alive, no byte of a next request yet
 _READY = 2     # a complete head is queued, the handler is about to start
 _BODY = 3      # the handler runs and the body is still arriving
 _BUSY = 4      # the handler runs, the body is complete: only the write-stall clock applies
+
+# a request head's Content-Length and Transfer-Encoding fields, which tell where its body ends (``_e_feed``)
+_FRAMING = re.compile(rb"\r\n(content-length|transfer-encoding)[ \t]*:[ \t]*([^\r\n]*?)[ \t]*(?=\r\n)", re.I)
 
 # CR and LF, the bytes of the empty lines a server ignores before a request line (RFC 9112 §2.2)
 _EMPTY_LINE = b"\r\n"
@@ -473,7 +478,7 @@ class EdgeProtocol(web.RequestHandler):
                 self._e_line += data[:_LINE_KEEP]
             self._e_rx_head = True
             parsed = self._e_parsed
-            super().data_received(data)
+            self._e_feed(data)
             if self._e_parsed != parsed:
                 self._e_phase = _READY      # the handler starts on the next loop iteration
             return
@@ -501,7 +506,36 @@ class EdgeProtocol(web.RequestHandler):
             self._e_pipelined = True
         if len(self._e_line) < _LINE_KEEP:         # the head of a next request
             self._e_line += data[:_LINE_KEEP]
-        super().data_received(data)
+        self._e_feed(data)
+
+    def _e_feed(self, data: bytes) -> None:
+        """``data`` to aiohttp's parser, a request at a time where a request's end is told by its
+        head (no body, or one ``Content-Length``) and more bytes follow it. The parser, given a read
+        whose later part it refuses, drops the requests it parsed before in that read and answers
+        the first of them with the refusal; fed apart, each of them is queued before the refusal
+        (which ends the connection) and answered, as the fast lane answers its own (gateway/server/lane.py).
+        Where the parser's reading is cut makes no difference to what it reads: a request the edge
+        cannot tell the end of (chunked), or bytes that are not a request's start, go on in one piece."""
+        pos, size = 0, len(data)
+        while True:
+            end = data.find(b"\r\n\r\n", pos)
+            if end < 0 or end + 4 >= size:
+                break
+            framing = _FRAMING.findall(data, pos, end + 2)
+            stop = end + 4
+            if framing:
+                if len(framing) != 1 or framing[0][0].lower() != b"content-length" or not framing[0][1].isdigit() \
+                        or len(framing[0][1]) > 18:     # (a length past int64 is refused: left whole)
+                    break
+                stop += int(framing[0][1])
+            if stop >= size:
+                break
+            super().data_received(data[pos:stop])
+            pos = stop
+            messages = self._messages
+            if messages and messages[-1][0].__class__ is _ErrInfo:
+                return                  # refused: what follows is never read (the connection ends)
+        super().data_received(data[pos:] if pos else data)
 
     # -- the fast lane (gateway/server/lane.py) ----------------------------------------------
 
@@ -595,7 +629,7 @@ class EdgeProtocol(web.RequestHandler):
         self._e_rx_head = True
         self._e_line = bytes(pending.data[:_LINE_KEEP])
         parsed = self._e_parsed
-        super().data_received(bytes(pending.data))
+        self._e_feed(bytes(pending.data))
         if self._e_parsed != parsed:
             self._e_phase = _READY
 

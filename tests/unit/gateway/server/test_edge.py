@@ -115,6 +115,11 @@ def test_aiohttp_request_handler_hooks_exist():
     # a payload error after the handler: aiohttp marks the body so, which the edge must tell
     # apart from a broken body (tests/integration/server/test_edge_slow.py has the behaviour)
     assert "payload.set_exception(_PAYLOAD_ACCESS_ERROR)" in inspect.getsource(rh.start)
+    # a read the parser refuses is queued as an _ErrInfo, after the requests parsed before it in
+    # earlier reads (the edge feeds the parser a request at a time, and stops after a refusal)
+    received = inspect.getsource(rh.data_received)
+    assert "messages = [\n                    (_ErrInfo(status=400" in received
+    assert "self._messages.append((msg, payload))" in received
 
 
 def test_aiohttp_request_stream_and_decoder_an_x_gzip_body_uses():
