@@ -323,13 +323,13 @@ async def test_empty_lines_between_requests_are_no_next_request_and_start_no_hea
     connection is idle after the answer, gets no 408 when the head clock would have passed, and
     serves the next request. Sent with the body or after the answer, on the fast lane and on
     aiohttp's path (a query string)."""
-    async with edge_gateway(keepalive_timeout_s=30.0, header_timeout_s=0.2) as gw:
+    async with edge_gateway(keepalive_timeout_s=30.0, header_timeout_s=0.1) as gw:
         runs = []
         for target in (CHAT, CHAT + "?x=1"):
             first = request("POST", target, BODY)
             last = request("POST", target, BODY, close=True)
-            runs.append(exchange(gw.port, first + b"\r\n", last, pause=0.7))
-            runs.append(exchange(gw.port, first, b"\r\n\r\n", last, pause=0.7))
+            runs.append(exchange(gw.port, first + b"\r\n", last, pause=0.4))
+            runs.append(exchange(gw.port, first, b"\r\n\r\n", last, pause=0.4))
         # and the line end that completes a head whose start came behind the request before it is
         # the head's, not an empty line to drop
         health = request("GET", "/health")
