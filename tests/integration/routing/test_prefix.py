@@ -97,3 +97,25 @@ async def test_a_restarted_engine_is_no_longer_a_match_for_the_cache_it_lost(sim
         finally:
             if restarted is not None:
                 await restarted.close()
+
+
+async def test_metadata_user_id_names_a_session_on_messages_only(sims, gateway):
+    """``metadata.user_id`` is the Anthropic clients' name for the conversation's user (Claude Code's
+    session): it names a session on Messages. On chat and Responses ``metadata`` is the caller's own
+    tags, so a tag called user_id pins nothing: those turns are neither kept nor counted."""
+    e, f = await sims("vllm", "m"), await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [e.url, f.url], strategy="prefix-cache")])
+    tags = {"user_id": "alice"}
+    async with aiohttp.ClientSession() as s:
+        for turn in range(2):
+            for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": f"hi {turn}"}],
+                                                         "max_tokens": 1}),
+                               ("/v1/responses", {"input": f"hi {turn}", "max_output_tokens": 1})):
+                async with s.post(gw.url + path, json={"model": "m", "metadata": tags, **body}) as r:
+                    assert r.status == 200, await r.text()
+        assert metric(await gw.metrics_text(), "switchyard_routing_session_total") == 0
+        for turn in range(3):
+            async with s.post(gw.url + "/v1/messages", json={"model": "m", "max_tokens": 1, "metadata": tags,
+                                                            "messages": [{"role": "user", "content": f"hi {turn}"}]}) as r:
+                assert r.status == 200, await r.text()
+    assert metric(await gw.metrics_text(), "switchyard_routing_session_total", model="m", outcome="kept") == 2
