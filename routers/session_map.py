@@ -17,7 +17,9 @@ A request's session (``session_of``), first found wins:
   answered (``r:<id>``; ids are unique, so not per model);
 * ``metadata.user_id`` (Anthropic Messages): Anthropic's SDKs and agents (Claude Code puts its
   session id there) name the conversation's end user with it; one user's turns reuse their own
-  context, and a user with many parallel conversations is spread by the load guards anyway.
+  context, and a user with many parallel conversations is spread by the load guards anyway. On the
+  other APIs ``metadata`` is the caller's own tags (OpenAI stores them with the answer), so a tag
+  named ``user_id`` there names no session.
 
 Bounds: at most ``max_entries`` entries, least recently recorded dropped first; an entry not
 recorded again for ``ttl_s`` is forgotten. Keys longer than ``MAX_KEY_CHARS`` are not sessions.
@@ -42,6 +44,7 @@ from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
 
 MAX_KEY_CHARS = 256
+MESSAGES = "/v1/messages"  # gateway.apis.paths.MESSAGES (routers import only endpoints and request)
 RESPONSE = "r:"          # the prefix of lineage keys: previous_response_id → the endpoint that answered
 
 # told of an entry to share: (key, endpoint, tag, the wall-clock time it is told at)
@@ -57,7 +60,7 @@ def session_of(req: InferenceRequest) -> str | None:
     prev = req.previous_response_id or data.get("previous_response_id")
     if prev.__class__ is str and prev:
         return RESPONSE + prev if len(prev) <= MAX_KEY_CHARS else None
-    meta = data.get("metadata")
+    meta = data.get("metadata") if req.path == MESSAGES else None
     if meta.__class__ is dict:
         uid = meta.get("user_id")
         if uid.__class__ is str and uid and len(uid) <= MAX_KEY_CHARS:

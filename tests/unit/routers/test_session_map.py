@@ -5,6 +5,7 @@ from __future__ import annotations
 from gateway.apis.paths import MESSAGES
 from gateway.apis.responses_request import RESPONSES
 from gateway.request import CHAT
+from routers import session_map
 from routers.prefix_cache import PrefixCacheRouter
 from routers.session_map import RESPONSE, SessionMap, session_of
 from tests.support.factories import Clock, endpoints, inference_request, router_ctx
@@ -17,6 +18,7 @@ def test_session_of_a_request():
     prev = inference_request()
     prev.data = {"previous_response_id": "resp_1"}
     assert session_of(prev) == RESPONSE + "resp_1"
+    assert session_map.MESSAGES == MESSAGES
     msg = inference_request(path=MESSAGES, data={"metadata": {"user_id": "user_abc_session_1"}})
     assert session_of(msg) == "m\0u:user_abc_session_1"
     for path in (CHAT, RESPONSES):        # there metadata is the caller's own tags
