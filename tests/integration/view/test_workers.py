@@ -409,3 +409,47 @@ async def test_one_ejection_counts_one_transition_whichever_workers_ejected_or_a
             assert metric_total(page, "switchyard_breaker_transitions_total", endpoint=sick_name,
                                 from_state="closed", to_state="open") == 1
             assert metric_total(page, "switchyard_breaker_state", endpoint=sick_name) == 1
+
+
+@pytest.mark.timeout(120)
+async def test_a_full_session_map_drops_the_same_least_recently_seen_session_in_both_workers(sims, tmp_path):
+    """With the session map full, the session a new one pushes out is the least recently seen by the
+    gateway, not by one worker: a session whose turns keep reaching one worker (its keep-alive
+    connection) stays in its sibling's copy too, and its next turn there is kept on its engine."""
+    engines = [await sims("vllm", "m") for _ in range(2)]
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config(port, [e.url for e in engines]).replace("prefix_block_chars: 64",
+                                                                       "prefix_block_chars: 64, session_max_entries: 8"))
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2), contextlib.AsyncExitStack() as stack:
+        conns: dict[int, aiohttp.ClientSession] = {}      # a keep-alive connection to each worker
+        while len(conns) < 2:
+            s = await stack.enter_async_context(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)))
+            async with s.get(f"http://127.0.0.1:{port}/status.json") as r:
+                conns.setdefault((await r.json())["gateway"]["pid"], s)
+        a, b = conns.values()
+
+        async def turn(s: aiohttp.ClientSession, key: str) -> str:
+            # shorter than one prefix block: only the session map can keep it on its engine
+            async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", headers={"x-session-key": key},
+                              json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}) as r:
+                assert r.status == 200, await r.text()
+                return r.headers["target-pod"]
+
+        async def total(name: str, **labels: str) -> float:
+            async with a.get(f"http://127.0.0.1:{port}/metrics") as r:
+                return metric_total(await r.text(), name, **labels)
+
+        home = await turn(a, "agent")
+        for i in range(6):
+            await turn(a, f"other-{i}")
+        assert await turn(a, "agent") == home               # seen again: the most recent of the 8
+        for i in range(6, 8):
+            await turn(a, f"other-{i}")                     # the 9th pushes out other-0, seen least recently
+        # every session worker a recorded has reached worker b (batches arrive in order)
+        async def applied() -> bool:
+            return await total("switchyard_view_facts_applied_total", source="worker", kind="session") >= 9
+        await until(applied, timeout=20, interval=0.05)
+        kept = await total("switchyard_routing_session_total", outcome="kept")
+        assert await turn(b, "agent") == home
+        assert await total("switchyard_routing_session_total", outcome="kept") == kept + 1
