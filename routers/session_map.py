@@ -25,8 +25,10 @@ Bounds: at most ``max_entries`` entries, least recently recorded dropped first; 
 recorded again for ``ttl_s`` is forgotten. Keys longer than ``MAX_KEY_CHARS`` are not sessions.
 
 Sharing: ``on_put`` (set by the gateway's shared view) is told of a new or changed entry, and of
-an unchanged one at most every quarter TTL (so the other processes' copies do not expire), with
-the wall-clock time it tells it at; ``apply`` records another process's entry without telling it
+an unchanged one at most every quarter TTL (so the other processes' copies do not expire) or once
+a quarter of ``max_entries`` entries have been recorded since it was last told (so a full map in
+the other processes, which orders it by when it was told, does not drop it first while it is in
+use here), with the wall-clock time it tells it at; ``apply`` records another process's entry without telling it
 again, unless this map told a later one of the key: two processes that record one session at once
 (an agent's parallel calls on two workers, two replicas while Redis was away) each hear the other's
 entry, and both keep the later (equal times: the larger URL), where each took the other's and the
@@ -69,14 +71,15 @@ def session_of(req: InferenceRequest) -> str | None:
 
 
 class _Entry:
-    __slots__ = ("ep", "tag", "touched", "published", "at")
+    __slots__ = ("ep", "tag", "touched", "published", "at", "told")
 
-    def __init__(self, ep: Endpoint, tag: str | None, now: float, at: float) -> None:
+    def __init__(self, ep: Endpoint, tag: str | None, now: float, at: float, told: int = 0) -> None:
         self.ep = ep
         self.tag = tag
         self.touched = now
         self.published = now
         self.at = at            # wall clock: when the process that recorded it told the others
+        self.told = told        # the map's ``recorded`` count when it was last told (or heard of)
 
 
 class SessionMap:
@@ -92,6 +95,7 @@ class SessionMap:
         self._d: OrderedDict[str, _Entry] = OrderedDict()
         self.on_put: PutListener | None = None
         self.evictions = 0
+        self.recorded = 0       # entries recorded, refreshes included: what moves others ahead of an entry
 
     def reconfigure(self, ttl_s: float, max_entries: int) -> None:
         """New bounds (a reload), applied at once: the least recently recorded entries over
@@ -133,16 +137,20 @@ class SessionMap:
         """Record a decision of this process; ``on_put`` is told when the others need to know."""
         now = self.clock()
         e = self._d.get(key)
+        self.recorded += 1
         if e is not None and e.ep is ep and e.tag == tag:
             e.touched = now
             self._d.move_to_end(key)
-            if now - e.published < self.ttl_s / 4:
+            # the others order their copy by when they were told: once many entries came after it
+            # there, a full map would drop it first, however often it is used here
+            if now - e.published < self.ttl_s / 4 and (self.recorded - 1 - e.told) * 4 < self.max_entries:
                 return
             e.published = now
+            e.told = self.recorded
             e.at = max(self.wall(), e.at + 1e-6)
         else:
             # after the entry it replaces, whatever the clocks of the processes that told it
-            e = _Entry(ep, tag, now, self.wall() if e is None else max(self.wall(), e.at + 1e-6))
+            e = _Entry(ep, tag, now, self.wall() if e is None else max(self.wall(), e.at + 1e-6), self.recorded)
             self._store(key, e)
         if self.on_put is not None:
             self.on_put(key, ep, tag, e.at)
@@ -159,7 +167,8 @@ class SessionMap:
                 return False
         elif e is not None and e.at > at:
             at = e.at
-        self._store(key, _Entry(ep, tag, self.clock(), at))
+        self.recorded += 1
+        self._store(key, _Entry(ep, tag, self.clock(), at, self.recorded))
         return True
 
     def forget(self, ep: Endpoint, before: float | None = None, lineage: bool = False) -> int:
@@ -206,7 +215,8 @@ class SessionMap:
         e = self._d.get(key)
         if (e is not None and e.touched >= touched) or self.clock() - touched > self.ttl_s:
             return False
-        entry = _Entry(ep, tag, touched, self.wall() - (self.clock() - touched))
+        self.recorded += 1
+        entry = _Entry(ep, tag, touched, self.wall() - (self.clock() - touched), self.recorded)
         entry.published = touched
         self._store(key, entry)
         return True

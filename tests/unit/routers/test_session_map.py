@@ -62,6 +62,23 @@ def test_only_new_changed_or_aging_entries_are_published_and_applied_ones_never(
     assert told == [("a", eps[0]), ("a", eps[1]), ("a", eps[1])]
 
 
+def test_an_entry_in_use_is_told_again_once_a_quarter_of_the_bound_came_after_it():
+    """The others order their copy by when they were told: an entry refreshed here, not told, would be
+    the first a full map there drops."""
+    eps = endpoints(2)
+    told = []
+    m = SessionMap(ttl_s=100, max_entries=8, clock=Clock())
+    m.on_put = lambda key, ep, tag, at: told.append(key)
+    m.put("a", eps[0])
+    m.apply("b", eps[1])
+    m.put("a", eps[0])                   # one entry since "a" was told: not yet
+    assert told == ["a"]
+    m.put("c", eps[1])
+    m.put("a", eps[0])                   # two (a quarter of 8) since: told again
+    m.put("a", eps[0])
+    assert told == ["a", "c", "a"]
+
+
 def test_of_two_entries_told_at_once_every_map_keeps_the_later_and_a_move_orders_after_what_it_moves():
     eps = endpoints(3)
     told = []
