@@ -634,6 +634,30 @@ async def test_an_engine_that_breaks_mid_event_ends_the_stream_with_error_and_re
 
 
 @pytest.mark.parametrize("state", ["engine", "gateway"])
+async def test_a_stream_failed_before_response_created_takes_no_id_the_client_chose(sims, gateway, state):
+    """The response the gateway fails before the engine announced one gets an id of the gateway's,
+    not one the client can choose (its x-request-id): a failed stream's record named after another
+    user's response would replace it, so that user's GET and follow-up found nothing."""
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    async with fake_engine(_cut_responses_engine, paths=("/v1/responses",)) as url:
+        gw = await gateway([model_block("m", "vllm", [sim.url]), model_block("cut", "vllm", [url])],
+                           responses={"state": state}, auth=KEYS)
+        alice, bob = openai_client(gw, ALICE), openai_client(gw, BOB)
+        r = await alice.responses.create(model="m", input="hello", max_output_tokens=3)
+        events = [ev async for ev in await bob.responses.create(
+            model="cut", input="x", stream=True, extra_headers={"x-cut": "0", "x-request-id": r.id[len("resp_"):]})]
+        failed = events[-1].response
+        assert failed.status == "failed" and failed.id.startswith("resp_") and failed.id != r.id
+        assert events[0].response.id == failed.id
+        assert (await bob.responses.retrieve(failed.id)).status == "failed"
+        assert (await alice.responses.retrieve(r.id)).status == r.status
+        assert (await alice.responses.create(model="m", input="more", previous_response_id=r.id,
+                                             max_output_tokens=3)).status == r.status
+        with pytest.raises(openai.NotFoundError):
+            await bob.responses.retrieve(r.id)
+
+
+@pytest.mark.parametrize("state", ["engine", "gateway"])
 async def test_streaming_a_response_not_created_in_the_background_is_refused_in_either_state_mode(
         sims, gateway, state):
     """GET ?stream=true replays a background stream only; of any other response (OpenAI and vLLM
