@@ -291,7 +291,7 @@ class ResponsesApi(ApiShape):
 
     def stream_error(self, ctx: RequestContext, status: int, message: str, code: str | None) -> bytes:
         ex = self._exchange(ctx)
-        events, ex.failed = failure(ex.scanner, ctx.rec.model, status, message, code, ctx.rec.request_id)
+        events, ex.failed = failure(ex.scanner, ctx.rec.model, status, message, code)
         return events
 
     def stream_errored(self, ctx: RequestContext) -> bytes:

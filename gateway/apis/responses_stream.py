@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -231,27 +232,29 @@ def failed_after_error(scanner: ResponsesScanner) -> tuple[bytes, dict] | None:
 
 
 def failure_events(scanner: ResponsesScanner | None, model: str, status: int, message: str,
-                   code: str | None, request_id: str = "") -> bytes:
+                   code: str | None) -> bytes:
     """The events of ``failure`` alone."""
-    return failure(scanner, model, status, message, code, request_id)[0]
+    return failure(scanner, model, status, message, code)[0]
 
 
 def failure(scanner: ResponsesScanner | None, model: str, status: int, message: str,
-            code: str | None, request_id: str = "") -> tuple[bytes, dict]:
+            code: str | None) -> tuple[bytes, dict]:
     """What ends a Responses stream the gateway cannot complete: an ``error`` event, then
     ``response.failed`` carrying the response as created, now failed (sequence numbers go on from
     the engine's). A stream that failed before ``response.created`` names none: its response gets
-    an id of the gateway's (``resp_`` and the request id), as a client's ``Response`` needs one, and
-    a ``response.created`` of it goes first, since a Responses stream opens with one (the openai
-    SDK's ``responses.stream()`` refuses any other first event). With them, the failed response,
-    which the gateway keeps as the response's last state."""
+    an id of the gateway's, as a client's ``Response`` needs one, and a ``response.created`` of it
+    goes first, since a Responses stream opens with one (the openai SDK's ``responses.stream()``
+    refuses any other first event). That id is ``resp_`` and a fresh UUID's hex digits, as the
+    engines make theirs, not the request id, which a client chooses with ``x-request-id``: the
+    failed response is kept under its id, and one named after another response would replace it.
+    With the events, the failed response, which the gateway keeps as the response's last state."""
     seq = scanner.events if scanner is not None else 0
     rid = scanner.response_id if scanner is not None else None
     created = b""
     if scanner is not None and scanner.snapshot:
         snap = dict(scanner.snapshot)
     else:
-        snap = {"id": rid or f"resp_{request_id}", "object": "response", "created_at": int(time.time()),
+        snap = {"id": rid or f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
                 "model": model, "status": "in_progress", "output": []}
         opened = {"type": "response.created", "sequence_number": seq, "response": snap}
         created = b"event: response.created\ndata: " + orjson.dumps(opened) + b"\n\n"

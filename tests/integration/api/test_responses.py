@@ -621,7 +621,7 @@ async def test_an_engine_that_breaks_mid_event_ends_the_stream_with_error_and_re
             events = [ev async for ev in await c.responses.create(model="m", input="weather?", stream=True,
                                                                   extra_headers={"x-cut": str(cut)})]
             assert [ev.type for ev in events][-2:] == ["error", "response.failed"], cut
-            # cut inside response.created: the gateway's own opens the stream (its id, resp_<request id>)
+            # cut inside response.created: the gateway's own opens the stream (an id of the gateway's)
             assert events[0].type == "response.created" and (events[-1].response.id == "resp_cut1") == (cut > 0)
             assert events[-1].response.id == events[0].response.id
             assert events[-1].response.error.code == "upstream_incomplete"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -123,15 +125,16 @@ def test_an_engines_error_without_a_terminal_event_is_followed_by_response_faile
 
 def test_a_stream_that_failed_before_its_response_was_created_names_one():
     for scanner in (None, ResponsesScanner()):
-        raw = failure_events(scanner, "m", 504, "no output", "upstream_timeout", "abc123")
+        raw = failure_events(scanner, "m", 504, "no output", "upstream_timeout")
         blocks = [b for b in raw.split(b"\n\n") if b]
         # a Responses stream opens with response.created (the openai SDK's stream() helper needs it)
         assert [b.split(b"\n")[0] for b in blocks] == [b"event: response.created", b"event: error",
                                                         b"event: response.failed"]
         created, err, failed = (orjson.loads(b.split(b"data: ", 1)[1]) for b in blocks)
         assert [e["sequence_number"] for e in (created, err, failed)] == [0, 1, 2]
-        assert created["response"]["id"] == "resp_abc123" and created["response"]["status"] == "in_progress"
-        assert failed["response"]["id"] == "resp_abc123" and failed["response"]["status"] == "failed"
+        rid = created["response"]["id"]
+        assert re.fullmatch(r"resp_[0-9a-f]{32}", rid) and created["response"]["status"] == "in_progress"
+        assert failed["response"]["id"] == rid and failed["response"]["status"] == "failed"
 
 
 def test_an_event_cut_short_by_the_engine_is_not_forwarded():
