@@ -12,10 +12,10 @@ from aiohttp import web
 
 @contextlib.asynccontextmanager
 async def fake_engine(chat: Callable[[web.Request], Awaitable[web.StreamResponse]],
-                      paths: tuple[str, ...] = ("/v1/chat/completions",), metrics: str | None = None
-                      ) -> AsyncIterator[str]:
+                      paths: tuple[str, ...] = ("/v1/chat/completions",), metrics: str | None = None,
+                      routes: tuple[web.RouteDef, ...] = ()) -> AsyncIterator[str]:
     """The engine's base URL while the block runs; ``chat`` answers POSTs to ``paths``; ``metrics``:
-    the text of its ``/metrics`` (None: it has none)."""
+    the text of its ``/metrics`` (None: it has none); ``routes``: more of its own."""
     async def health(_request: web.Request) -> web.Response:
         return web.json_response({})
 
@@ -23,6 +23,7 @@ async def fake_engine(chat: Callable[[web.Request], Awaitable[web.StreamResponse
     for path in paths:
         app.router.add_post(path, chat)
     app.router.add_get("/health", health)
+    app.router.add_routes(routes)
     if metrics is not None:
         async def exposition(_request: web.Request) -> web.Response:
             return web.Response(text=metrics)

@@ -657,6 +657,68 @@ async def test_a_stream_failed_before_response_created_takes_no_id_the_client_ch
             await bob.responses.retrieve(r.id)
 
 
+def _background_events(rid: str) -> list[bytes]:
+    """A background Responses stream of four deltas, framed as vLLM frames it."""
+    resp = {"id": rid, "object": "response", "created_at": 1, "model": "m", "status": "queued",
+            "background": True, "output": []}
+    events = [("response.created", {"response": resp}), ("response.in_progress", {"response": resp})]
+    events += [("response.output_text.delta", {"item_id": "msg_1", "output_index": 0, "content_index": 0,
+                                               "delta": f" w{i}"}) for i in range(4)]
+    events.append(("response.completed", {"response": {**resp, "status": "completed"}}))
+    return [b"event: " + name.encode() + b"\ndata: "
+            + orjson.dumps({"type": name, "sequence_number": i, **data}) + b"\n\n"
+            for i, (name, data) in enumerate(events)]
+
+
+async def _background_engine(request: web.Request) -> web.StreamResponse:
+    await request.read()
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    for event in _background_events("resp_bg1"):
+        await out.write(event)
+    await out.write_eof()
+    return out
+
+
+async def _background_replay(request: web.Request) -> web.StreamResponse:
+    """GET ?stream=true of a background response: its events after ``starting_after``; ``cut``:
+    ``end`` ends the stream before its terminal event, ``break`` breaks the connection in the
+    middle of an event."""
+    after = int(request.query.get("starting_after", "-1"))
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    rest = _background_events(request.match_info["rid"])[after + 1:]
+    for event in rest[:2]:
+        await out.write(event)
+    if request.query.get("cut") == "break":
+        await out.write(rest[2][:20])
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.abort()
+        return out
+    await out.write_eof()
+    return out
+
+
+async def test_a_resumed_background_stream_that_breaks_ends_with_an_error_event(gateway):
+    """A background stream resumed with a GET (``stream=true&starting_after=``) whose engine ends it
+    before its terminal event, cleanly or by breaking the connection, ends with the gateway's
+    ``error`` event (upstream_incomplete, its sequence number next), as a created stream does, so
+    the client knows to resume again; the response goes on on its engine, so it is not failed."""
+    replay = web.get("/v1/responses/{rid}", _background_replay)
+    async with fake_engine(_background_engine, paths=("/v1/responses",), routes=(replay,)) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        c = openai_client(gw)
+        stream = await c.responses.create(model="m", input="x", background=True, stream=True)
+        rid = [ev async for ev in stream][0].response.id
+        for cut in ("end", "break"):
+            rest = await c.responses.retrieve(rid, stream=True, starting_after=1, extra_query={"cut": cut})
+            events = [ev async for ev in rest]
+            assert [ev.type for ev in events] == ["response.output_text.delta"] * 2 + ["error"], cut
+            assert [ev.sequence_number for ev in events] == [2, 3, 4], cut
+            assert events[-1].code == "upstream_incomplete"
+
+
 @pytest.mark.parametrize("state", ["engine", "gateway"])
 async def test_streaming_a_response_not_created_in_the_background_is_refused_in_either_state_mode(
         sims, gateway, state):
