@@ -42,7 +42,7 @@ from prometheus_client import Counter, Gauge
 from gateway.apis.base import ApiShape
 from gateway.apis.responses_request import RESPONSES, output_as_input, parse_responses, with_history
 from gateway.apis.responses_state import AskSiblings, MemoryStore, RedisStore, StoreUnavailable, WorkerStore
-from gateway.apis.responses_stream import ResponsesScanner, failed_after_error, failure
+from gateway.apis.responses_stream import ResponsesScanner, error_event, failed_after_error, failure
 from gateway.config.schema import Config
 from gateway.endpoints import Endpoint, EndpointPool, engine_headers
 from gateway.errors import ErrorClass, GatewayError, error_response, normalize_upstream_error
@@ -695,10 +695,7 @@ class ResponsesApi(ApiShape):
                 out.content_type = "text/event-stream"
                 await out.prepare(request)
                 rec.headers_sent = True
-                async for chunk in r.content.iter_any():
-                    await out.write(chunk)
-                await out.write_eof()
-                return out
+                return await self._replay(rec, ep, request, r, out)
         except (aiohttp.ClientError, TimeoutError) as e:
             if rec.headers_sent:
                 raise
@@ -708,6 +705,51 @@ class ResponsesApi(ApiShape):
             raise GatewayError(502, f"upstream unavailable: {ep.url}: {type(e).__name__}: {e}",
                                code="upstream_unavailable", header=("x-error-upstream", "connect"),
                                error_class=ErrorClass.UPSTREAM_CONNECT) from None
+
+    async def _replay(self, rec: RequestRecord, ep: Endpoint, request: web.Request, r: aiohttp.ClientResponse,
+                      out: web.StreamResponse) -> web.StreamResponse:
+        """A background stream's events as its engine replays them (``GET ?stream=true``), each once
+        it is whole. One the engine ends before its terminal event, or whose connection breaks,
+        ends with an ``error`` event (``upstream_incomplete``; ``upstream_timeout`` when the
+        upstream timeouts ended it), its sequence number the next one, as a created stream's
+        failure does: never a stream that just stops, nor a half event; the client resumes again
+        from its last event. No ``response.failed``: the response goes on on its engine."""
+        scanner = ResponsesScanner()
+        failure: tuple[ErrorClass, str] | None = None
+        code = "upstream_incomplete"
+        while True:
+            # only the engine's read is a failure of the engine's: a write to a client that left
+            # raises as it did (aiohttp's ClientConnectionResetError is a ClientError too)
+            try:
+                chunk = await r.content.readany()
+            except TimeoutError as e:       # upstream.first_byte_timeout_s between two reads, or total_timeout_s
+                failure = ErrorClass.UPSTREAM_TIMEOUT, f"the engine did not finish the stream: {type(e).__name__}"
+                code = "upstream_timeout"
+                break
+            except aiohttp.ClientError as e:
+                failure = ErrorClass.UPSTREAM_BROKEN, f"the engine connection broke mid-stream: {type(e).__name__}: {e}"
+                break
+            if not chunk:
+                break
+            data = scanner.feed(chunk, time.perf_counter())
+            if data:
+                await out.write(data)
+        tail = scanner.finish()
+        if tail:
+            await out.write(tail)
+        if not scanner.done and scanner.error is None:
+            # the relay's words and metric class for the same failures (gateway/pipeline/relay.py)
+            error_class, message = failure or (ErrorClass.UPSTREAM_EOF, "the engine closed the stream before it completed")
+            rec.error_class, rec.error = error_class, message[:200]
+            if error_class is ErrorClass.UPSTREAM_BROKEN:
+                self.metrics.child(self.metrics.upstream_errors, ep.model, ep.name, "broken_stream").inc()
+            try:
+                after = int(request.query.get("starting_after", "-1"))
+            except ValueError:
+                after = -1
+            await out.write(error_event(max(after, -1) + 1 + scanner.events, message, code))
+        await out.write_eof()
+        return out
 
     # -- lifecycle ----------------------------------------------------------------------------
 

@@ -231,6 +231,12 @@ def failed_after_error(scanner: ResponsesScanner) -> tuple[bytes, dict] | None:
     return b"event: response.failed\ndata: " + orjson.dumps(failed) + b"\n\n", snap
 
 
+def error_event(sequence_number: int, message: str, code: str | None) -> bytes:
+    """OpenAI's ``error`` event of a Responses stream."""
+    error = {"type": "error", "code": code, "message": message, "param": None, "sequence_number": sequence_number}
+    return b"event: error\ndata: " + orjson.dumps(error) + b"\n\n"
+
+
 def failure_events(scanner: ResponsesScanner | None, model: str, status: int, message: str,
                    code: str | None) -> bytes:
     """The events of ``failure`` alone."""
@@ -261,7 +267,6 @@ def failure(scanner: ResponsesScanner | None, model: str, status: int, message: 
         seq += 1
         snap = dict(snap)
     snap.update(status="failed", error={"code": code or "server_error", "message": message})
-    error = {"type": "error", "code": code, "message": message, "param": None, "sequence_number": seq}
     failed = {"type": "response.failed", "sequence_number": seq + 1, "response": snap}
-    return (created + b"event: error\ndata: " + orjson.dumps(error) + b"\n\nevent: response.failed\ndata: "
+    return (created + error_event(seq, message, code) + b"event: response.failed\ndata: "
             + orjson.dumps(failed) + b"\n\n"), snap
