@@ -719,6 +719,25 @@ async def test_a_resumed_background_stream_that_breaks_ends_with_an_error_event(
             assert events[-1].code == "upstream_incomplete"
 
 
+async def test_a_background_stream_the_gateway_cuts_ends_with_an_error_event_and_is_resumed(sims, gateway):
+    """A background stream the gateway ends (here its watchdog, the engine silent a while) goes on
+    on its engine: the client's stream ends with the error event alone, not a response.failed that
+    says the response failed while it completes, and a resume from its last event reads the rest
+    up to response.completed."""
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], watchdog={"aggregated": True, "idle_timeout_s": 0.2})
+    c = openai_client(gw)
+    stream = await c.responses.create(model="m", input="x", background=True, stream=True, max_output_tokens=6,
+                                      extra_headers={"x-sim-fault": "stall_after=2:0.6"})
+    events = [ev async for ev in stream]
+    assert events[-1].type == "error" and events[-1].code == "upstream_timeout", [ev.type for ev in events]
+    assert "response.failed" not in [ev.type for ev in events]
+    assert [ev.sequence_number for ev in events] == list(range(len(events)))
+    rest = [ev async for ev in await c.responses.retrieve(events[0].response.id, stream=True,
+                                                           starting_after=events[-2].sequence_number)]
+    assert rest[-1].type == "response.completed" and rest[-1].response.usage.output_tokens == 6
+
+
 @pytest.mark.parametrize("state", ["engine", "gateway"])
 async def test_streaming_a_response_not_created_in_the_background_is_refused_in_either_state_mode(
         sims, gateway, state):
