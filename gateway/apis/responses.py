@@ -291,6 +291,13 @@ class ResponsesApi(ApiShape):
 
     def stream_error(self, ctx: RequestContext, status: int, message: str, code: str | None) -> bytes:
         ex = self._exchange(ctx)
+        if ex.scanner is not None and ex.scanner.snapshot is not None and ctx.ireq is not None \
+                and ctx.ireq.data.get("background") is True:
+            # a background response goes on on its engine, whatever became of this connection to it:
+            # the error alone ends the client's stream (it resumes with a GET), where response.failed
+            # would say the response failed while it completes
+            ex.failed = None
+            return error_event(ex.scanner.events, message, code)
         events, ex.failed = failure(ex.scanner, ctx.rec.model, status, message, code)
         return events
 
