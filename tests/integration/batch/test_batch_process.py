@@ -335,3 +335,74 @@ async def test_no_line_starts_while_the_other_workers_admission_queue_holds_a_re
                 await s.close()
         done = await run_to_end(c, b.id)
         assert done.status == "completed" and done.request_counts.completed == 2
+
+
+def _upload_head(body_len: int) -> bytes:
+    return (f"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary={BOUNDARY}\r\n"
+            f"Content-Length: {body_len}\r\n\r\n").encode()
+
+
+BOUNDARY = "b0undary"
+
+
+def _upload_body(content: bytes) -> bytes:
+    return (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n"
+            "Content-Type: application/jsonl\r\n\r\n").encode() + content + f"\r\n--{BOUNDARY}--\r\n".encode()
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], dict]:
+    """One HTTP/1.1 answer with a Content-Length read off a raw connection."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = {k.lower(): v.strip() for k, v in (x.split(":", 1) for x in lines[1:] if ":" in x)}
+    body = await reader.readexactly(int(headers["content-length"]))
+    return int(lines[0].split()[1]), headers, orjson.loads(body)
+
+
+@pytest.mark.timeout(60)
+async def test_batch_api_requests_under_way_at_sigterm_may_finish_within_the_grace(sims, tmp_path):
+    """The drain waits for the batch API's requests as for inference ones: an upload whose body is
+    still coming at SIGTERM is taken when the rest comes within ``server.shutdown_grace_s``, one
+    still unfinished at the second signal is told the gateway is shutting down (503 in OpenAI's
+    shape, its temporary file removed), and a batch API request on a kept-alive connection once the
+    listener closed gets the 503 with ``Connection: close``, as an inference request does."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(config_text(port, sim.url, str(tmp_path / "batch"))
+                   .replace("shutdown_grace_s: 2", "shutdown_grace_s: 60"))
+    body = _upload_body(jsonl(rows(4)))
+    tmp = tmp_path / "batch" / "tmp"
+    async with gateway_process(cfg, port, "--workers", "1") as proc:
+        kept_r, kept_w = await asyncio.open_connection("127.0.0.1", port)     # kept alive, idle at SIGTERM
+        kept_w.write(b"GET /v1/files HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await _answer(kept_r))[0] == 200
+        ups = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        for _, w in ups:                # half of each body: the upload handler is reading it
+            w.write(_upload_head(len(body)) + body[:len(body) // 2])
+        await until(lambda: tmp.is_dir() and len(list(tmp.iterdir())) >= 2, timeout=20)
+        proc.send_signal(signal.SIGTERM)
+        await until(lambda: _refused(port), timeout=20, interval=0.05)
+        kept_w.write(b"GET /v1/files HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, headers, err = await _answer(kept_r)
+        assert (status, headers.get("connection")) == (503, "close"), (status, headers, err)
+        assert err["error"]["code"] == "service_unavailable" and "shutting down" in err["error"]["message"]
+        await asyncio.sleep(1.5)        # past the moment the server's own shutdown would close connections
+        (done_r, done_w), (cut_r, cut_w) = ups
+        done_w.write(body[len(body) // 2:])
+        status, _, f = await _answer(done_r)
+        assert status == 200 and f["object"] == "file" and f["purpose"] == "batch", f
+        assert proc.returncode is None          # the other upload still holds the drain
+        proc.send_signal(signal.SIGINT)         # a second signal: stop now
+        status, headers, err = await _answer(cut_r)
+        assert (status, headers.get("connection")) == (503, "close"), (status, headers, err)
+        assert err["error"]["code"] == "service_unavailable" and "shutting down" in err["error"]["message"]
+        assert await proc.wait() == 0
+        for w in (kept_w, done_w, cut_w):
+            w.close()
+    assert list(tmp.iterdir()) == []
+    async with gateway_process(cfg, port, "--workers", "1"):       # the file taken in the drain was stored
+        c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        assert [x.id for x in (await c.files.list()).data] == [f["id"]]
+        assert (await c.files.content(f["id"])).content == jsonl(rows(4))
