@@ -37,6 +37,8 @@ from gateway.tenants.service import NoTenancy, Tenancy
 
 log = structlog.get_logger("switchyard.batch")
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
 CHUNK = 256 * 1024
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 MULTIPART_SLACK = 64 * 1024        # boundaries and the purpose field around the file's bytes
@@ -167,17 +169,22 @@ class BatchApi:
         self.cfg, self.db, self.tenancy = cfg, db, tenancy
         self.on_change = on_change          # wakes this process's runner, if it runs batches
 
-    def add_routes(self, app: web.Application) -> None:
+    def add_routes(self, app: web.Application, tracked: Callable[[Handler], Handler] = lambda h: h) -> None:
+        """``tracked``: what makes a handler's requests count in flight for the drain
+        (gateway/server/lifecycle.py ``Lifecycle.tracked``)."""
         r = app.router
-        r.add_post("/v1/files", _stored(self.upload))
-        r.add_get("/v1/files", _stored(self.list_files))
-        r.add_get("/v1/files/{file_id}", _stored(self.get_file))
-        r.add_delete("/v1/files/{file_id}", _stored(self.delete_file))
-        r.add_get("/v1/files/{file_id}/content", _stored(self.content))
-        r.add_post("/v1/batches", _stored(self.create_batch))
-        r.add_get("/v1/batches", _stored(self.list_batches))
-        r.add_get("/v1/batches/{batch_id}", _stored(self.get_batch))
-        r.add_post("/v1/batches/{batch_id}/cancel", _stored(self.cancel_batch))
+
+        def wrap(handler: Handler) -> Handler:
+            return tracked(_stored(handler))
+        r.add_post("/v1/files", wrap(self.upload))
+        r.add_get("/v1/files", wrap(self.list_files))
+        r.add_get("/v1/files/{file_id}", wrap(self.get_file))
+        r.add_delete("/v1/files/{file_id}", wrap(self.delete_file))
+        r.add_get("/v1/files/{file_id}/content", wrap(self.content))
+        r.add_post("/v1/batches", wrap(self.create_batch))
+        r.add_get("/v1/batches", wrap(self.list_batches))
+        r.add_get("/v1/batches/{batch_id}", wrap(self.get_batch))
+        r.add_post("/v1/batches/{batch_id}/cancel", wrap(self.cancel_batch))
 
     async def _caller(self, request: web.Request) -> tuple[str, str | None]:
         """(the owner of what this request creates, the owner to filter by: None with auth off)."""

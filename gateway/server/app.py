@@ -359,7 +359,7 @@ def _add_batch(app: web.Application, config: Config, s: Services, reloader: Relo
                          # from the drain's start (the listener stays open through its delay)
                          draining=lambda: lifecycle.draining or app[NOT_READY_KEY].is_set(),
                          targets=targets, pairs=pairs)
-    batch.api.add_routes(app)
+    batch.api.add_routes(app, s.lifecycle.tracked)     # the drain waits for them too
     app[BATCH_KEY] = batch
     return batch
 

@@ -12,8 +12,11 @@ request that started it: each task stays referenced until done and is awaited at
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+import functools
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
+
+from aiohttp import web
 
 from gateway.errors import ErrorClass, GatewayError
 
@@ -65,6 +68,30 @@ class Lifecycle:
     def was_cut(self, task: asyncio.Task | None) -> bool:
         """Whether ``task``, a client's request, was cancelled by ``cut`` (not by its client)."""
         return self.cutting and task is not None and task in self._clients
+
+    def tracked(self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """``handler``, of requests outside the pipeline that may run long (the batch API's: an
+        upload whose body is still coming, a file's content on its way), in flight as the pipeline's
+        requests are: the drain waits for them, one arriving on a kept-alive connection once the
+        listener closed gets the 503 of a gateway shutting down, and one ``cut`` ends is answered
+        with it while nothing of its own answer was written (else its connection closes). A
+        ``GatewayError`` raised here is answered by the application's error middleware."""
+        @functools.wraps(handler)
+        async def run(request: web.Request) -> web.StreamResponse:
+            task = request.task if request.transport is not None else None
+            self.enter(task)
+            try:
+                self.check_open()
+                return await handler(request)
+            except asyncio.CancelledError:
+                if not self.was_cut(task) or request.writer.output_size:
+                    raise
+                task.uncancel()
+                raise shutting_down() from None
+            finally:
+                self.leave(task)
+        return run
 
     def check_open(self) -> None:
         if self.draining:
