@@ -10,12 +10,16 @@ import signal
 import sys
 
 import aiohttp
+import openai
 import orjson
+import pytest
 import yaml
+from aiohttp import web
 
 from gateway.server.app import NOT_READY_KEY
 from gateway.server.run import drain_and_stop
 from tests.support.factories import model_block
+from tests.support.fake_engine import fake_engine
 from tests.support.ports import listen_port
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "Count the wagons."}], "stream": True}
@@ -125,3 +129,51 @@ async def test_sigterm_on_the_real_process_drains_and_exits_0(sims, tmp_path):
 
 async def _is(url: str, status: int) -> bool:
     return await status_of(url) == status
+
+
+TOKEN_EVENT = (b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m",'
+               b'"choices":[{"index":0,"delta":{"content":"wagon"},"finish_reason":null}]}\n\n')
+
+
+async def test_a_stream_cut_at_the_end_of_the_grace_ends_with_a_clean_error_event(gateway):
+    """An engine's read may end inside an event (TCP splits a large one anywhere): a stream the end
+    of the grace period cuts then still ends with the shutting-down error event on its own, not
+    glued onto the half event the client already had, whether the client asked for usage or not."""
+    halves: asyncio.Queue[None] = asyncio.Queue()
+    done = asyncio.Event()
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(TOKEN_EVENT)
+        await out.write(TOKEN_EVENT[:-20])      # the rest of this event never comes
+        halves.put_nowait(None)
+        await done.wait()
+        return out
+
+    async with fake_engine(chat) as url:
+        try:
+            for usage in (True, False):
+                await _cut_after_half_an_event(gateway, url, halves, usage)
+        finally:
+            done.set()      # the engine's handlers end: its server closes at once
+
+
+async def _cut_after_half_an_event(gateway, url: str, halves: asyncio.Queue, usage: bool) -> None:
+    gw = await gateway([model_block("m", "vllm", [url])])
+    oc = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    extra = {"stream_options": {"include_usage": True}} if usage else {}
+    stream = await oc.chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}],
+                                              stream=True, **extra)
+    got = [await stream.__aiter__().__anext__()]
+    assert got[0].choices[0].delta.content == "wagon"
+    await asyncio.wait_for(halves.get(), 10)
+    await asyncio.sleep(0.3)        # for the half event to reach the client, where it is passed on
+    drain = asyncio.create_task(drain_and_stop(gw.runner, gw.runner.app, grace=0.2))
+    with pytest.raises(openai.APIError) as e:       # not a JSONDecodeError on a glued line
+        async for chunk in stream:
+            got.append(chunk)
+    assert "shutting down" in str(e.value), e.value
+    assert [c.choices[0].delta.content for c in got] == ["wagon"], usage
+    await asyncio.wait_for(drain, 10)
+    await oc.close()
