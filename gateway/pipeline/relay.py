@@ -550,7 +550,6 @@ class Relay:
         # a read the scanner passes on as it came (it only watches it: no usage to strip there,
         # no API to translate) is written before it is scanned, so the scan adds nothing to its latency
         passes = scanner.passes if api is None else None
-        always = passes is not None and not scanner.strip_usage    # then every read passes: no call
 
         def sink(chunk: bytes) -> None:
             nonlocal first
@@ -560,7 +559,7 @@ class Relay:
                 unpipe()
                 return
             now = clock()
-            early = always or (passes is not None and passes(chunk))
+            early = passes is not None and passes(chunk)
             data = chunk if early else feed(chunk, now)
             if data:
                 if transport.is_closing():
@@ -623,7 +622,7 @@ class Relay:
                     if not chunk:
                         break
                     now = clock()
-                    early = always or (passes is not None and passes(chunk))
+                    early = passes is not None and passes(chunk)
                     data = chunk if early else feed(chunk, now)
                     if data:
                         await write(data)

@@ -7,8 +7,11 @@ between token-carrying chunks, the usage object, the finish reason, an in-stream
 
 Why it is shaped like this:
 
-* Bytes only, no re-encoding. Without ``strip_usage`` the chunk itself is returned (same object,
-  zero copies); the scanner keeps only the partial tail of an incomplete event, for scanning.
+* Bytes only, no re-encoding. A chunk of whole events is returned itself (same object, zero
+  copies). The bytes of an incomplete event (a read may end anywhere in one) are held until its
+  blank line comes: a client's SSE parser can do nothing with half an event, and a stream the
+  gateway must end early (the drain's cut, an engine that breaks off) then ends with an error event
+  on its own lines, where one glued onto the half event the client had was an undecodable line.
 * Most events are never JSON-decoded. Whether an event carries generated content is decided by
   one regex search over its bytes for the handful of keys that hold it (``"content"``, ``"text"``, ``"tool_calls"``,
   ``"reasoning_content"``, ``"reasoning"``) followed by a non-empty value. A JSON string can hold
@@ -17,12 +20,8 @@ Why it is shaped like this:
   ``finish_reason``, are decoded with orjson, and a decoding failure is skipped, never raised.
 * ``strip_usage``: the gateway injected ``stream_options.include_usage`` for its own accounting,
   and the client, who did not ask for it, must not see the usage-only chunk (``choices: []`` plus
-  ``usage``). Every other byte must reach the client unchanged and without delay. So the scanner
-  holds back bytes only of the *current incomplete event*, and only while that event could still
-  turn out to be the usage chunk: as soon as its bytes show ``"choices":[`` followed by anything
-  but ``]`` it cannot be, and it is released at once (the rest of it streams through as it comes).
-  Content events are therefore never delayed; a held event is emitted (or dropped, if it was the
-  usage chunk) the moment its terminating blank line arrives. Stray blank lines between events
+  ``usage``). Every other byte reaches the client unchanged; the usage chunk, an incomplete
+  event until its blank line comes (held as any is), is dropped then. Stray blank lines between events
   are never held either: they are kept even before a usage chunk that is dropped. ``finish()``
   returns what is still held when the upstream ends.
 
@@ -69,10 +68,8 @@ def as_lf(data: bytes | bytearray) -> bytes:
     A CR that ends ``data`` counts as bare (in a stream of CR line ends it is; the LF of a CRLF
     split there comes with the next read, which is scanned with it again)."""
     return _CR_ALONE.sub(b"\n", data)
-_WS = frozenset(b" \t\r\n")
-_COLON, _LBRACKET, _RBRACKET = 0x3A, 0x5B, 0x5D
 
-_CHOICES = b'"choices"'
+
 # The per-event tests, one regex search each (``_event`` runs once per relayed event): generated
 # content is a content key (``"content"``, ``"text"``, ``"reasoning_content"``, ``"reasoning"``)
 # followed by a non-empty string, or ``"tool_calls"`` by a non-empty list; a finish is a
@@ -94,48 +91,6 @@ def _has_content(p: bytes | bytearray) -> bool:
 # feed flags returned by _event
 _CONTENT = 1
 _USAGE_ONLY = 2
-
-
-def _value_at(p: bytes | bytearray, i: int) -> int:
-    """Index of the value of a JSON key whose closing quote is at ``i - 1``.
-
-    Returns -1 when no ``:`` follows (the quoted word was not a key), ``len(p)`` when the bytes end
-    before the value starts (undecided).
-    """
-    n = len(p)
-    while i < n and p[i] in _WS:
-        i += 1
-    if i >= n:
-        return n
-    if p[i] != _COLON:
-        return -1
-    i += 1
-    while i < n and p[i] in _WS:
-        i += 1
-    return i
-
-
-def _could_be_usage(data: bytes | bytearray, start: int) -> bool:
-    """Whether the incomplete event at ``data[start:]`` could still be a usage-only chunk.
-
-    It cannot once its ``"choices"`` value is seen to be a non-empty list. Until then (key not yet
-    arrived, ``[]``, ``null``, or cut right after ``[``) it could.
-    """
-    n = len(data)
-    i = data.find(_CHOICES, start)
-    while i >= 0:
-        j = _value_at(data, i + len(_CHOICES))
-        if j == n:
-            return True
-        if j >= 0:
-            if data[j] != _LBRACKET:
-                return True
-            k = j + 1
-            while k < n and data[k] in _WS:
-                k += 1
-            return k >= n or data[k] == _RBRACKET
-        i = data.find(_CHOICES, i + len(_CHOICES))
-    return True
 
 
 def _after_blank_lines(data: bytes | bytearray, i: int, stop: int) -> int:
@@ -304,8 +259,9 @@ def usage_tokens(usage: dict | None) -> tuple[int, int, int]:
 class SSEScanner:
     """Scan one upstream SSE stream. One instance per response; not thread-safe (one event loop).
 
-    ``feed(chunk, now)`` returns the bytes to forward for that chunk; ``finish()`` returns any bytes
-    still held back when the upstream ends. Concatenating every ``feed`` result and ``finish()``
+    ``feed(chunk, now)`` returns the bytes to forward for that chunk (its whole events, with what
+    was held of the first of them); ``finish()`` returns any bytes still held back when the
+    upstream ends. Concatenating every ``feed`` result and ``finish()``
     gives the input exactly (``strip_usage=False``) or the input minus its usage-only events.
     """
 
@@ -327,7 +283,7 @@ class SSEScanner:
         self.done = False                          # saw `data: [DONE]`
         self.events = 0                            # events with a data payload (incl. [DONE])
         self._buf = bytearray()    # the current incomplete event (or its last 2 bytes if skipped)
-        self._sent = 0             # strip mode: how many leading bytes of _buf went out already
+        self._sent = 0             # how many leading bytes of _buf went out already (an event past MAX_EVENT_BYTES)
         self._skip = False         # the current event outgrew MAX_EVENT_BYTES: do not scan it
         self._now = 0.0
         self._cr = False           # the stream ends lines with bare CRs: scanned as LFs (``as_lf``)
@@ -358,55 +314,24 @@ class SSEScanner:
                 return chunk
             if self._lf_owed:
                 # b"\n\n" after a dropped usage chunk whose read ended in its CRLF's CR: that LF is
-                # the chunk's, dropped with it (``_feed_strip``); ``[DONE]``, a comment, a blank line
+                # the chunk's, dropped with it (``_feed_held``); ``[DONE]``, a comment, a blank line
                 # come here, a token's event never does
-                return self._feed_strip(chunk, now)
+                return self._feed_held(chunk, now)
             if self._event(chunk, 0, end) & _CONTENT:
                 self._mark(now)
             return chunk
-        if self.strip_usage:
-            return self._feed_strip(chunk, now)
-        if buf:
-            pos = len(buf) - 2 if len(buf) > 2 else 0
-            buf += chunk
-            data: bytes | bytearray = buf
-        elif chunk:
-            data = chunk
-            pos = 0
-        else:
-            return chunk
-        if not self._cr:
-            self._cr = cr_mode(data, max(pos - 1, 0))
-        scan = as_lf(data) if self._cr else data
-        start = 0
-        flags = 0
-        for m in _BOUNDARY.finditer(scan, pos):
-            if self._skip:
-                self._skip = False
-            else:
-                flags |= self._event(scan, start, m.start())
-            start = m.end()
-        if data is buf:
-            del buf[:start]
-        elif start < len(chunk):
-            self._buf = bytearray(chunk[start:])
-        if len(self._buf) > MAX_EVENT_BYTES:
-            self._overflow()
-        if flags & _CONTENT:
-            self._mark(now)
-        return chunk
+        return self._feed_held(chunk, now)
 
     def passes(self, chunk: bytes) -> bool:
         """Whether ``feed`` will return ``chunk`` itself, so the relay may write it before the scan:
-        always, unless usage is stripped; then for whole events with nothing held from before and
-        no usage in them (a usage-only event is the one thing stripping drops)."""
-        if not self.strip_usage:
-            return True
-        return not self._buf and chunk.endswith(b"\n\n") and chunk.find(b'"usage"') < 0 and not self._lf_owed
+        for whole events with nothing held from before (and, when usage is stripped, no usage in
+        them: a usage-only event is the one thing stripping drops)."""
+        return not self._buf and chunk.endswith(b"\n\n") and not self._lf_owed \
+            and not (self.strip_usage and chunk.find(b'"usage"') >= 0)
 
     def finish(self) -> bytes:
         """End of upstream: scan a trailing event that lacked its blank line, and return whatever
-        bytes are still held back (empty unless ``strip_usage``)."""
+        bytes are still held back (that event's, but for a usage-only one ``strip_usage`` drops)."""
         buf = self._buf
         if not buf:
             return b""
@@ -421,9 +346,9 @@ class SSEScanner:
                 flags = self._event(ev, 0, len(ev))
         if flags & _CONTENT:
             self._mark(self._now)
-        if not self.strip_usage or sent >= len(buf):
+        if sent >= len(buf):
             return b""
-        if flags & _USAGE_ONLY:
+        if self.strip_usage and flags & _USAGE_ONLY:
             # drop the usage event but keep any stray blank lines that preceded it
             lead = len(buf) - len(bytes(buf).lstrip(b"\r\n"))
             return bytes(buf[sent:lead])
@@ -437,12 +362,12 @@ class SSEScanner:
 
     @property
     def held_bytes(self) -> int:
-        """How many bytes are currently held back (strip mode)."""
-        return len(self._buf) - self._sent if self.strip_usage else 0
+        """How many bytes are currently held back (of an incomplete event)."""
+        return len(self._buf) - self._sent
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _feed_strip(self, chunk: bytes, now: float) -> bytes:
+    def _feed_held(self, chunk: bytes, now: float) -> bytes:
         if self._lf_owed:           # the LF of the CRLF that ended the usage chunk dropped: dropped with it
             self._lf_owed = False
             if chunk[:1] == b"\n":
@@ -473,7 +398,7 @@ class SSEScanner:
             else:
                 f = self._event(scan, start, m.start())
                 flags |= f
-            if f & _USAGE_ONLY:
+            if f & _USAGE_ONLY and self.strip_usage:
                 cut = _after_blank_lines(data, start, m.start())   # keep stray blank lines before it
                 if cursor <= cut:                  # nothing of the event itself went out: drop it
                     if out is None:
@@ -485,9 +410,9 @@ class SSEScanner:
                         self._lf_owed = True       # its last CR may be a CRLF's, split by the read
             start = end
         n = len(data)
-        # the incomplete event is held while it could be the usage chunk; blank lines before it are not
+        # the incomplete event is held (none of it went out); blank lines before it are not
         lead = _after_blank_lines(data, start, n)
-        held = lead < n and cursor <= lead and _could_be_usage(scan, lead)
+        held = lead < n and cursor <= lead
         stop = lead if held else n
         if data is chunk and cursor == 0 and stop == n and out is None:
             result: bytes = chunk

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.pipeline import sse
-from gateway.pipeline.sse import ITL_KEEP, ChoicesScanner, SSEScanner, usage_tokens
+from gateway.pipeline.sse import ITL_KEEP, ChoicesScanner, SSEScanner, as_lf, usage_tokens
 
 # -- real framings (as vLLM and SGLang write them) ---------------------------------------
 
@@ -237,13 +237,21 @@ def test_strip_usage_removes_only_the_usage_chunk():
         assert s.usage is not None
 
 
-def test_strip_usage_forwards_content_events_before_they_complete():
-    s = SSEScanner(strip_usage=True)
+@pytest.mark.parametrize("strip", [True, False])
+def test_an_incomplete_event_is_held_until_its_blank_line(strip):
+    """Half an event goes out with its other half, whatever it holds: a stream the gateway ends
+    early then ends with an event of its own, not one glued onto the half the client had."""
+    s = SSEScanner(strip_usage=strip)
     half = len(VLLM_HEL) // 2            # past "choices":[{ : cannot be the usage chunk
-    assert s.feed(VLLM_HEL[:half], 0.0) == VLLM_HEL[:half]
-    assert s.held_bytes == 0
-    assert s.feed(VLLM_HEL[half:], 0.1) == VLLM_HEL[half:]
-    assert s.token_events == 1
+    assert not s.passes(VLLM_HEL[:half])
+    assert s.feed(VLLM_LO + VLLM_HEL[:half], 0.0) == VLLM_LO
+    assert s.held_bytes == half
+    assert not s.passes(VLLM_HEL[half:])
+    assert s.feed(VLLM_HEL[half:] + DONE[:3], 0.1) == VLLM_HEL
+    assert s.held_bytes == 3
+    assert s.token_events == 2
+    assert s.feed(DONE[3:], 0.2) == DONE
+    assert s.finish() == b"" and s.done
 
 
 def test_strip_usage_holds_only_a_possible_usage_event():
@@ -288,7 +296,8 @@ def test_finish_returns_held_unterminated_event():
 
 def test_feed_without_strip_returns_the_same_object():
     s = SSEScanner()
-    for chunk in (VLLM_ROLE, VLLM_HEL[:10], VLLM_HEL[10:], b"", VLLM_USAGE + DONE):
+    for chunk in (VLLM_ROLE, VLLM_HEL, b"", VLLM_USAGE + DONE):
+        assert s.passes(chunk) == (chunk != b"")
         assert s.feed(chunk, 0.0) is chunk
     assert s.finish() == b""
 
@@ -446,7 +455,6 @@ ENDINGS = [(b"\n", b"\n"), (b"\r\n", b"\r\n"), (b"\r\n", b"\n"), (b"\n", b"\r\n"
 # a stream that ends its lines with bare CRs (legal in SSE; no engine the gateway knows does), its
 # blank line a CR after a CR or a CRLF ("\r" then "\n" would be one CRLF, no blank line)
 CR_ENDINGS = [(b"\r", b"\r"), (b"\r\n", b"\r")]
-_RELEASE = re.compile(rb'"choices"\s*:\s*\[\s*[^\]\s]')
 
 
 BLANK = {"data": False, "token": False, "usage": None, "finish": None, "error": None, "done": False,
@@ -550,32 +558,27 @@ def check_stream(stream, strip: bool) -> None:
     for t, chunk in enumerate(chunks):
         passes = s.passes(chunk)
         piece = s.feed(chunk, float(t))
-        if not strip:
-            assert piece is chunk and passes
-        elif passes:        # the relay writes such a chunk before it is scanned
-            assert piece == chunk
+        if passes:          # the relay writes such a chunk before it is scanned
+            assert piece is chunk
         out.append(piece)
         consumed += len(chunk)
         emitted = b"".join(out)
         assert expected_out.startswith(emitted)
-        # no delay: every byte of a complete non-usage event (stray blank lines included), and of
-        # an incomplete event already seen to have non-empty choices, has gone out
+        # no delay: every byte of a complete non-usage event (stray blank lines included) has gone
+        # out, and nothing of an incomplete event but the blank lines before it
         must, start = 0, 0
         for i, (raw, e) in enumerate(parts):
             end = start + len(raw)
             complete = consumed >= end and (i < len(parts) - 1 or not unterminated)
-            if not (strip and e["usage_only"]):
-                if complete:
-                    must += len(raw)
-                else:
-                    m = _RELEASE.search(raw)
-                    if not strip or (m and consumed >= start + m.end()):
-                        must += max(0, consumed - start)
-                    break
-            if consumed < end:
+            if not complete:
                 break
+            if not (strip and e["usage_only"]):
+                must += len(raw)
             start = end
         assert len(emitted) >= must
+        extra = emitted[must:]
+        if extra.strip(b"\r\n"):     # of an event whose blank line came (its part's stray ones to come)
+            assert re.search(rb"\n\r?\n", as_lf(parts[i][0][:consumed - start])), extra
     out.append(s.finish())
     assert b"".join(out) == expected_out
 
