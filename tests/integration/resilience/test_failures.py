@@ -505,3 +505,37 @@ async def test_an_endpoint_ready_again_since_the_request_was_routed_takes_its_re
     text = await gw.metrics_text()
     assert 'switchyard_retry_causes_total{cause="reset",model="m"} 1.0' in text
     assert "switchyard_retries_denied_total{" not in text
+
+
+HALF_OF = (b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m",'
+           b'"choices":[{"index":0,"delta":{"content":"wagon"},"finish_reason":null}]}\n\n')
+
+
+@pytest.mark.parametrize("ends", ["closes", "resets"])
+async def test_an_engine_that_ends_inside_an_event_leaves_the_client_a_clean_error_event(gateway, ends):
+    """An engine whose stream ends half way through an event, its connection closed or reset: the
+    client gets the events that were whole, then the gateway's upstream_incomplete event on its own
+    lines (an SSE client drops an event its stream ended in), with stream_options.include_usage or
+    without."""
+    async def chat(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(HALF_OF + HALF_OF[:-20])
+        if ends == "closes":
+            await out.write_eof()
+        else:
+            request.transport.abort()
+        return out
+
+    async with fake_engine(chat) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        client = openai_client(gw)
+        for usage in (True, False):
+            extra = {"stream_options": {"include_usage": True}} if usage else {}
+            stream = await client.chat.completions.create(**body(stream=True), **extra)
+            got = []
+            with pytest.raises(openai.APIError) as e:       # not a JSONDecodeError on a glued line
+                async for chunk in stream:
+                    got.append(chunk)
+            assert "upstream_incomplete" in repr(e.value.body) or "engine" in str(e.value), e.value
+            assert [c.choices[0].delta.content for c in got] == ["wagon"], usage
