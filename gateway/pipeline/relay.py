@@ -642,7 +642,11 @@ class Relay:
             tail = scanner.finish()
             if api is not None and scanner.done:    # its state is kept before its last event goes out
                 await api.finish(ctx)
-            if tail:
+            # an event the engine's stream ended in without its blank line: passed on when the
+            # stream ends well (a last ``[DONE]`` or error event), dropped when it ends in the
+            # gateway's error event, which would be glued onto it (as an SSE client drops the event
+            # a stream ends in); a translated stream's tail is its API's own whole events
+            if tail and (api is not None or scanner.done or scanner.error is not None):
                 await write(tail)
             if not scanner.done and scanner.error is None:
                 rec.error_class, rec.error = failure = of_leg(ctx, EOF_FAILURE)
