@@ -248,3 +248,35 @@ async def test_a_stop_while_the_config_file_is_a_fifo_no_one_writes_ends_the_gat
             await proc.wait()
     assert code == 0, log_path.read_text()
     assert "stopped while starting, before listening" in log_path.read_text()
+
+
+@pytest.mark.timeout(60)
+async def test_a_pause_while_the_gateway_starts_is_no_stop(sims, tmp_path):
+    """A gateway paused while it starts (SIGSTOP then SIGCONT: a debugger, a container runtime's
+    freeze, a terminal's Ctrl-Z and fg) wakes its start-up guard's wait for a stop with EINTR and
+    no signal: it starts and serves as if not paused, and a later stop drains it (exit 0)."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    async with held_gateway(tmp_path, config(tmp_path, port, sim.url), HOLD_AFTER_BUILD) as (proc, fifo, log_path):
+        for _ in range(3):
+            proc.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(0.2)        # past the guard's poll: its wait ends on the resume
+            proc.send_signal(signal.SIGCONT)
+            await asyncio.sleep(0.05)
+        await release_held(fifo)
+        async with asyncio.timeout(30):
+            while True:
+                with contextlib.suppress(OSError):
+                    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+                    break
+                assert proc.returncode is None, log_path.read_text()[-3000:]
+                await asyncio.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            code = await proc.wait()
+    text = log_path.read_text()
+    assert code == 0, text[-3000:]
+    assert "Traceback" not in text
+    names = [e["event"] for e in events(log_path)]
+    assert "still starting when the stop's grace period ended; exiting" not in names
+    assert names.count("draining") == 1 and names.count("stopped") == 1, names
