@@ -274,6 +274,10 @@ class StartGuard:
             wait = START_GUARD_POLL_S if deadline is None else min(START_GUARD_POLL_S,
                                                                     max(0.0, deadline - time.monotonic()))
             info = signal.sigtimedwait(STOP_SIGNALS, wait)
+            if info is not None and info.si_signo not in STOP_SIGNALS:
+                # no stop: a wait interrupted (EINTR, as a resume after SIGSTOP makes it) once its
+                # timeout ran out, which Python answers with a siginfo the kernel never filled
+                info = None
             with self._lock:
                 if self._done:
                     if info is not None:        # the loop's handler takes it
