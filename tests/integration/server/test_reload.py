@@ -19,7 +19,7 @@ from gateway.server.app import DISCOVERY_KEY, RELOAD_KEY
 from gateway.server.reload import Reloader
 from tests.support.factories import model_block, pd_model, pd_pair, roleset
 from tests.support.http import openai_client, sim_state
-from tests.support.metrics import metric
+from tests.support.metrics import metric, series
 from tests.support.waiting import until, wait_for
 
 CHAT = [{"role": "user", "content": "Reload me."}]
@@ -469,4 +469,29 @@ async def test_responses_stored_before_a_reload_are_continued_after_it(sims, gat
     f.write(responses={**f.data["responses"], "affinity_ttl_s": 5.0})
     result = f.reloader.reload("test")
     assert (result.result, result.key_path) == ("restart_required", "responses.affinity_ttl_s")
+    await client.close()
+
+
+async def test_a_model_a_reload_removed_leaves_the_in_flight_gauge_once_its_last_request_ended(
+        sims, gateway, tmp_path):
+    """``switchyard_in_flight_requests`` follows the models served, as the endpoints' gauges follow
+    the pool: a model a reload removed counts its stream in flight until that stream ends, and then
+    its series goes (a dashboard's "in flight by model" would otherwise draw a line at 0 for every
+    model the gateway ever served)."""
+    a, b = await sims("vllm", "m"), await sims("vllm", "gone", itl_ms=20.0)
+    gw = await gateway([model_block("m", "vllm", [a.url]), model_block("gone", "vllm", [b.url])])
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    client = openai_client(gw)
+    await chat(client, model="gone")
+    stream = await client.chat.completions.create(model="gone", messages=CHAT, max_tokens=30, stream=True)
+    await stream.__anext__()
+    f.write(models=[model_block("m", "vllm", [a.url])])
+    assert f.reloader.reload("test").result == "ok"
+    text = await gw.metrics_text()
+    assert metric(text, "switchyard_in_flight_requests", model="gone") == 1     # its stream still counts
+    async for _ in stream:
+        pass
+    await chat(client)
+    in_flight = series(await gw.metrics_text(), "switchyard_in_flight_requests")
+    assert in_flight == {'model="m"': 0.0}
     await client.close()
