@@ -331,9 +331,13 @@ class GatewayMetrics:
 
     def attach_live_state(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int],
                           prefix_stats: Callable[[], dict[str, int]] | None = None,
-                          engine_max_age: float = 10.0, fleet_load: Callable[[Any], float] | None = None) -> None:
-        """Gauges of live counts, read from the objects that hold them at scrape time."""
-        self.registry.register(LiveState(endpoints, model_in_flight, prefix_stats, engine_max_age, fleet_load))
+                          engine_max_age: float = 10.0, fleet_load: Callable[[Any], float] | None = None,
+                          served: Callable[[str], bool] | None = None) -> None:
+        """Gauges of live counts, read from the objects that hold them at scrape time. ``served``:
+        whether a model is still served (one a reload or discovery removed keeps its in-flight
+        series while requests of it run, no longer)."""
+        self.registry.register(LiveState(endpoints, model_in_flight, prefix_stats, engine_max_age, fleet_load,
+                                         served))
 
     def child(self, metric, *labels: str):
         """A cached labelled child: one dict lookup on the hot path (a family hashes by identity;
@@ -420,8 +424,10 @@ class LiveState(Collector):
 
     def __init__(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int],
                  prefix_stats: Callable[[], dict[str, int]] | None = None, engine_max_age: float = 10.0,
-                 fleet_load: Callable[[Any], float] | None = None) -> None:
+                 fleet_load: Callable[[Any], float] | None = None,
+                 served: Callable[[str], bool] | None = None) -> None:
         self._fleet_load = fleet_load
+        self._served = served
         self._endpoints = endpoints
         self._model_in_flight = model_in_flight
         self._prefix_stats = prefix_stats
@@ -449,7 +455,8 @@ class LiveState(Collector):
         yield from self._engine_state(eps)
         fam = GaugeMetricFamily("switchyard_in_flight_requests", "Client requests in flight by model", labels=["model"])
         for model, n in list(self._model_in_flight.items()):
-            fam.add_metric([model], n)
+            if n or self._served is None or self._served(model):     # a removed model's goes with its last request
+                fam.add_metric([model], n)
         yield fam
         stats = self._prefix_stats() if self._prefix_stats is not None else {}
         if stats:
