@@ -14,6 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.demo import DEMO_ENGINES
+from gateway.observability.status import MAX_NAME
 from tests.support.cdp import launch_for_test
 from tests.support.factories import model_block, roleset, sim_pod
 from tests.support.status import ADMIN, chat
@@ -175,20 +176,33 @@ async def test_a_gateway_that_is_down_is_never_polled_more_often_than_refresh_s(
 async def test_long_model_and_endpoint_names_leave_every_column_in_view(sims, gateway, page):
     """A Hugging Face model id and a Service's DNS name pushed 8 of the 12 endpoint columns (the
     breaker, load, KV and scrape figures) out of a 1280 px window; the names are cut now, whole in
-    their tooltips."""
+    their tooltips. The routing decisions and errors name the model, the endpoint and the request
+    id too, a client's own (up to 128 characters) or a model name it made up: their status, class,
+    message, strategy and endpoint columns stay in view as well."""
     model = "neuralmagic/Meta-Llama-3.1-70B-Instruct-quantized.w4a16-long-context-finetune"
     host = "llama-70b-instruct-decode-0.llama-70b-instruct-decode.inference-production.svc.cluster.local"
+    unknown = "<b>made-up</b>-" + "x" * 300
+    rid = "r" * 128
     sim = await sims("vllm", model)
-    gw = await gateway([model_block(model, "vllm", [sim.url, f"http://{host}:8000"])], status=FAST_PAGE)
+    gw = await gateway([model_block(model, "vllm", [sim.url, f"http://{host}:8000"], strategy="round-robin")],
+                       status=FAST_PAGE)
+    assert await chat(gw, model, rid=rid) == 200
+    assert await chat(gw, model, rid=rid[1:] + "-", headers={"x-sim-fault": "status=500"}) >= 500
+    assert await chat(gw, unknown, rid=rid) == 404
     await page.navigate(gw.url + "/status")
-    await page.wait_for(q("#endpoints tbody tr") + " !== null")
-    for table in ("#models", "#endpoints"):
+    await page.wait_for(q("#endpoints tbody tr") + " !== null && "
+                        + "document.querySelectorAll('#errors tbody tr').length >= 2 && "
+                        + q("#decisions tbody tr") + " !== null")
+    assert await page.evaluate("document.querySelectorAll('b').length") == 0
+    for table in ("#models", "#endpoints", "#decisions", "#errors"):
         out = await page.evaluate(f"[...document.querySelectorAll('{table} thead th')]"
                                   ".filter(th => th.getBoundingClientRect().right > window.innerWidth)"
                                   ".map(th => th.textContent)")
         assert out == [], (table, out)
     titles = await page.evaluate("[...document.querySelectorAll('#endpoints .clip')].map(e => e.title)")
     assert model in titles and any(host in t for t in titles)
+    titles = await page.evaluate("[...document.querySelectorAll('#errors .clip, #decisions .clip')].map(e => e.title)")
+    assert {model, unknown[:MAX_NAME] + "…", rid} <= set(titles)        # a client's name kept as status.json cuts it
     assert page.problems == []
 
 
