@@ -11,12 +11,15 @@ import aiohttp
 import openai
 import orjson
 import pytest
+from aiohttp import web
 
 from enginesim.audio_api import BYTES_PER_SECOND, transcript
 from tests.support.factories import model_block
+from tests.support.fake_engine import fake_engine
 from tests.support.gateway_process import gateway_process, post_new
 from tests.support.http import openai_client, post_json, sim_state
 from tests.support.ports import listen_port
+from tests.support.waiting import wait_for
 
 RERANK = {"query": "red apple pie", "documents": ["green pear", "a red apple pie recipe", "trains"]}
 AUDIO = bytes(range(256)) * 800          # 204,800 bytes: bigger than one socket read, one write
@@ -440,3 +443,29 @@ async def test_a_forms_charset_decodes_its_model_as_the_engines_form_reader_deco
             got = await r.json()
             assert r.status == 400 and got["error"]["param"] == "Content-Type", got
             assert got["error"]["message"] == "the multipart Content-Type gives 'charset' more than once", got
+
+
+async def test_a_rerank_usage_of_total_tokens_alone_is_counted_and_charged(gateway):
+    """vLLM releases before ``prompt_tokens`` was added to a rerank's usage report
+    ``{"total_tokens": N}`` alone: the N tokens it encoded are the prompt tokens counted (metric,
+    log line) and charged to the user's TPM, as a score's ``prompt_tokens`` are."""
+    async def rerank(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"id": "rerank-1", "model": "llama", "usage": {"total_tokens": 37},
+                                  "results": [{"index": 0, "document": {"text": "x"}, "relevance_score": 0.5}]})
+
+    key = "sk-alice-0123456789"
+    async with fake_engine(rerank, paths=("/v1/rerank",)) as url:
+        gw = await gateway([model_block("llama", "vllm", [url])], auth={"api_keys": [{"key": key, "user": "alice"}]},
+                           limits={"users": {"alice": {"tpm": 1000}}})
+        status, got, _ = await post_json(gw, "/v1/rerank", {"model": "llama", **RERANK},
+                                         {"Authorization": f"Bearer {key}"})
+        assert status == 200 and got["usage"] == {"total_tokens": 37}       # passed on as it came
+        assert 'switchyard_prompt_tokens_total{model="llama"} 37.0' in await gw.metrics_text()
+        state = gw.gw.tenancy.state
+        assert (await wait_for(lambda: _charged(state, "alice")))["tokens"] == 37
+
+
+async def _charged(state, user):
+    used = await state.usage(user)
+    return used if used["tokens"] else None
