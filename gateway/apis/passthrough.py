@@ -118,6 +118,18 @@ class PassthroughApi(EngineSpecificApi):
     def stream_error(self, ctx: Any, status: int, message: str, code: str | None) -> bytes:
         return b"data: " + orjson.dumps(error_body(status, message, code=code)) + b"\n\n"
 
+    def body_usage(self, ctx: Any, data: dict[str, Any]) -> dict | None:
+        """The answer's usage; a ``total_tokens`` alone (vLLM's rerank before ``prompt_tokens`` was
+        added to it) is what the engine encoded: its prompt tokens."""
+        usage = data.get("usage")
+        if not isinstance(usage, dict):
+            return None
+        total = usage.get("total_tokens")
+        if ("prompt_tokens" not in usage and "completion_tokens" not in usage
+                and isinstance(total, int) and not isinstance(total, bool)):
+            return {"prompt_tokens": total}
+        return usage
+
     def parse(self, path: str, body: bytes, headers: Mapping[str, str], request_id: str) -> InferenceRequest:
         data = load_object(body)
         model = data.get("model")
