@@ -235,3 +235,49 @@ async def test_a_conversations_tool_calls_and_results_count_in_its_prompt_tokens
             assert counted[long] - counted["42"] >= len(long) // 5, (engine, counted)
             bare = (await usage("/v1/chat/completions", {"max_tokens": 1, "messages": chat[:1]}))["prompt_tokens"]
             assert counted["42"] - bare >= len(chat[1]["tool_calls"][0]["function"]["arguments"]) // 5, engine
+
+
+async def test_vllm_completion_batch_of_prompts_answers_each_prompts_choices(sims):
+    """vLLM's completions take a list of prompts (strings or token id lists) as a batch: choice
+    ``prompt_i * n + j`` is prompt i's j-th, each echoing its own prompt; usage counts every prompt
+    once and every choice's tokens; a stream sends each choice in chunks of its own, then the usage."""
+    v = await sims("vllm", "llama")
+    prompts = ["one prompt here", "and a second, longer prompt than that"]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(v.url + "/tokenize", json={"model": "llama", "prompt": prompts[0]}) as r:
+            ids0 = (await r.json())["tokens"]
+        async with s.post(v.url + "/tokenize", json={"model": "llama", "prompt": prompts[1]}) as r:
+            ids1 = (await r.json())["tokens"]
+        body = {"model": "llama", "prompt": prompts, "max_tokens": 2, "n": 2, "echo": True}
+        async with s.post(v.url + "/v1/completions", json=body) as r:
+            whole = await r.json()
+            assert r.status == 200, whole
+        assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+        assert [c["text"].startswith(prompts[i // 2]) for i, c in enumerate(whole["choices"])] == [True] * 4
+        assert whole["usage"]["prompt_tokens"] == len(ids0) + len(ids1)
+        assert whole["usage"]["completion_tokens"] == 8
+        assert whole["usage"]["total_tokens"] == len(ids0) + len(ids1) + 8
+        # token id prompts, one choice each
+        async with s.post(v.url + "/v1/completions", json={"model": "llama", "prompt": [ids0, ids1],
+                                                           "max_tokens": 3}) as r:
+            ids_whole = await r.json()
+            assert r.status == 200, ids_whole
+        assert [c["index"] for c in ids_whole["choices"]] == [0, 1]
+        assert ids_whole["usage"]["prompt_tokens"] == len(ids0) + len(ids1)
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with s.post(v.url + "/v1/completions", json=body) as r:
+            raw = await r.read()
+            assert r.status == 200, raw
+    assert raw.endswith(b"data: [DONE]\n\n")
+    got = [d for _, d in sse_frames(raw[:-len(b"data: [DONE]\n\n")])]
+    chunks = [d for d in got if d["choices"]]
+    assert all(len(d["choices"]) == 1 for d in chunks)
+    texts: dict[int, str] = {}
+    for d in chunks:
+        texts[d["choices"][0]["index"]] = texts.get(d["choices"][0]["index"], "") + d["choices"][0]["text"]
+    assert sorted(texts) == [0, 1, 2, 3]
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}     # same seed, same answers
+    ends = {d["choices"][0]["index"] for d in chunks if d["choices"][0]["finish_reason"] == "length"}
+    assert ends == {0, 1, 2, 3}
+    assert got[-1]["choices"] == [] and got[-1]["usage"]["prompt_tokens"] == len(ids0) + len(ids1)
+    assert got[-1]["usage"]["completion_tokens"] == 8
