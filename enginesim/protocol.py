@@ -38,6 +38,9 @@ class OpenAIRequest:
     n: int = 1                     # choices asked for (more than one: a simulated aggregated vLLM only)
     echo: str | None = None        # ``echo``: the prompt's text a completion's answer begins with, the
                                    # last message's a vLLM chat's
+    # a vLLM completion's batch of prompts (a list of several): each prompt's ids and its echo
+    # (``prompt_ids`` and ``echo`` are the first's); empty for one prompt
+    batch: tuple[tuple[list[int], str | None], ...] = ()
 
 
 # vLLM's and SGLang's request models are pydantic v2 models in lax mode: an ``int`` field takes a
@@ -138,6 +141,20 @@ def token_id_list(value: Any, param: str) -> list[int] | None:
     return list(value)
 
 
+def completion_prompts(prompt: Any, tokenizer: FakeTokenizer) -> list[list[int]] | None:
+    """A completions ``prompt`` that is a batch (vLLM's ``list[str]`` or ``list[list[int]]`` of more
+    than one), each prompt's ids; None for anything else."""
+    if not isinstance(prompt, list) or len(prompt) < 2:
+        return None
+    if all(isinstance(p, str) for p in prompt):
+        return [tokenizer.encode(p) for p in prompt]
+    if all(isinstance(p, list) for p in prompt):
+        batch = [token_id_list(p, "prompt") for p in prompt]
+        if all(ids is not None for ids in batch):
+            return batch     # type: ignore[return-value]
+    return None
+
+
 def completion_prompt_ids(prompt: Any, tokenizer: FakeTokenizer) -> list[int]:
     """A completions ``prompt``: a string, token ids, or a one-element list of either."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -182,8 +199,10 @@ def chat_template_flags(body: dict[str, Any], vllm: bool) -> tuple[bool, bool]:
 
 def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm: bool = True,
                  several: bool = False) -> OpenAIRequest:
-    """``several``: the engine simulates ``n`` > 1 (else it answers 501 to one)."""
+    """``several``: the engine simulates ``n`` > 1 and a completion's batch of prompts (else it
+    answers 501 to either)."""
     echo: str | None = None
+    batch: tuple[tuple[list[int], str | None], ...] = ()
     if kind == "chat":
         agp, cont = chat_template_flags(body, vllm)
         prompt_ids = chat_prompt_ids(body.get("messages"), tokenizer, agp, cont, rendered_tools(body.get("tools")))
@@ -200,10 +219,17 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
                            type_="BadRequestError", param="prompt_embeds")
         if "prompt" not in body:
             raise ApiError(400, "1 validation error:\n  prompt: Field required", type_=_BAD, param="prompt")
-        prompt_ids = completion_prompt_ids(body["prompt"], tokenizer)
+        echoing = bool_field(body, "echo", False)
+        prompts = completion_prompts(body["prompt"], tokenizer) if several else None
+        if prompts is not None:
+            batch = tuple((ids, _prompt_text(p, ids, tokenizer) if echoing else None)
+                          for p, ids in zip(body["prompt"], prompts, strict=True))
+            prompt_ids, echo = batch[0]
+        else:
+            prompt_ids = completion_prompt_ids(body["prompt"], tokenizer)
+            if echoing:
+                echo = _prompt_text(body["prompt"], prompt_ids, tokenizer)
         max_tokens = _int_field(body, "max_tokens", 1)
-        if bool_field(body, "echo", False):
-            echo = _prompt_text(body["prompt"], prompt_ids, tokenizer)
     n = _int_field(body, "n", 1)
     if n is not None and n > 1 and not several:
         raise ApiError(501, "enginesim does not simulate n > 1", param="n")
@@ -236,6 +262,7 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
         max_tokens_null=kind != "chat" and "max_tokens" in body and body["max_tokens"] is None,
         n=n if n is not None and n > 1 else 1,
         echo=echo,
+        batch=batch,
     )
 
 

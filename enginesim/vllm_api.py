@@ -96,9 +96,10 @@ class VllmApi:
             raise ApiError(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.",
                            type_="InternalServerError")
 
-    def _max_tokens(self, req: OpenAIRequest) -> int:
+    def _max_tokens(self, req: OpenAIRequest, prompt_ids: list[int] | None = None) -> int:
+        """The length a prompt (``req``'s, or one of its batch) may generate, as vLLM checks it."""
         limit = self.engine.max_prompt_tokens
-        n = len(req.prompt_ids)
+        n = len(req.prompt_ids if prompt_ids is None else prompt_ids)
         if n > limit:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your "
                            f"prompt contains {n} input tokens. Please reduce the length of the input.",
@@ -153,13 +154,25 @@ class VllmApi:
             if kind == "chat" and self.cfg.tool_call_parser and req.n == 1:
                 seq.tool_calls = chat_tool_calls(body, vllm_call_id)
             engine.role.accept(seq, body)
-            # vLLM forks a request of n choices into n child requests of the same prompt
-            seqs = [seq] + [engine.new_sequence(
-                seq_id=seq_id, rid=f"{seq.rid}_{i}", prompt_ids=req.prompt_ids, params=seq.params,
-                stream=req.stream, fault=fault, cache_salt=req.cache_salt, lora=seq.lora,
-                dp_rank=dp_rank) for i in range(1, req.n)]
-            for i, child in enumerate(seqs[1:], 1):
-                child.output_key += f"\0choice {i}"     # each choice samples its own tokens
+            # a batch of prompts is a request of its own per prompt (vLLM's ``{request_id}-{i}``);
+            # vLLM forks a request of n choices into n child requests of the same prompt. Choice
+            # ``prompt_i * n + j`` is prompt i's j-th
+            prompts = [(ids, self._max_tokens(req, ids)) for ids, _ in req.batch[1:]]
+            seqs = [seq]
+            for p, (ids, limit) in enumerate([(req.prompt_ids, max_tokens), *prompts]):
+                for j in range(req.n):
+                    if p == 0 and j == 0:
+                        continue
+                    params = seq.params if p == 0 else SamplingParams(
+                        max_tokens=limit, min_tokens=req.min_tokens, stop=req.stop, ignore_eos=req.ignore_eos)
+                    child = engine.new_sequence(
+                        seq_id=seq_id, rid=f"{seq.rid}-{p}_{j}" if p else f"{seq.rid}_{j}", prompt_ids=ids,
+                        params=params,
+                        stream=req.stream, fault=fault, cache_salt=req.cache_salt, lora=seq.lora,
+                        dp_rank=dp_rank)
+                    if j:
+                        child.output_key += f"\0choice {j}"     # each choice samples its own tokens
+                    seqs.append(child)
         except ApiError as exc:
             return exc.response(STYLE)
         headers = {"X-Request-Id": str(base)} if self.cfg.enable_request_id_headers else {}
@@ -167,9 +180,11 @@ class VllmApi:
             engine.submit(s)
         try:
             if len(seqs) > 1:
+                # each choice's echo: its own prompt's text
+                echoes = [req.batch[i // req.n][1] if req.batch else req.echo for i in range(len(seqs))]
                 if req.stream:
-                    return await self._stream_choices(request, req, seqs, headers)
-                return await self._complete_choices(request, req, seqs, headers)
+                    return await self._stream_choices(request, req, seqs, headers, echoes)
+                return await self._complete_choices(request, req, seqs, headers, echoes)
             if req.stream:
                 return await self._stream(request, req, seq, headers)
             return await self._complete(request, req, seq, headers)
@@ -339,16 +354,19 @@ class VllmApi:
 
     # -- n > 1 ----------------------------------------------------------------------------------
 
-    def _usage_of(self, seqs: list[Sequence]) -> dict[str, Any]:
-        """The usage of a request of several choices: the prompt once, every choice's tokens."""
+    def _usage_of(self, seqs: list[Sequence], n: int) -> dict[str, Any]:
+        """The usage of a request of several choices (``n`` per prompt): each prompt once, every
+        choice's tokens."""
         usage = self._usage(seqs[0], final=True)
         done = sum(s.completion_tokens for s in seqs)
+        prompt = sum(s.prompt_tokens for s in seqs[::n])
+        usage["prompt_tokens"] = prompt
         usage["completion_tokens"] = done
-        usage["total_tokens"] = seqs[0].prompt_tokens + done
+        usage["total_tokens"] = prompt + done
         return usage
 
     async def _complete_choices(self, request: web.Request, req: OpenAIRequest, seqs: list[Sequence],
-                                headers: dict[str, str]) -> web.StreamResponse:
+                                headers: dict[str, str], echoes: list[str | None]) -> web.StreamResponse:
         """A whole answer of several choices: ``choices`` in index order, usage summed."""
         results = await asyncio.gather(*(collect(self.engine, request, s) for s in seqs))
         await slow_headers(self.engine, seqs[0].fault)
@@ -357,12 +375,12 @@ class VllmApi:
             return failed_error(failed.code, failed.message, failed.code_text).response(STYLE, headers)
         choices = []
         for i, (seq, result) in enumerate(zip(seqs, results, strict=True)):
-            choices.append(self._choice(req, i, seq, (req.echo or "") + result.text, False))
+            choices.append(self._choice(req, i, seq, (echoes[i] or "") + result.text, False))
         seq = seqs[0]
         body: dict[str, Any] = {
             "id": seq.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
             "created": seq.created, "model": seq.lora or self.cfg.served_name, "choices": choices,
-            "service_tier": None, "system_fingerprint": self.fingerprint, "usage": self._usage_of(seqs),
+            "service_tier": None, "system_fingerprint": self.fingerprint, "usage": self._usage_of(seqs, req.n),
         }
         if req.kind == "chat":
             body["prompt_logprobs"] = None
@@ -371,7 +389,7 @@ class VllmApi:
         return json_response(body, headers=headers)
 
     async def _stream_choices(self, request: web.Request, req: OpenAIRequest, seqs: list[Sequence],
-                              headers: dict[str, str]) -> web.StreamResponse:
+                              headers: dict[str, str], echoes: list[str | None]) -> web.StreamResponse:
         """A stream of several choices, as vLLM sends it: each chunk carries one choice (its
         ``index``), the choices' chunks interleaved as their tokens come; a chat's role chunks
         first, one per choice; each choice's last chunk carries its ``finish_reason``. With
@@ -407,7 +425,7 @@ class VllmApi:
         try:
             first = True
             left = len(seqs)
-            echo = [req.echo if not chat else None] * len(seqs)     # each choice's first chunk echoes
+            echo = [None if chat else e for e in echoes]     # each choice's first chunk echoes
             while left:
                 i, out = await came.get()
                 if isinstance(out, Dropped):
@@ -436,7 +454,7 @@ class VllmApi:
         if req.include_usage:
             await writer.send({"id": seq.id, "object": obj, "created": seq.created,
                                "model": seq.lora or self.cfg.served_name, "choices": [],
-                               "usage": _drop_none(self._usage_of(seqs)),
+                               "usage": _drop_none(self._usage_of(seqs, req.n)),
                                "system_fingerprint": self.fingerprint})
         return await writer.done(partial(at_end, self.engine, request, seq.fault))
 
