@@ -281,3 +281,50 @@ async def test_vllm_completion_batch_of_prompts_answers_each_prompts_choices(sim
     assert ends == {0, 1, 2, 3}
     assert got[-1]["choices"] == [] and got[-1]["usage"]["prompt_tokens"] == len(ids0) + len(ids1)
     assert got[-1]["usage"]["completion_tokens"] == 8
+
+
+async def test_vllm_logprobs_ride_each_choice_and_chunk(sims):
+    """vLLM answers ``logprobs`` (a chat's flag with ``top_logprobs``, a completion's count): a
+    chat choice's ``logprobs.content`` has one entry per generated token (``token``, ``logprob``,
+    ``bytes``, ``top_logprobs`` of the count asked), a completion's ``tokens``, ``token_logprobs``,
+    ``text_offset`` and ``top_logprobs``; a stream's chunks carry their own tokens' entries, the same
+    as the whole answer's; what vLLM's request models refuse is a 400."""
+    v = await sims("vllm", "llama")
+    async with aiohttp.ClientSession() as s:
+        body = {"model": "llama", "messages": MSGS, "max_tokens": 4, "logprobs": True, "top_logprobs": 2}
+        async with s.post(v.url + "/v1/chat/completions", json=body) as r:
+            whole = await r.json()
+            assert r.status == 200, whole
+        content = whole["choices"][0]["logprobs"]["content"]
+        assert "".join(e["token"] for e in content) == whole["choices"][0]["message"]["content"]
+        assert len(content) == 4 and all(e["logprob"] <= 0 and bytes(e["bytes"]) == e["token"].encode()
+                                         for e in content)
+        assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["token"] == e["token"] for e in content)
+        async with s.post(v.url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+            raw = await r.read()
+        chunks = [d for _, d in sse_frames(raw[:-len(b"data: [DONE]\n\n")])]
+        streamed = [e for d in chunks for e in (d["choices"][0]["logprobs"] or {}).get("content", [])]
+        assert streamed == content
+        async with s.post(v.url + "/v1/chat/completions", json={**body, "logprobs": False}) as r:
+            assert r.status == 400 and "`logprobs` must be set to true" in (await r.json())["error"]["message"]
+        async with s.post(v.url + "/v1/chat/completions", json={**body, "logprobs": True, "top_logprobs": 0}) as r:
+            none_top = await r.json()
+        assert all(e["top_logprobs"] == [] for e in none_top["choices"][0]["logprobs"]["content"])
+        async with s.post(v.url + "/v1/chat/completions", json={**body, "top_logprobs": 21}) as r:
+            assert r.status == 400, await r.text()
+
+        cbody = {"model": "llama", "prompt": "Once upon a time", "max_tokens": 3, "logprobs": 1}
+        async with s.post(v.url + "/v1/completions", json=cbody) as r:
+            comp = await r.json()
+            assert r.status == 200, comp
+        lp, text = comp["choices"][0]["logprobs"], comp["choices"][0]["text"]
+        assert "".join(lp["tokens"]) == text and len(lp["token_logprobs"]) == 3
+        assert [text[o:].startswith(t) for o, t in zip(lp["text_offset"], lp["tokens"], strict=True)] == [True] * 3
+        assert all(list(top) == [t] for top, t in zip(lp["top_logprobs"], lp["tokens"], strict=True))
+        async with s.post(v.url + "/v1/completions", json={**cbody, "echo": True, "stream": True}) as r:
+            raw = await r.read()
+        chunks = [d for _, d in sse_frames(raw[:-len(b"data: [DONE]\n\n")])]
+        offsets = [o for d in chunks if d["choices"] for o in d["choices"][0]["logprobs"]["text_offset"]]
+        assert offsets == [len("Once upon a time") + o for o in lp["text_offset"]]
+        async with s.post(v.url + "/v1/completions", json={**cbody, "logprobs": -1}) as r:
+            assert r.status == 400 and "positive" in (await r.json())["error"]["message"]
