@@ -41,6 +41,7 @@ class OpenAIRequest:
     # a vLLM completion's batch of prompts (a list of several): each prompt's ids and its echo
     # (``prompt_ids`` and ``echo`` are the first's); empty for one prompt
     batch: tuple[tuple[list[int], str | None], ...] = ()
+    logprobs: int | None = None    # vLLM: the top logprobs each generated token carries (0: its own only)
 
 
 # vLLM's and SGLang's request models are pydantic v2 models in lax mode: an ``int`` field takes a

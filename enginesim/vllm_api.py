@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import random
 import time
@@ -34,6 +35,7 @@ from enginesim.frontend import (
     request_fault,
     slow_headers,
 )
+from enginesim.logprobs import chat_logprobs, chat_requested, completion_logprobs, completion_requested
 from enginesim.lora import LoraError, LoraFull
 from enginesim.protocol import OpenAIRequest, chat_prompt_ids, parse_openai, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
@@ -133,6 +135,8 @@ class VllmApi:
             body = await read_json(request, require_json=True)
             # n > 1: an aggregated engine's choices, each a sequence of its own, stepped together
             req = parse_openai(body, kind, engine.tokenizer, several=engine.role.name == "aggregated")
+            req = dataclasses.replace(req, logprobs=chat_requested(body) if kind == "chat" else
+                                      completion_requested(body))
             # vLLM's before-validator, on the values as sent: {} passes, and so does "stream": "false"
             if body.get("stream_options") and not body.get("stream"):
                 raise ApiError(400, "Stream options can only be defined when `stream=True`.",
@@ -207,9 +211,20 @@ class VllmApi:
         # vLLM reports the matched stop string/token id, and null for EOS.
         return None if seq.stop_reason == EOS_TOKEN_ID else seq.stop_reason
 
-    def _choice(self, req: OpenAIRequest, index: int, seq: Sequence, text: str, token_ids: bool) -> dict[str, Any]:
+    def _logprobs(self, req: OpenAIRequest, ids: list[int] | tuple[int, ...], start: int,
+                  offset: int) -> dict[str, Any] | None:
+        """The ``logprobs`` of a choice's tokens ``ids`` (from position ``start``; a completion's
+        text from character ``offset``), None when the request asks for none."""
+        if req.logprobs is None:
+            return None
+        if req.kind == "chat":
+            return chat_logprobs(self.engine.tokenizer, self.cfg.seed, ids, start, req.logprobs)
+        return completion_logprobs(self.engine.tokenizer, self.cfg.seed, ids, start, req.logprobs, offset)
+
+    def _choice(self, req: OpenAIRequest, index: int, seq: Sequence, text: str, token_ids: bool,
+                echo: str | None = None) -> dict[str, Any]:
         """One choice of a whole answer, as vLLM writes it (``token_ids``: the sequence's and its
-        prompt's ids, as ``return_token_ids`` asks)."""
+        prompt's ids, as ``return_token_ids`` asks; ``echo``: the prompt's text ``text`` begins with)."""
         choice: dict[str, Any] = {"index": index}
         if req.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text, "refusal": None,
@@ -224,7 +239,8 @@ class VllmApi:
                 {"id": calls.ids[i], "type": "function",
                  "function": {"name": name, "arguments": calls.arguments(i, text)}}
                 for i, name in enumerate(calls.names)]
-        choice.update({"logprobs": None, "finish_reason": _tool_finish(seq) if calls is not None else seq.finish_reason,
+        logprobs = None if calls is not None else self._logprobs(req, seq.output_ids, 0, len(echo or ""))
+        choice.update({"logprobs": logprobs, "finish_reason": _tool_finish(seq) if calls is not None else seq.finish_reason,
                        "stop_reason": self._stop_reason(seq),
                        "token_ids": list(seq.output_ids) if token_ids else None})
         if req.kind == "completions":
@@ -239,7 +255,7 @@ class VllmApi:
         if result.final.finish_reason == "error" or result.final.status is not None:
             return failed_error(result.final.code, result.final.message, result.final.code_text).response(STYLE, headers)
         # echo: the prompt's text (a completion) or the last message's (a chat) begins the answer
-        choice = self._choice(req, 0, seq, (req.echo or "") + result.text, req.return_token_ids)
+        choice = self._choice(req, 0, seq, (req.echo or "") + result.text, req.return_token_ids, req.echo)
         body: dict[str, Any] = {
             "id": seq.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
             "created": seq.created, "model": seq.lora or self.cfg.served_name, "choices": [choice],
@@ -272,6 +288,7 @@ class VllmApi:
         first = True
         # echo: the prompt's text goes out with the first output's, on its chunk (held back or not)
         echo = req.echo if not chat else None
+        done = offset = 0      # the tokens sent so far, and the characters of a completion's text
         async with aclosing(outputs(self.engine, request, seq, self.cfg.sse_keepalive_s)) as stream:
             async for out in stream:
                 if out is None:
@@ -297,9 +314,14 @@ class VllmApi:
                     continue
                 if (out.finish_reason is None and not out.text and not (req.return_token_ids and out.token_ids)
                         and echo is None):
+                    done += len(out.token_ids)
                     continue  # held back (maybe the start of a stop string); its ids still go out when asked
                 await writer.send(self._delta_chunk(chunk, chat, seq, out, req.include_usage,
-                                                    req.return_token_ids, prompt_ids if first else None, echo=echo))
+                                                    req.return_token_ids, prompt_ids if first else None, echo=echo,
+                                                    logprobs=self._logprobs(req, out.token_ids, done,
+                                                                            offset + len(echo or ""))))
+                done += len(out.token_ids)
+                offset += len(out.text) + len(echo or "")
                 first = False
                 echo = None
         if req.include_usage:
@@ -324,7 +346,7 @@ class VllmApi:
     def _delta_chunk(self, chunk: Any, chat: bool, seq: Sequence, out: StepOutput,
                      has_usage_chunk: bool, token_ids: bool = False,
                      prompt_ids: list[int] | None = None, index: int = 0,
-                     echo: str | None = None) -> dict[str, Any]:
+                     echo: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         """``echo``: the prompt's text a completion's first chunk begins with (vLLM: the prompt's
         text and the first output's; its ``token_ids`` stay the output's, its usage counts them only)."""
         finishing = out.finish_reason is not None
@@ -333,7 +355,7 @@ class VllmApi:
             choice["delta"] = {"content": out.text}
         else:
             choice["text"] = out.text if echo is None else echo + out.text
-        choice["logprobs"] = None
+        choice["logprobs"] = logprobs
         choice["finish_reason"] = out.finish_reason
         if finishing or not chat:
             choice["stop_reason"] = self._stop_reason(seq) if finishing else None
@@ -375,7 +397,7 @@ class VllmApi:
             return failed_error(failed.code, failed.message, failed.code_text).response(STYLE, headers)
         choices = []
         for i, (seq, result) in enumerate(zip(seqs, results, strict=True)):
-            choices.append(self._choice(req, i, seq, (echoes[i] or "") + result.text, False))
+            choices.append(self._choice(req, i, seq, (echoes[i] or "") + result.text, False, echoes[i]))
         seq = seqs[0]
         body: dict[str, Any] = {
             "id": seq.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
@@ -426,6 +448,8 @@ class VllmApi:
             first = True
             left = len(seqs)
             echo = [None if chat else e for e in echoes]     # each choice's first chunk echoes
+            done = [0] * len(seqs)          # each choice's tokens sent so far
+            offset = [0] * len(seqs)        # and the characters of its text
             while left:
                 i, out = await came.get()
                 if isinstance(out, Dropped):
@@ -444,9 +468,13 @@ class VllmApi:
                 if out.finish_reason is not None:
                     left -= 1
                 elif not out.text and echo[i] is None:
+                    done[i] += len(out.token_ids)
                     continue
                 await writer.send(self._delta_chunk(chunk, chat, seqs[i], out, req.include_usage, index=i,
-                                                    echo=echo[i]))
+                                                    echo=echo[i], logprobs=self._logprobs(req, out.token_ids, done[i],
+                                                                                          offset[i] + len(echo[i] or ""))))
+                done[i] += len(out.token_ids)
+                offset[i] += len(out.text) + len(echo[i] or "")
                 echo[i] = None
         finally:
             for p in pumps:

@@ -1,0 +1,112 @@
+"""Log probabilities of generated tokens, shaped as vLLM's OpenAI server writes them.
+
+The values are made up but stable: a token's logprob depends on the engine's seed, the token and
+its position only, so the same answer carries the same logprobs, streamed or not. The sampled token
+ranks first among its ``top_logprobs`` (a greedy pick), the other candidates are output words with
+lower logprobs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from enginesim.errors import ApiError
+from enginesim.protocol import bool_field, lax_int
+
+MAX_LOGPROBS = 20      # vLLM's --max-logprobs default
+
+
+def _logprob(seed: int, token_id: int, position: int, rank: int) -> float:
+    digest = hashlib.blake2b(f"{seed}\0{token_id}\0{position}".encode(), digest_size=8).digest()
+    base = -(int.from_bytes(digest, "little") % 100_000) / 100_000.0      # (-1, 0]
+    return round(base - 1.5 * rank, 6)
+
+
+def _candidates(tokenizer: Any, seed: int, token_id: int, position: int, k: int) -> list[tuple[int, float]]:
+    """``k`` (at least 1) candidates for a position: the sampled token first, then others."""
+    out = [(token_id, _logprob(seed, token_id, position, 0))]
+    vocab = tokenizer.output_ids
+    start = (token_id * 31 + position * 7) % len(vocab)
+    i = 0
+    while len(out) < k and i < len(vocab):
+        other = vocab[(start + i) % len(vocab)]
+        i += 1
+        if other != token_id:
+            out.append((other, _logprob(seed, token_id, position, len(out))))
+    return out
+
+
+def chat_requested(body: dict[str, Any]) -> int | None:
+    """The top logprobs a vLLM chat asks for (0: the sampled token's only), None when it asks for
+    none; the refusals of vLLM's chat request model."""
+    top = body.get("top_logprobs")
+    if top is not None:
+        try:
+            top = lax_int(top)
+        except ValueError as e:
+            raise ApiError(400, f"1 validation error:\n  top_logprobs: {e}", type_="Bad Request",
+                           param="top_logprobs") from None
+        if top < 0 and top != -1:
+            raise ApiError(400, "`top_logprobs` must be a positive value or -1.", type_="BadRequestError",
+                           param="top_logprobs")
+    wanted = bool_field(body, "logprobs", False)
+    if top is not None and top != 0 and not wanted:
+        raise ApiError(400, "when using `top_logprobs`, `logprobs` must be set to true.",
+                       type_="BadRequestError", param="top_logprobs")
+    if not wanted:
+        return None
+    return _within_max(top or 0)
+
+
+def completion_requested(body: dict[str, Any]) -> int | None:
+    """The logprobs count a vLLM completion asks for (0: the sampled token's only), None for none."""
+    n = body.get("logprobs")
+    if n is None:
+        return None
+    try:
+        n = lax_int(n)
+    except ValueError as e:
+        raise ApiError(400, f"1 validation error:\n  logprobs: {e}", type_="Bad Request",
+                       param="logprobs") from None
+    if n < 0:
+        raise ApiError(400, "`logprobs` must be a positive value.", type_="BadRequestError", param="logprobs")
+    return _within_max(n)
+
+
+def _within_max(n: int) -> int:
+    if n == -1 or n > MAX_LOGPROBS:
+        raise ApiError(400, f"Requested sample logprobs of {n}, which is greater than max allowed: {MAX_LOGPROBS}",
+                       type_="BadRequestError", param="logprobs")
+    return n
+
+
+def chat_logprobs(tokenizer: Any, seed: int, ids: list[int] | tuple[int, ...], start: int,
+                  top: int) -> dict[str, Any]:
+    """A chat choice's ``logprobs`` for ``ids``, the answer's tokens from position ``start`` on."""
+    content = []
+    for pos, tid in enumerate(ids, start):
+        cands = _candidates(tokenizer, seed, tid, pos, max(top, 1))
+        token = tokenizer.piece(tid)
+        content.append({"token": token, "logprob": cands[0][1], "bytes": list(token.encode()),
+                        "top_logprobs": [{"token": (t := tokenizer.piece(c)), "logprob": lp,
+                                          "bytes": list(t.encode())} for c, lp in cands[:top]]})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(tokenizer: Any, seed: int, ids: list[int] | tuple[int, ...], start: int,
+                        top: int, offset: int) -> dict[str, Any]:
+    """A completion choice's ``logprobs`` for ``ids`` (from position ``start``), their text
+    beginning at character ``offset`` of the choice's text. Each position's ``top_logprobs`` holds
+    the sampled token and the ``top`` best (the sampled one ranking first: ``top`` entries, one
+    with 0)."""
+    out: dict[str, Any] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    for pos, tid in enumerate(ids, start):
+        cands = _candidates(tokenizer, seed, tid, pos, max(top, 1))
+        token = tokenizer.piece(tid)
+        out["text_offset"].append(offset)
+        out["token_logprobs"].append(cands[0][1])
+        out["tokens"].append(token)
+        out["top_logprobs"].append({tokenizer.piece(c): lp for c, lp in cands})
+        offset += len(token)
+    return out
