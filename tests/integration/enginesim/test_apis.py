@@ -328,3 +328,27 @@ async def test_vllm_logprobs_ride_each_choice_and_chunk(sims):
         assert offsets == [len("Once upon a time") + o for o in lp["text_offset"]]
         async with s.post(v.url + "/v1/completions", json={**cbody, "logprobs": -1}) as r:
             assert r.status == 400 and "positive" in (await r.json())["error"]["message"]
+
+
+async def test_vllm_completion_of_no_tokens_with_echo_answers_the_prompt(sims):
+    """vLLM serves a completion with ``max_tokens: 0`` and ``echo``: it generates one token and
+    answers the prompt alone (``finish_reason: length``, the token counted in usage), streamed or
+    not, for each prompt of a batch; without ``echo`` the 0 is refused."""
+    v = await sims("vllm", "llama")
+    body = {"model": "llama", "prompt": "Once upon a time", "max_tokens": 0, "echo": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(v.url + "/v1/completions", json=body) as r:
+            whole = await r.json()
+            assert r.status == 200, whole
+        assert [(c["text"], c["finish_reason"]) for c in whole["choices"]] == [("Once upon a time", "length")]
+        assert whole["usage"]["completion_tokens"] == 1
+        async with s.post(v.url + "/v1/completions", json={**body, "stream": True}) as r:
+            raw = await r.read()
+        chunks = [d for _, d in sse_frames(raw[:-len(b"data: [DONE]\n\n")])]
+        assert "".join(d["choices"][0]["text"] for d in chunks) == "Once upon a time"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        async with s.post(v.url + "/v1/completions", json={**body, "prompt": ["one", "two"], "n": 2}) as r:
+            batch = await r.json()
+        assert [c["text"] for c in batch["choices"]] == ["one", "one", "two", "two"]
+        async with s.post(v.url + "/v1/completions", json={**body, "echo": False}) as r:
+            assert r.status == 400
