@@ -42,6 +42,8 @@ class OpenAIRequest:
     # (``prompt_ids`` and ``echo`` are the first's); empty for one prompt
     batch: tuple[tuple[list[int], str | None], ...] = ()
     logprobs: int | None = None    # vLLM: the top logprobs each generated token carries (0: its own only)
+    echo_only: bool = False        # a vLLM completion's max_tokens 0 with echo: one token generated, the
+                                   # prompt alone answered
 
 
 # vLLM's and SGLang's request models are pydantic v2 models in lax mode: an ``int`` field takes a
@@ -204,6 +206,7 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
     answers 501 to either)."""
     echo: str | None = None
     batch: tuple[tuple[list[int], str | None], ...] = ()
+    echo_only = False
     if kind == "chat":
         agp, cont = chat_template_flags(body, vllm)
         prompt_ids = chat_prompt_ids(body.get("messages"), tokenizer, agp, cont, rendered_tools(body.get("tools")))
@@ -230,7 +233,12 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
             prompt_ids = completion_prompt_ids(body["prompt"], tokenizer)
             if echoing:
                 echo = _prompt_text(body["prompt"], prompt_ids, tokenizer)
-        max_tokens = _int_field(body, "max_tokens", 1)
+        # vLLM: max_tokens 0 with echo generates one token (its sampling params' least) and answers
+        # the prompt alone
+        max_tokens = _int_field(body, "max_tokens", 0 if vllm and echoing else 1)
+        echo_only = max_tokens == 0
+        if echo_only:
+            max_tokens = 1
     n = _int_field(body, "n", 1)
     if n is not None and n > 1 and not several:
         raise ApiError(501, "enginesim does not simulate n > 1", param="n")
@@ -264,6 +272,7 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
         n=n if n is not None and n > 1 else 1,
         echo=echo,
         batch=batch,
+        echo_only=echo_only,
     )
 
 

@@ -255,7 +255,8 @@ class VllmApi:
         if result.final.finish_reason == "error" or result.final.status is not None:
             return failed_error(result.final.code, result.final.message, result.final.code_text).response(STYLE, headers)
         # echo: the prompt's text (a completion) or the last message's (a chat) begins the answer
-        choice = self._choice(req, 0, seq, (req.echo or "") + result.text, req.return_token_ids, req.echo)
+        text = "" if req.echo_only else result.text     # max_tokens 0 with echo: the prompt alone
+        choice = self._choice(req, 0, seq, (req.echo or "") + text, req.return_token_ids, req.echo)
         body: dict[str, Any] = {
             "id": seq.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
             "created": seq.created, "model": seq.lora or self.cfg.served_name, "choices": [choice],
@@ -297,6 +298,8 @@ class VllmApi:
                 if out.finish_reason == "error" or out.status is not None:
                     await writer.send(failed_error(out.code, out.message, out.code_text).stream_payload(STYLE))
                     return await writer.done()
+                if req.echo_only:       # max_tokens 0 with echo: the prompt alone
+                    out = dataclasses.replace(out, text="")
                 prompt_ids = seq.prompt_ids if req.return_token_ids else None
                 if chat and first:
                     # return_token_ids: the prompt's ids ride on the first chunk ever
@@ -397,7 +400,8 @@ class VllmApi:
             return failed_error(failed.code, failed.message, failed.code_text).response(STYLE, headers)
         choices = []
         for i, (seq, result) in enumerate(zip(seqs, results, strict=True)):
-            choices.append(self._choice(req, i, seq, (echoes[i] or "") + result.text, False, echoes[i]))
+            text = "" if req.echo_only else result.text
+            choices.append(self._choice(req, i, seq, (echoes[i] or "") + text, False, echoes[i]))
         seq = seqs[0]
         body: dict[str, Any] = {
             "id": seq.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
@@ -457,6 +461,8 @@ class VllmApi:
                 if out.finish_reason == "error" or out.status is not None:
                     await writer.send(failed_error(out.code, out.message, out.code_text).stream_payload(STYLE))
                     return await writer.done()
+                if req.echo_only:       # max_tokens 0 with echo: the prompt alone
+                    out = dataclasses.replace(out, text="")
                 if chat and first:
                     for k in range(len(seqs)):
                         await writer.send(chunk({"index": k, "delta": {"role": "assistant", "content": ""},
