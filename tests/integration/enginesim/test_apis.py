@@ -352,3 +352,26 @@ async def test_vllm_completion_of_no_tokens_with_echo_answers_the_prompt(sims):
         assert [c["text"] for c in batch["choices"]] == ["one", "one", "two", "two"]
         async with s.post(v.url + "/v1/completions", json={**body, "echo": False}) as r:
             assert r.status == 400
+
+
+async def test_vllm_refuses_what_its_request_models_refuse(sims):
+    """Values real vLLM refuses with a 400: ``best_of`` below 1 or below ``n``, a ``seed`` outside
+    the signed 64-bit range, and an embedding of ``dimensions: 0``; the values beside them are served."""
+    v = await sims("vllm", "llama")
+    comp = {"model": "llama", "prompt": "hi", "max_tokens": 1}
+    async with aiohttp.ClientSession() as s:
+        for extra, ok in (({"best_of": 0}, False), ({"best_of": 1, "n": 2}, False), ({"best_of": 2, "n": 2}, True),
+                          ({"seed": 1 << 63}, False), ({"seed": -(1 << 63) - 1}, False),
+                          ({"seed": (1 << 63) - 1}, True), ({"seed": -(1 << 63)}, True)):
+            async with s.post(v.url + "/v1/completions", json={**comp, **extra}) as r:
+                got = await r.json()
+            assert (r.status == 200) is ok and (ok or got["error"]["param"] == next(iter(extra))), (extra, got)
+        async with s.post(v.url + "/v1/chat/completions", json={"model": "llama", "messages": MSGS, "max_tokens": 1,
+                                                                "seed": 1 << 64}) as r:
+            assert r.status == 400
+        for dims, status in ((0, 400), (-1, 400), (3, 200)):
+            async with s.post(v.url + "/v1/embeddings", json={"model": "llama", "input": "hi",
+                                                              "dimensions": dims}) as r:
+                got = await r.json()
+            assert r.status == status, (dims, got)
+        assert len(got["data"][0]["embedding"]) == 3
