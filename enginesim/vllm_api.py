@@ -12,6 +12,7 @@ import asyncio
 import base64
 import dataclasses
 import hashlib
+import json
 import random
 import time
 import uuid
@@ -37,7 +38,7 @@ from enginesim.frontend import (
 )
 from enginesim.logprobs import chat_logprobs, chat_requested, completion_logprobs, completion_requested
 from enginesim.lora import LoraError, LoraFull
-from enginesim.protocol import OpenAIRequest, chat_prompt_ids, parse_openai, token_id_list
+from enginesim.protocol import OpenAIRequest, chat_prompt_ids, lax_int, parse_openai, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
 from enginesim.tokenizer import EOS_TOKEN_ID, ids_bytes
 from enginesim.tools import ToolCalls, chat_tool_calls, rendered_tools, tool_deltas, vllm_call_id
@@ -135,6 +136,11 @@ class VllmApi:
             body = await read_json(request, require_json=True)
             # n > 1: an aggregated engine's choices, each a sequence of its own, stepped together
             req = parse_openai(body, kind, engine.tokenizer, several=engine.role.name == "aggregated")
+            seed = body.get("seed")
+            if isinstance(seed, float) and abs(seed) >= _I64:
+                # orjson reads an integer past 64 bits as a float: vLLM's parser reads its digits
+                seed = json.loads(await request.read()).get("seed")
+            _check_sampling(body, seed, req.n)
             req = dataclasses.replace(req, logprobs=chat_requested(body) if kind == "chat" else
                                       completion_requested(body))
             # vLLM's before-validator, on the values as sent: {} passes, and so does "stream": "false"
@@ -506,9 +512,14 @@ class VllmApi:
                 inputs: list[str | list[int]] = [chat_prompt_ids(body["messages"], self.engine.tokenizer)]
             else:
                 inputs = embedding_inputs(body.get("input"))
-            dims = body.get("dimensions") or self.cfg.embedding_dim
-            if not isinstance(dims, int) or isinstance(dims, bool) or dims < 1:
-                raise ApiError(400, "dimensions must be a positive integer", type_="BadRequestError",
+            dims = body.get("dimensions")
+            if dims is None:
+                dims = self.cfg.embedding_dim
+            elif not isinstance(dims, int) or isinstance(dims, bool):
+                raise ApiError(400, "1 validation error:\n  dimensions: Input should be a valid integer",
+                               type_="Bad Request", param="dimensions")
+            elif dims < 1:
+                raise ApiError(400, "Dimensions must be greater than 0", type_="BadRequestError",
                                param="dimensions")
             fmt = body.get("encoding_format") or "float"
             if fmt not in ("float", "base64"):
@@ -623,6 +634,36 @@ class VllmApi:
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.engine.metrics.render(self.engine),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+_I64 = 1 << 63
+
+
+def _check_sampling(body: dict[str, Any], seed: Any, n: int) -> None:
+    """What vLLM refuses of a request's ``seed`` (its request models bound it to a signed 64-bit
+    integer) and ``best_of`` (its sampling params: at least 1, and at least ``n``)."""
+    if seed is not None:
+        try:
+            seed = lax_int(seed)
+        except ValueError as e:
+            raise ApiError(400, f"1 validation error:\n  seed: {e}", type_="Bad Request", param="seed") from None
+        if not -_I64 <= seed < _I64:
+            bound = f"greater than or equal to {-_I64}" if seed < 0 else f"less than or equal to {_I64 - 1}"
+            raise ApiError(400, f"1 validation error:\n  seed: Input should be {bound}", type_="Bad Request",
+                           param="seed")
+    best_of = body.get("best_of")
+    if best_of is not None:
+        try:
+            best_of = lax_int(best_of)
+        except ValueError as e:
+            raise ApiError(400, f"1 validation error:\n  best_of: {e}", type_="Bad Request",
+                           param="best_of") from None
+        if best_of < 1:
+            raise ApiError(400, f"best_of must be at least 1, got {best_of}.", type_="BadRequestError",
+                           param="best_of")
+        if best_of < n:
+            raise ApiError(400, f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}.",
+                           type_="BadRequestError", param="best_of")
 
 
 def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
