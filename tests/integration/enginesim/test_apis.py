@@ -153,10 +153,40 @@ async def test_vllm_choices_interleave_each_in_its_own_chunks(sims):
                                                            "n": 3}) as r:
             whole = await r.json()
         assert [c["index"] for c in whole["choices"]] == [0, 1, 2] and whole["usage"]["completion_tokens"] == 6
+
+
+async def test_sglang_choices_each_in_their_own_chunks(sims):
+    """SGLang serves ``n`` > 1 (its parallel sampling): each choice its own sequence, a stream's
+    chunks carrying one choice each (a chat's role chunk on each choice's first, its finish in a
+    chunk of its own), the usage the prompt once and every choice's tokens."""
     s1 = await sims("sglang", "qwen")
+    body = {"model": "qwen", "max_tokens": 3, "n": 2, "stream": True, "messages": MSGS,
+            "stream_options": {"include_usage": True}}
     async with aiohttp.ClientSession() as s:
-        async with s.post(s1.url + "/v1/chat/completions", json={**body, "model": "qwen"}) as r:
-            assert r.status == 501
+        async with s.post(s1.url + "/v1/chat/completions", json=body) as r:
+            raw = await r.read()
+            assert r.status == 200, raw
+        got = [d for _, d in sse_frames(raw[:-len(b"data: [DONE]\n\n")])]
+        chunks = [d for d in got if d["choices"]]
+        assert all(len(d["choices"]) == 1 for d in chunks)
+        roles = [d["choices"][0]["index"] for d in chunks if d["choices"][0]["delta"].get("role")]
+        assert sorted(roles) == [0, 1]
+        texts = {0: "", 1: ""}
+        for d in chunks:
+            texts[d["choices"][0]["index"]] += d["choices"][0]["delta"].get("content") or ""
+        ends = {d["choices"][0]["index"]: d["choices"][0]["finish_reason"] for d in chunks
+                if d["choices"][0]["finish_reason"]}
+        assert ends == {0: "length", 1: "length"} and texts[0] != texts[1]
+        usage = got[-1]["usage"]
+        assert got[-1]["choices"] == [] and usage["completion_tokens"] == 6
+        async with s.post(s1.url + "/v1/chat/completions", json={**body, "stream": False, "n": 1}) as r:
+            one = await r.json()
+        assert usage["prompt_tokens"] == one["usage"]["prompt_tokens"]
+        async with s.post(s1.url + "/v1/completions", json={"model": "qwen", "prompt": "hi", "max_tokens": 2,
+                                                            "n": 3}) as r:
+            whole = await r.json()
+            assert r.status == 200, whole
+        assert [c["index"] for c in whole["choices"]] == [0, 1, 2] and whole["usage"]["completion_tokens"] == 6
 
 
 TOOLS = [{"name": f"lookup_route_{i}", "description": f"Look up route table {i} of the fleet by prefix.",
