@@ -202,8 +202,8 @@ def chat_template_flags(body: dict[str, Any], vllm: bool) -> tuple[bool, bool]:
 
 def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm: bool = True,
                  several: bool = False) -> OpenAIRequest:
-    """``several``: the engine simulates ``n`` > 1 and a completion's batch of prompts (else it
-    answers 501 to either)."""
+    """``several``: the engine simulates ``n`` > 1 and, on vLLM, a completion's batch of prompts
+    (else it answers 501 to either)."""
     echo: str | None = None
     batch: tuple[tuple[list[int], str | None], ...] = ()
     echo_only = False
@@ -224,7 +224,7 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
         if "prompt" not in body:
             raise ApiError(400, "1 validation error:\n  prompt: Field required", type_=_BAD, param="prompt")
         echoing = bool_field(body, "echo", False)
-        prompts = completion_prompts(body["prompt"], tokenizer) if several else None
+        prompts = completion_prompts(body["prompt"], tokenizer) if several and vllm else None
         if prompts is not None:
             batch = tuple((ids, _prompt_text(p, ids, tokenizer) if echoing else None)
                           for p, ids in zip(body["prompt"], prompts, strict=True))

@@ -174,25 +174,155 @@ class SglangApi:
     async def _openai(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:
             body = await read_json(request, require_json=False)
-            req = parse_openai(body, kind, self.engine.tokenizer, vllm=False)
+            req = parse_openai(body, kind, self.engine.tokenizer, vllm=False,
+                               several=self.engine.role.name == "aggregated")
             model = req.model if req.model is not None else "default"
             self._check_total(len(req.prompt_ids), req.max_tokens)
             max_tokens = req.max_tokens or self.cfg.max_tokens_default(kind)
             params = SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
                                     ignore_eos=req.ignore_eos)
             seq = self._submit(request, body, req.prompt_ids, params, req.stream)
-            if kind == "chat" and self.cfg.tool_call_parser:
+            if kind == "chat" and self.cfg.tool_call_parser and req.n == 1:
                 seq.tool_calls = chat_tool_calls(body, sglang_call_id)
         except ApiError as exc:
             return exc.response(OPENAI)
+        # n > 1: SGLang's parallel sampling, a sequence of the same prompt per choice
+        seqs = [seq]
+        for j in range(1, req.n):
+            child = self.engine.new_sequence(
+                seq_id=seq.id, rid=f"{seq.rid}_{j}", prompt_ids=req.prompt_ids, params=params, stream=req.stream,
+                fault=seq.fault, cache_salt=seq.cache_salt, lora=seq.lora,
+                dp_rank=request_dp_rank(self.engine, request))
+            child.output_key += f"\0choice {j}"     # each choice samples its own tokens
+            child.trace_headers = seq.trace_headers
+            self.engine.submit(child)
+            seqs.append(child)
         try:
+            if len(seqs) > 1:
+                if req.stream:
+                    return await self._stream_choices(request, req, seqs, model)
+                return await self._complete_choices(request, req, seqs, model)
             if req.stream:
                 return await self._stream(request, req, seq, model)
             return await self._complete(request, req, seq, model)
         except Dropped:
             return web.Response(status=500)  # never reaches the client: the transport is gone
         finally:
-            self.engine.client_gone(seq)
+            for s in seqs:
+                self.engine.client_gone(s)
+
+    def _usage_of(self, seqs: list[Sequence]) -> dict[str, Any]:
+        """The usage of several choices of one prompt: the prompt once, every choice's tokens."""
+        usage = self._usage(seqs[0])
+        done = sum(s.completion_tokens for s in seqs)
+        usage["completion_tokens"] = done
+        usage["total_tokens"] = seqs[0].prompt_tokens + done
+        return usage
+
+    async def _complete_choices(self, request: web.Request, req: OpenAIRequest, seqs: list[Sequence],
+                                model: str) -> web.StreamResponse:
+        """A whole answer of several choices: ``choices`` in index order, usage summed."""
+        results = await asyncio.gather(*(collect(self.engine, request, s) for s in seqs))
+        await slow_headers(self.engine, seqs[0].fault)
+        for result in results:
+            err = _failure(result.final)
+            if err is not None:
+                return err.response(OPENAI)
+        choices = []
+        for i, (seq, result) in enumerate(zip(seqs, results, strict=True)):
+            choice: dict[str, Any] = {"index": i}
+            if req.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": result.text, "reasoning_content": None,
+                                     "tool_calls": None}
+            else:
+                choice["text"] = (req.echo or "") + result.text
+            choice.update({"logprobs": None, "finish_reason": seq.finish_reason,
+                           "matched_stop": self._matched_stop(seq)})
+            if req.kind == "chat":
+                choice["hidden_states"] = None
+            choices.append(choice)
+        seq = seqs[0]
+        return json_response({"id": seq.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
+                              "created": seq.created, "model": model, "choices": choices,
+                              "usage": self._usage_of(seqs), "metadata": {"weight_version": "default"}})
+
+    async def _stream_choices(self, request: web.Request, req: OpenAIRequest, seqs: list[Sequence],
+                              model: str) -> web.StreamResponse:
+        """A stream of several choices, as SGLang sends it: each chunk carries one choice (its
+        ``index``), interleaved as their tokens come; a chat choice's role chunk with its first
+        output, its finish in a chunk of its own. Headers go out with the first chunk."""
+        writer = SseWriter(request, charset=None)
+        seq = seqs[0]
+        chat = req.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        continuous = req.continuous_usage
+
+        def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+            out: dict[str, Any] = {"id": seq.id, "object": obj, "created": seq.created, "model": model,
+                                   "choices": [choice]}
+            if continuous:
+                usage = self._usage(seqs[choice["index"]])
+                out["usage"] = _drop_none(usage) if not chat else usage
+            return out
+
+        came: asyncio.Queue[tuple[int, StepOutput | Dropped]] = asyncio.Queue()
+
+        async def pump(i: int, s: Sequence) -> None:
+            try:
+                async with aclosing(outputs(self.engine, request, s)) as stream:
+                    async for out in stream:
+                        if out is not None:
+                            came.put_nowait((i, out))
+            except Dropped as exc:
+                came.put_nowait((i, exc))
+
+        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(seqs)]
+        try:
+            left = len(seqs)
+            first = [True] * len(seqs)
+            echo = [None if chat else req.echo] * len(seqs)
+            while left:
+                i, out = await came.get()
+                if isinstance(out, Dropped):
+                    raise out
+                err = _failure(out)
+                if err is not None:
+                    if not writer.started:
+                        return err.response(OPENAI)
+                    await writer.send(err.stream_payload(OPENAI))
+                    return await writer.done()
+                if not writer.started:
+                    await slow_headers(self.engine, seq.fault)
+                finishing = out.finish_reason is not None
+                left -= finishing
+                s = seqs[i]
+                if chat:
+                    if first[i]:
+                        await writer.send(chunk({"index": i, "delta": {"reasoning_content": None,
+                                                                       "role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None, "matched_stop": None}))
+                    if out.text:
+                        await writer.send(chunk({"index": i, "delta": {"reasoning_content": None,
+                                                                       "content": out.text},
+                                                 "logprobs": None, "finish_reason": None, "matched_stop": None}))
+                    if finishing:
+                        await writer.send(chunk({"index": i, "delta": {"reasoning_content": None},
+                                                 "logprobs": None, "finish_reason": out.finish_reason,
+                                                 "matched_stop": self._matched_stop(s)}))
+                elif out.text or finishing or echo[i] is not None:
+                    await writer.send(chunk({"index": i, "text": (echo[i] or "") + out.text, "logprobs": None,
+                                             "finish_reason": out.finish_reason,
+                                             "matched_stop": self._matched_stop(s) if finishing else None}))
+                    echo[i] = None
+                first[i] = False
+        finally:
+            for p in pumps:
+                p.cancel()
+        if req.include_usage:
+            usage = self._usage_of(seqs)
+            await writer.send({"id": seq.id, "object": obj, "created": seq.created, "model": model,
+                               "choices": [], "usage": usage if chat else _drop_none(usage)})
+        return await writer.done(partial(at_end, self.engine, request, seq.fault))
 
     async def _complete(self, request: web.Request, req: OpenAIRequest, seq: Sequence,
                         model: str) -> web.StreamResponse:
