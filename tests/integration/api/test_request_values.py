@@ -97,7 +97,7 @@ async def test_generated_bodies_get_no_5xx(fleet):
             body = with_value(case.body, field, random_json(rng))
             status, raw, _ = await send(fleet, case.path, body)
             sent += 1
-            # the simulator's 501 for what it does not model (n > 1, a batch of prompts) is an
+            # the simulator's 501 for what it does not model (n > 1 on a P/D role, SGLang's batch of prompts) is an
             # engine's answer relayed, not a failure
             assert status < 500 or (status == 501 and b"enginesim" in raw), (case.path, field, body, status, raw[:300])
             if status >= 400:
