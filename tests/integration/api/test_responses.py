@@ -525,10 +525,16 @@ async def test_a_stream_the_gateway_failed_is_kept_as_failed(sims, gateway, redi
     for fault, code in (("drop_after=2", "upstream_incomplete"), ("stall_after=2:inf", "upstream_timeout")):
         stream = await c.responses.create(model="m", input="x", max_output_tokens=20, stream=True,
                                           extra_headers={"x-sim-fault": fault})
-        failed = [ev async for ev in stream][-1].response
+        events = [ev async for ev in stream]
+        failed = events[-1].response
         assert failed.status == "failed"
+        # the response as it stood: the message the client was streamed, still in progress, once
+        text = "".join(ev.delta for ev in events if ev.type == "response.output_text.delta")
+        assert text and [(o.type, o.status, [p.text for p in o.content]) for o in failed.output] == [
+            ("message", "in_progress", [text])], failed.output
         got = await c.responses.retrieve(failed.id)
         assert got.id == failed.id and got.status == "failed", got
+        assert [o.model_dump() for o in got.output] == [o.model_dump() for o in failed.output]
         assert (got.error.code, got.error.message) == (code, failed.error.message)
         with pytest.raises(openai.NotFoundError):           # another user's key does not see it
             await openai_client(gw, BOB).responses.retrieve(failed.id)
@@ -626,6 +632,10 @@ async def test_an_engine_that_breaks_mid_event_ends_the_stream_with_error_and_re
             assert events[-1].response.id == events[0].response.id
             assert events[-1].response.error.code == "upstream_incomplete"
             assert [ev.sequence_number for ev in events] == list(range(len(events)))
+            # the failed response carries the output items the client was sent, as they stood
+            assert [(o.status, o.arguments) for o in events[-1].response.output] == {
+                0: [], 1: [], 3: [("in_progress", "")], 4: [("in_progress", '{"city":')],
+                7: [("completed", '{"city":"Paris"}')]}[cut], cut
             seen = []
             async with c.responses.stream(model="m", input="weather?", extra_headers={"x-cut": str(cut)}) as stream:
                 async for ev in stream:
@@ -807,6 +817,7 @@ async def test_an_engines_error_event_that_ends_its_stream_is_followed_by_respon
         failed = events[-1].response
         assert (failed.id, failed.status) == ("resp_err1", "failed")
         assert (failed.error.code, failed.error.message) == ("server_error", "Internal server error")
+        assert [(o.id, o.status, [p.text for p in o.content]) for o in failed.output] == [("msg_1", "in_progress", ["Hi"])]
         async with c.responses.stream(model="m", input="hi") as stream:      # the SDK's helper reads it too
             seen = [ev.type async for ev in stream]
         assert seen[-2:] == ["error", "response.failed"]
@@ -819,6 +830,7 @@ async def test_an_engines_error_event_that_ends_its_stream_is_followed_by_respon
                                                               extra_headers={"x-failed": "1"})]
         assert [ev.type for ev in events][-3:] == ["response.output_text.delta", "error", "response.failed"]
         assert events[-1].response.error.message == "the engine's own"
+
 
 
 async def test_a_cancel_whose_chunked_body_is_over_the_limit_is_one_413_with_one_line(sims, gateway):
