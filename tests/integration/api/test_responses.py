@@ -796,6 +796,11 @@ async def _erring_engine(request: web.Request) -> web.StreamResponse:
     for seq, (name, data) in enumerate(events):
         await out.write(f"event: {name}\ndata: ".encode() + orjson.dumps({"type": name, "sequence_number": seq, **data})
                         + b"\n\n")
+    if "x-break" in request.headers:        # its connection breaks after the error, where vLLM's closes
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.abort()
+        return out
     await out.write_eof()
     return out
 
@@ -831,6 +836,22 @@ async def test_an_engines_error_event_that_ends_its_stream_is_followed_by_respon
         assert [ev.type for ev in events][-3:] == ["response.output_text.delta", "error", "response.failed"]
         assert events[-1].response.error.message == "the engine's own"
 
+
+@pytest.mark.parametrize("state", ["engine", "gateway"])
+async def test_an_engine_that_breaks_after_its_own_error_event_ends_the_stream_with_that_error(gateway, state):
+    """An engine whose connection breaks after its own ``error`` event, where vLLM's closes: that
+    error alone ends the stream (no ``upstream_incomplete`` error after it) and names the failure,
+    in ``response.failed`` and in the response kept."""
+    async with fake_engine(_erring_engine, paths=("/v1/responses",)) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], responses={"state": state})
+        c = openai_client(gw)
+        events = [ev async for ev in await c.responses.create(model="m", input="hi", stream=True,
+                                                              extra_headers={"x-break": "1"})]
+        assert [ev.type for ev in events][-3:] == ["response.output_text.delta", "error", "response.failed"]
+        assert [ev.sequence_number for ev in events] == list(range(len(events)))
+        assert events[-2].message == events[-1].response.error.message == "Internal server error"
+        got = await c.responses.retrieve("resp_err1")
+        assert (got.status, got.error.message) == ("failed", "Internal server error")
 
 
 async def test_a_cancel_whose_chunked_body_is_over_the_limit_is_one_413_with_one_line(sims, gateway):
