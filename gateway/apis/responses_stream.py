@@ -10,7 +10,10 @@ that line) and decodes the few events it needs:
 * ``response.created`` gives the response id (and a snapshot used if the gateway must fail the
   stream); ``response.completed`` / ``response.incomplete`` / ``response.failed`` give the usage,
   the final status and the output, and end the stream; an ``error`` event is an in-stream error
-  (the stream's error, also when a ``response.failed`` follows it).
+  (the stream's error, also when a ``response.failed`` follows it);
+* ``response.output_item.added`` / ``.done``, ``response.content_part.added`` / ``.done`` and the
+  text and argument deltas build the output as the client was sent it, which a response the
+  gateway fails carries (``output``).
 
 The terminal event is *held back* until the upstream ends, so that the gateway can record what the
 response created (its owner, or its history) before a client that saw ``response.completed`` can
@@ -35,6 +38,10 @@ _BOUNDARY = re.compile(rb"\n\r?\n")
 TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 _OUTPUT_ITEM = frozenset({"response.output_item.added", "response.output_item.done"})
 _DECODED = TERMINAL | {"response.created", "error"}
+# the events that build the output a failed response carries, as the client was sent it
+_PART = frozenset({"response.content_part.added", "response.content_part.done"})
+_FOLDED = frozenset({"response.output_text.delta", "response.reasoning_text.delta",
+                     "response.function_call_arguments.delta"})
 
 
 def _fields(ev: bytes) -> tuple[str | None, bytes | None]:
@@ -76,6 +83,9 @@ class ResponsesScanner:
         self._held = bytearray()               # the terminal event and whatever follows it
         self._skip = False
         self._cr = False                       # lines end with bare CRs: read as LFs (``as_lf``)
+        self._items: dict[int, dict] = {}      # output index -> the item as last sent
+        self._open: dict[tuple[int, int], list[str]] = {}  # (output, content) index -> text deltas since
+        self._args: dict[int, list[str]] = {}  # output index -> a call's argument deltas since
 
     def feed(self, chunk: bytes, now: float) -> bytes:
         if self.done:
@@ -135,6 +145,79 @@ class ResponsesScanner:
         held, self._held = bytes(self._held), bytearray()
         return tail + held
 
+    def output(self) -> list[dict]:
+        """The output items the client was sent, as they stood: a finished one as its
+        ``output_item.done`` gave it, one in progress as its ``output_item.added`` gave it with the
+        parts and the deltas sent since (text, a call's arguments) folded in, once each."""
+        out = []
+        for i in sorted(self._items):
+            item = self._items[i]
+            args = self._args.get(i)
+            if args:
+                item = {**item, "arguments": (item.get("arguments") or "") + "".join(args)}
+            content = item.get("content")
+            if isinstance(content, list) and any(k[0] == i for k in self._open):
+                content = list(content)
+                for ci, part in enumerate(content):
+                    deltas = self._open.get((i, ci))
+                    if deltas and isinstance(part, dict):
+                        content[ci] = {**part, "text": (part.get("text") or "") + "".join(deltas)}
+                item = {**item, "content": content}
+            out.append(item)
+        return out
+
+    def _decoded(self, obj: Any, payload: bytes) -> dict | None:
+        if obj is None:
+            try:
+                obj = orjson.loads(payload)
+            except ValueError:
+                return None
+        return obj if isinstance(obj, dict) else None
+
+    def _item(self, obj: Any, payload: bytes) -> None:
+        ev = self._decoded(obj, payload)
+        if ev is None:
+            return
+        i, item = ev.get("output_index"), ev.get("item")
+        if i.__class__ is not int or not isinstance(item, dict):
+            return
+        self._items[i] = item
+        self._args.pop(i, None)
+        for k in [k for k in self._open if k[0] == i]:
+            del self._open[k]
+
+    def _part(self, obj: Any, payload: bytes) -> None:
+        ev = self._decoded(obj, payload)
+        if ev is None:
+            return
+        i, ci, part = ev.get("output_index"), ev.get("content_index"), ev.get("part")
+        item = self._items.get(i) if i.__class__ is int else None
+        if item is None or ci.__class__ is not int or ci < 0 or not isinstance(part, dict):
+            return
+        content = list(item.get("content") or ()) if isinstance(item.get("content"), list) else []
+        if ci < len(content):
+            content[ci] = part
+        elif ci == len(content):
+            content.append(part)
+        else:
+            return
+        self._items[i] = {**item, "content": content}
+        self._open.pop((i, ci), None)
+
+    def _fold(self, name: str, obj: Any, payload: bytes) -> None:
+        ev = self._decoded(obj, payload)
+        if ev is None:
+            return
+        i, delta = ev.get("output_index"), ev.get("delta")
+        if i.__class__ is not int or i not in self._items or not isinstance(delta, str):
+            return
+        if name == "response.function_call_arguments.delta":
+            self._args.setdefault(i, []).append(delta)
+            return
+        ci = ev.get("content_index")
+        if ci.__class__ is int:
+            self._open.setdefault((i, ci), []).append(delta)
+
     @property
     def last_token_at(self) -> float | None:
         return self.last_delta_at
@@ -168,10 +251,16 @@ class ResponsesScanner:
             if self.last_delta_at is not None and len(self.itl) < ITL_KEEP:
                 self.itl.append(now - self.last_delta_at)
             self.last_delta_at = now
+            if name in _FOLDED and self._items:
+                self._fold(name, obj, payload)
             return False
         if name in _OUTPUT_ITEM:
             if self.first_token_at is None:
                 self.first_token_at = now
+            self._item(obj, payload)
+            return False
+        if name in _PART and self._items:
+            self._part(obj, payload)
             return False
         if name not in _DECODED:
             return False
@@ -225,10 +314,22 @@ def failed_after_error(scanner: ResponsesScanner) -> tuple[bytes, dict] | None:
     code, message = scanner.error.get("code"), scanner.error.get("message")
     if not isinstance(code, str) or not code or code.isdigit():
         code = "server_error"
-    snap = {**scanner.snapshot, "status": "failed",
+    snap = {**scanner.snapshot, **as_it_stood(scanner), "status": "failed",
             "error": {"code": code, "message": message if isinstance(message, str) else "the response failed"}}
     failed = {"type": "response.failed", "sequence_number": scanner.events, "response": snap}
     return b"event: response.failed\ndata: " + orjson.dumps(failed) + b"\n\n", snap
+
+
+def as_it_stood(scanner: ResponsesScanner) -> dict:
+    """What a failed response carries of what its stream sent: its output items (``output``), and
+    the usage when the engine gave one (no engine sends usage before its terminal event)."""
+    got: dict[str, Any] = {}
+    output = scanner.output()
+    if output:
+        got["output"] = output
+    if scanner.usage is not None:
+        got["usage"] = scanner.usage
+    return got
 
 
 def error_event(sequence_number: int, message: str, code: str | None) -> bytes:
@@ -258,7 +359,7 @@ def failure(scanner: ResponsesScanner | None, model: str, status: int, message: 
     rid = scanner.response_id if scanner is not None else None
     created = b""
     if scanner is not None and scanner.snapshot:
-        snap = dict(scanner.snapshot)
+        snap = {**scanner.snapshot, **as_it_stood(scanner)}
     else:
         snap = {"id": rid or f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
                 "model": model, "status": "in_progress", "output": []}
