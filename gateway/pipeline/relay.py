@@ -512,6 +512,7 @@ class Relay:
                 watch = Watchdog(resp, 0.0, idle_to)
 
         ended = False           # the terminal event went through: the engine's end within END_GRACE_S
+        broke = False           # the engine's end failed after its own error event ended the answer
 
         def after_end() -> None:
             nonlocal watch, ended
@@ -634,12 +635,16 @@ class Relay:
                     if not ended and scanner.done:
                         after_end()
             except (WatchdogFired, UpstreamError) as e:
-                if gating or not scanner.done:
+                if gating or not (scanner.done or scanner.error is not None):
                     raise
-                # the answer's terminal event came first ([DONE], or its API's): the answer is
-                # complete, and the engine's end that failed after it is no failure of the answer's
+                # the answer's terminal event came first ([DONE], or its API's), or the engine's own
+                # error event, which ended it and names its failure: the engine's end that failed
+                # after it is no failure of the answer's (no second error event after the engine's)
                 rec.extra["after_end"] = e.phase if isinstance(e, WatchdogFired) else "broken"
+                broke = not scanner.done
             tail = scanner.finish()
+            if broke:       # the start of an event the broken connection cut short is not passed on
+                tail = b""
             if api is not None and scanner.done:    # its state is kept before its last event goes out
                 await api.finish(ctx)
             # an event the engine's stream ended in without its blank line: passed on when the
