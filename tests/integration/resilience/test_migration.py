@@ -625,8 +625,12 @@ async def test_a_responses_stream_is_not_continued_and_ends_with_one_terminal_ev
     gw, _ = await setup(sims, gateway, "vllm", "drop_after=4")
     client = openai_client(gw)
     async with client.responses.stream(model="m", input="Tell me about trains.", max_output_tokens=30) as s:
-        events = [(ev.type, ev.sequence_number) async for ev in s]
+        evs = [ev async for ev in s]
+    events = [(ev.type, ev.sequence_number) for ev in evs]
     assert [n for _, n in events] == list(range(len(events)))
+    # the failed response carries the message the client was streamed, as it stood
+    text = "".join(ev.delta for ev in evs if ev.type == "response.output_text.delta")
+    assert text and [[p.text for p in o.content] for o in evs[-1].response.output] == [[text]]
     types = [t for t, _ in events]
     assert types[-2:] == ["error", "response.failed"] and types.count("response.failed") == 1
     assert not {"response.completed", "response.incomplete"} & set(types)
