@@ -157,3 +157,32 @@ def test_an_event_over_the_scan_limit_is_forwarded_as_it_comes():
     assert s.feed(huge[100:], 0.0) == huge[:100] + huge[100:]       # ... until it outgrows the limit
     assert s.feed(b'"}\n\n' + stream()[1][:10], 0.0) == b'"}\n\n'
     assert s.finish() == b""
+
+
+def test_the_output_a_failed_response_carries_is_what_the_client_was_sent_once():
+    s = ResponsesScanner()
+    msg = {"type": "message", "id": "m", "status": "in_progress", "content": []}
+    part = {"type": "output_text", "text": "", "annotations": []}
+    call = {"type": "function_call", "id": "f", "call_id": "c", "name": "n", "arguments": "", "status": "in_progress"}
+    events = [ev("response.created", response=RESP),
+              ev("response.output_item.added", output_index=0, item=msg),
+              ev("response.content_part.added", output_index=0, content_index=0, part=part),
+              ev("response.output_text.delta", output_index=0, content_index=0, delta="a"),
+              ev("response.output_text.delta", output_index=0, content_index=0, delta="b"),
+              ev("response.content_part.done", output_index=0, content_index=0, part={**part, "text": "ab"}),
+              ev("response.output_item.done", output_index=0, item={**msg, "status": "completed",
+                                                                    "content": [{**part, "text": "ab"}]}),
+              ev("response.output_item.added", output_index=1, item=call),
+              ev("response.function_call_arguments.delta", output_index=1, delta='{"a":'),
+              # what names no item the client was sent, or no part of one, is left out
+              ev("response.output_text.delta", output_index=5, content_index=0, delta="x"),
+              ev("response.content_part.added", output_index=1, content_index=3, part=part),
+              ev("response.output_text.delta", output_index="1", content_index=0, delta="x")]
+    for chunk in events:
+        s.feed(chunk, 0.0)
+    done = {**msg, "status": "completed", "content": [{**part, "text": "ab"}]}
+    assert s.output() == [done, {**call, "arguments": '{"a":'}]
+    failed = orjson.loads(failure_events(s, "m", 502, "cut", "upstream_incomplete").split(b"data: ")[-1])
+    assert failed["response"]["output"] == [done, {**call, "arguments": '{"a":'}]
+    assert failed["response"].get("usage") is None
+    assert ResponsesScanner().output() == []
