@@ -573,19 +573,32 @@ async def _failing_engine(request: web.Request) -> web.StreamResponse:
     return out
 
 
-async def test_gateway_history_keeps_a_response_its_engine_failed(gateway):
-    """Gateway state: a response the engine ended failed (response.failed, or a body whose status
-    is failed) is kept as it ended, so a GET answers it failed with the engine's error."""
-    async with fake_engine(_failing_engine, paths=("/v1/responses",)) as url:
-        gw = await gateway([model_block("m", "vllm", [url])], responses={"state": "gateway"})
+@pytest.mark.parametrize("state", ["engine", "gateway"])
+async def test_a_response_its_engine_failed_is_kept_failed_and_not_continued(gateway, state):
+    """A response the engine ended failed (response.failed, or a body whose status is failed) is
+    kept as it ended, so a GET answers it failed with the engine's error, and a follow-up naming it
+    is the 400 naming previous_response_id of every failed response, in both state modes: in
+    engine state it went to the engine, which was asked to continue a failed turn."""
+    posted = []
+
+    async def engine(request: web.Request) -> web.StreamResponse:
+        posted.append(request.method)
+        return await _failing_engine(request)
+
+    async with fake_engine(engine, paths=("/v1/responses",)) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], responses={"state": state})
         c = openai_client(gw)
         whole = await c.responses.create(model="m", input="whole")
         stream = await c.responses.create(model="m", input="streamed", stream=True)
         streamed = [ev async for ev in stream][-1].response
         for r in (whole, streamed):
             assert r.status == "failed"
+            with pytest.raises(openai.BadRequestError) as ei:
+                await c.responses.create(model="m", input="go on", previous_response_id=r.id)
+            assert ei.value.body["param"] == "previous_response_id" and "failed" in ei.value.body["message"]
             got = await c.responses.retrieve(r.id)
             assert (got.id, got.status, got.error.code) == (r.id, "failed", "server_error")
+        assert posted == ["POST", "POST"]
 
 
 def _function_call_events() -> list[bytes]:
