@@ -434,7 +434,11 @@ class ResponsesApi(ApiShape):
             if isinstance(final, dict) and final.get("status") in ("completed", "incomplete", "failed"):
                 await self._keep(ctx, rid, final)
             return
-        await self._record_owner(ctx, rid)
+        # a response its engine failed is recorded so (its engine's own error, kept as it ended),
+        # as the gateway's failed ones are: a follow-up naming it is refused, whatever the engine does
+        failed = final if isinstance(final, dict) and final.get("status") == "failed" and \
+            ireq.data.get("background") is not True else None
+        await self._record_owner(ctx, rid, failed)
 
     async def _keep(self, ctx: RequestContext, rid: str, final: dict[str, Any]) -> None:
         """Gateway state: the history record of response ``rid``, as it ended (``final``)."""
@@ -451,17 +455,20 @@ class ResponsesApi(ApiShape):
             return
         await self._write(self.history, "history", rid, blob)
 
-    async def _record_owner(self, ctx: RequestContext, rid: str) -> None:
+    async def _record_owner(self, ctx: RequestContext, rid: str, failed: dict[str, Any] | None = None) -> None:
         """Engine state: the endpoint that holds response ``rid`` (it answered ``ctx``), for the
-        follow-ups and the GETs that must reach it."""
+        follow-ups and the GETs that must reach it; with ``failed``, the response as its engine
+        failed it, which answers those calls as a response the gateway failed does."""
         if ctx.decision is None or not rid:
             return
         ep = ctx.decision.endpoint
         user = self._owner_user(ctx.rec.user)
         if len(rid) <= 256:                 # the session map's key bound
             self.lineage.put(RESPONSE + rid, ep, user)
-        await self._write(self.owners, "affinity", rid,
-                          orjson.dumps({"url": ep.url, "model": ep.model, "user": user}))
+        record: dict[str, Any] = {"url": ep.url, "model": ep.model, "user": user}
+        if failed is not None:
+            record["failed"] = failed
+        await self._write(self.owners, "affinity", rid, orjson.dumps(record))
 
     # -- state --------------------------------------------------------------------------------
 
