@@ -6,12 +6,16 @@ and no client cancel is counted."""
 
 from __future__ import annotations
 
+import asyncio
 from functools import partial
 
 import aiohttp
+import orjson
 import pytest
+from aiohttp import web
 
 from tests.support.factories import model_block
+from tests.support.fake_engine import fake_engine
 from tests.support.http import anthropic_client, chat_body, openai_client, post, sse_events, sse_frames
 from tests.support.metrics import metric
 from tests.support.waiting import wait_for
@@ -145,3 +149,29 @@ async def test_an_engine_that_stalls_after_its_last_event_does_not_hold_the_clie
     assert line["status"] == 200 and line["after_end"] == "idle" and line["error_class"] is None
     m = await gw.metrics_text()
     assert metric(m, "switchyard_upstream_errors_total") == 0
+
+
+async def _errs_then_breaks(request: web.Request) -> web.StreamResponse:
+    """A chat stream that sends a token, then its engine's own error event, then breaks its connection."""
+    await request.read()
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}, "finish_reason": None}]}
+    await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+    await out.write(b'data: {"error": {"message": "the engine failed", "type": "InternalServerError", "code": 500}}\n\n')
+    await asyncio.sleep(0.05)
+    assert request.transport is not None
+    request.transport.abort()
+    return out
+
+
+async def test_an_engine_that_breaks_after_its_own_error_event_gets_no_second_error(gateway):
+    """A chat stream its engine ended with its own error event and then broke, rather than closing:
+    that error is the stream's last event, not followed by the gateway's upstream_incomplete."""
+    async with fake_engine(_errs_then_breaks) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        st, _, raw = await post(gw.url, body())
+        assert st == 200
+        errors = [e["error"] for e in sse_events(raw) if isinstance(e, dict) and "error" in e]
+        assert [e["message"] for e in errors] == ["the engine failed"], errors
