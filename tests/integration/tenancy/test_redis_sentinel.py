@@ -4,6 +4,7 @@ killed mid-run."""
 
 from __future__ import annotations
 
+from tests.support.factories import model_block
 from tests.support.redis_failover import failover_mid_run, one_view_of_limits_keys_and_responses
 
 
@@ -13,3 +14,31 @@ async def test_two_gateways_share_limits_keys_and_responses_through_sentinel(sim
 
 async def test_a_sentinel_primary_killed_mid_run(sims, gateway, redis_sentinel):
     await failover_mid_run(sims, gateway, redis_sentinel.url, redis_sentinel.kill_primary, "sentinel")
+
+
+async def test_the_warnings_of_sentinels_nobody_answers_for_name_them_briefly(sims, gateway, monkeypatch):
+    """No Sentinel of the URL answers: the client's error listed each one as its Python object
+    (its connection pool and connection, every setting, about 1 KB a Sentinel), and that text went
+    into each warning's ``error`` (the start, the fail-open, the routing view's). Each Sentinel is
+    now named by its address, with what went wrong."""
+    import structlog.testing
+
+    from gateway.tenants import service
+    from tests.support.ports import listen_port
+    from tests.support.redis_failover import FAST_STATE, chat
+    from tests.support.tenancy import KEYS
+
+    monkeypatch.setattr(service, "START_RETRY_S", 0.2)
+    sim = await sims("vllm", "m")
+    ports = [listen_port(), listen_port()]
+    url = "redis+sentinel://" + ",".join(f"127.0.0.1:{p}" for p in ports) + "/mymaster"
+    with structlog.testing.capture_logs() as logs:
+        gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                           limits={"users": {"alice": {"rpm": 100}}},
+                           state={**FAST_STATE, "redis_url": url, "sync_interval_s": 5.0, "replica_ttl_s": 10.0})
+        assert (await chat(gw)).choices
+    errors = [x["error"] for x in logs if "error" in x and "shared" in x["event"]]
+    assert errors, logs
+    for e in errors:
+        assert "No master found for 'mymaster'" in e and "<redis" not in e and len(e) < 400, e
+        assert all(f"127.0.0.1:{p}" in e for p in ports), e
