@@ -43,7 +43,7 @@ import redis.asyncio.connection as _redis_connection
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import (
     ClusterDownError,
@@ -278,12 +278,37 @@ def _make_client(cfg: StateConfig, socket_timeout: float | None) -> BoundedRedis
         sentinel_kw.update(ssl=True, **tls)
     if cfg.sentinel_password is not None:
         sentinel_kw["password"] = cfg.sentinel_password
-    sentinel = Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kw)
+    sentinel = _Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kw)
     assert target.service is not None
     return sentinel.master_for(
         target.service, redis_class=BoundedRedis, db=target.db, username=target.username, password=password, ssl=target.tls,
         retry=Retry(NoBackoff(), 0), maint_notifications_config=MaintNotificationsConfig(enabled=False),
         **common, **tls)
+
+
+class _Sentinel(Sentinel):
+    """Sentinel whose "no primary" error names each Sentinel it could not ask by its address, with
+    what went wrong. The client library's listed each as its Python object (its connection pool,
+    connection and every setting, about 1 KB a Sentinel) and the error only by its class; that
+    text is what the warnings of an outage carry."""
+
+    async def discover_master(self, service_name: str):
+        failed = []
+        for i, sentinel in enumerate(self.sentinels):
+            try:
+                masters = await sentinel.sentinel_masters()
+            except (RedisConnectionError, RedisTimeoutError) as e:
+                kw = sentinel.connection_pool.connection_kwargs
+                failed.append(f"{kw.get('host')}:{kw.get('port')}: {str(e) or type(e).__name__}")
+                continue
+            state = masters.get(service_name)
+            if state and self.check_master_state(state, service_name):
+                # as the client library does: ask this Sentinel first next time
+                self.sentinels[0], self.sentinels[i] = sentinel, self.sentinels[0]
+                ip = self._force_master_ip if self._force_master_ip is not None else state["ip"]
+                return ip, state["port"]
+        raise MasterNotFoundError(f"No master found for {service_name!r}"
+                                  + (f" (Sentinels not answering: {'; '.join(failed)})" if failed else ""))
 
 
 class _CheckBeforeSend:
