@@ -136,3 +136,22 @@ async def outputs(engine: Engine, request: web.Request, seq: Sequence,
         yield out
         if out.finish_reason is not None:
             return
+
+
+def merged_outputs(engine: Engine, request: web.Request,
+                   seqs: list[Sequence]) -> tuple[asyncio.Queue[tuple[int, StepOutput | Dropped]], list[asyncio.Future]]:
+    """The outputs of several streams (the choices of one request) in one queue, each as
+    ``(index, output)`` in the order they come, a stream's ``Dropped`` in the place of its next
+    output; the tasks that feed it, for the caller to cancel when it is done."""
+    came: asyncio.Queue[tuple[int, StepOutput | Dropped]] = asyncio.Queue()
+
+    async def pump(i: int, s: Sequence) -> None:
+        try:
+            async with contextlib.aclosing(outputs(engine, request, s)) as stream:
+                async for out in stream:
+                    if out is not None:
+                        came.put_nowait((i, out))
+        except Dropped as exc:
+            came.put_nowait((i, exc))
+
+    return came, [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(seqs)]

@@ -31,6 +31,7 @@ from enginesim.frontend import (
     at_end,
     check_fault_status,
     collect,
+    merged_outputs,
     outputs,
     request_dp_rank,
     request_fault,
@@ -442,18 +443,7 @@ class VllmApi:
                 out["usage"] = self._usage(seqs[choice["index"]], final=False)
             return out
 
-        came: asyncio.Queue[tuple[int, StepOutput | Dropped]] = asyncio.Queue()
-
-        async def pump(i: int, s: Sequence) -> None:
-            try:
-                async with aclosing(outputs(self.engine, request, s)) as stream:
-                    async for out in stream:
-                        if out is not None:
-                            came.put_nowait((i, out))
-            except Dropped as exc:
-                came.put_nowait((i, exc))
-
-        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(seqs)]
+        came, pumps = merged_outputs(self.engine, request, seqs)
         try:
             first = True
             left = len(seqs)
