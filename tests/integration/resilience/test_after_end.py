@@ -175,3 +175,39 @@ async def test_an_engine_that_breaks_after_its_own_error_event_gets_no_second_er
         assert st == 200
         errors = [e["error"] for e in sse_events(raw) if isinstance(e, dict) and "error" in e]
         assert [e["message"] for e in errors] == ["the engine failed"], errors
+
+
+async def _errs_then_stalls(request: web.Request) -> web.StreamResponse:
+    """A chat stream that sends a token, then its engine's own error event, then neither ends its
+    body nor sends anything more, until the gateway lets the connection go."""
+    await request.read()
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}, "finish_reason": None}]}
+    await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+    await out.write(b'data: {"error": {"message": "the engine failed", "type": "InternalServerError", "code": 500}}\n\n')
+    for _ in range(600):            # at most 30 s: until the gateway closes the connection
+        if request.transport is None or request.transport.is_closing():
+            break
+        await asyncio.sleep(0.05)
+    return out
+
+
+async def test_an_engine_that_stalls_after_its_own_error_event_does_not_hold_the_client(gateway):
+    """With no watchdog (aggregated legs are not watched by default), an engine that ended a chat
+    stream with its own error event and then stalled, its body not ended, held a client that reads
+    the body to its end for as long as the engine stalled. Its end is awaited ``END_GRACE_S`` at
+    most, as after ``[DONE]``: the client gets the engine's error as the stream's last event, and
+    the stream's end."""
+    async with fake_engine(_errs_then_stalls) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        with gw.gw.request_log.capture() as logs:
+            async with asyncio.timeout(10):
+                st, _, raw = await post(gw.url, body())
+            assert await wait_for(lambda: any(e["event"] == "request" for e in logs), timeout=5)
+        assert st == 200
+        errors = [e["error"] for e in sse_events(raw) if isinstance(e, dict) and "error" in e]
+        assert [e["message"] for e in errors] == ["the engine failed"], errors
+        line = next(e for e in logs if e["event"] == "request")
+        assert line["after_end"] == "idle"
