@@ -88,7 +88,8 @@ def _unstarted(refused: object, failed: FirstBytesFailed) -> FirstBytesFailed:
 # a stream's failure: (error class, message); a timeout ends it with a 504 event, anything else a 502
 StreamFailure = tuple[ErrorClass, str]
 EOF_FAILURE: StreamFailure = (ErrorClass.UPSTREAM_EOF, "the engine closed the stream before it completed")
-# once the answer's terminal event ([DONE], message_stop, response.completed) went through, how long
+# once the answer's terminal event ([DONE], message_stop, response.completed), or the engine's own
+# error event, which ends it, went through, how long
 # the engine's own end of the body is awaited before the client's stream is ended without it (an
 # engine ends right after that event; one that stalls there would hold a client that reads to the
 # end, as the SDKs do, whatever the watchdog)
@@ -511,7 +512,9 @@ class Relay:
             if idle_to:
                 watch = Watchdog(resp, 0.0, idle_to)
 
-        ended = False           # the terminal event went through: the engine's end within END_GRACE_S
+        # the terminal event, or the engine's own error event that ended the answer, went through:
+        # the engine's end within END_GRACE_S
+        ended = False
         broke = False           # the engine's end failed after its own error event ended the answer
 
         def after_end() -> None:
@@ -582,7 +585,7 @@ class Relay:
                     first = False
                     watch.first_chunk_came()
                 watch.since = time_now()
-            if not ended and scanner.done:
+            if not ended and (scanner.done or scanner.error is not None):
                 after_end()
 
         try:
@@ -632,7 +635,7 @@ class Relay:
                         out.send_head()         # type: ignore[attr-defined]
                     if early:
                         feed(chunk, now)
-                    if not ended and scanner.done:
+                    if not ended and (scanner.done or scanner.error is not None):
                         after_end()
             except (WatchdogFired, UpstreamError) as e:
                 if gating or not (scanner.done or scanner.error is not None):
