@@ -32,6 +32,11 @@ set, is every list's answer instead, with status 200 (a proxy that answers with 
 ``forbidden_namespaces`` answers lists and watches in those namespaces 403 ``Forbidden``, as the
 API server does for a service account with no RoleBinding there. ``empty_watches`` answers every
 watch 200 with a body that ends at once (no event, no bookmark), as a proxy that closes streams does.
+``failure_headers`` are sent with every injected failure (``fail_next_lists``, ``fail_watches``),
+``Retry-After`` say, as the API server's priority and fairness sends with its 429s; and
+``failure_body``, when set, is their body in place of the ``Status`` (text/plain; ``""``: none),
+as a proxy or load balancer in front of the API server answers (a 502 page, Envoy's
+``upstream connect error``).
 """
 
 from __future__ import annotations
@@ -90,6 +95,8 @@ class KubeEmulator:
         self.list_body: Any = None                # when set: every list's whole answer (200), as it is
         self.forbidden_namespaces: set[str] = set()   # lists and watches there: 403 (no RoleBinding)
         self.empty_watches = False                # every watch: 200 and an empty body at once
+        self.failure_headers: dict[str, str] = {}   # sent with every injected failure
+        self.failure_body: str | None = None        # the injected failures' body (text) in place of a Status
         self._lists_open: asyncio.Event | None = None   # set: lists are answered; None: not held
         self.stats: Counter[str] = Counter()
         self.requests: list[tuple[str, dict[str, str]]] = []
@@ -241,6 +248,14 @@ class KubeEmulator:
     def _error(code: int, reason: str, message: str) -> web.Response:
         return web.json_response(status_object(code, reason, message), status=code)
 
+    def _injected(self, code: int, reason: str) -> web.Response:
+        """An injected failure: a ``Status`` (or ``failure_body``) with ``failure_headers``."""
+        if self.failure_body is not None:
+            return web.Response(status=code, text=self.failure_body, headers=self.failure_headers)
+        resp = self._error(code, reason, f"injected failure {code}")
+        resp.headers.update(self.failure_headers)
+        return resp
+
     async def _get(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
             return self._error(401, "Unauthorized", "Unauthorized")
@@ -269,7 +284,7 @@ class KubeEmulator:
         if q.get("watch") in _TRUE:
             if self.fail_watches is not None:
                 self.stats["failed_watches"] += 1
-                return self._error(self.fail_watches, "InternalError", f"injected failure {self.fail_watches}")
+                return self._injected(self.fail_watches, "InternalError")
             return await self._watch(request, ns, selector)
         self.stats["lists"] += 1
         if self._lists_open is not None:
@@ -278,7 +293,7 @@ class KubeEmulator:
         if self.fail_next_lists:
             code = self.fail_next_lists.pop(0)
             reason = {410: "Expired", 500: "InternalError", 503: "ServiceUnavailable"}.get(code, "Failure")
-            return self._error(code, reason, f"injected failure {code}")
+            return self._injected(code, reason)
         if self.list_body is not None:
             return web.json_response(self.list_body)
         rv = q.get("resourceVersion")

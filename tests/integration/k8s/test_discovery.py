@@ -620,6 +620,31 @@ async def test_watches_gone_right_after_each_list_back_off(emu, discover):
     assert fifth >= 8 * first, delays()
 
 
+@pytest.mark.parametrize(("status", "body", "result"), [
+    (503, "upstream connect error or disconnect/reset before headers. reset reason: connection failure",
+     "server_error"),
+    (502, "<html><body><h1>502 Bad Gateway</h1></body></html>\n", "server_error"),
+    (429, "", "throttled")], ids=["envoy-503", "html-502", "empty-429"])
+async def test_a_watch_refused_by_a_proxy_counts_by_its_status(emu, discover, status, body, result):
+    """A watch answered with an HTTP error whose body is no ``Status`` (a proxy's or load balancer's
+    own page, or nothing): counted by its status as the promise of
+    ``switchyard_kubernetes_requests_total`` says, and the status page names it."""
+    reg = CollectorRegistry()
+    d, _ = await discover(namespaces=["llm"], registry=reg)
+    emu.failure_body = body
+    emu.fail_watches = status
+    await until(lambda: d.stats["watches"] >= 1)
+    emu.break_watches()
+    await until(lambda: sum(v for (r, verb), v in samples(reg, "switchyard_kubernetes_requests_total").items()
+                            if verb == "watch" and r not in ("ok", "disconnected")) >= 1)
+    emu.fail_watches = None
+    got = {r: v for (r, verb), v in samples(reg, "switchyard_kubernetes_requests_total").items()
+           if verb == "watch" and v and r not in ("ok", "disconnected")}
+    assert set(got) == {result}, got
+    err = next(w["last_error"] for w in d.status()["watches"] if w["last_error"]["result"] != "disconnected")
+    assert (err["verb"], err["result"], str(status) in err["message"]) == ("watch", result, True), err
+
+
 def samples(registry: CollectorRegistry, name: str) -> dict[tuple, float]:
     """``name``'s samples in the registry's exposition, by their label values."""
     return {tuple(v for _, v in sorted(s.labels.items())): s.value
