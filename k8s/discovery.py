@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import json
 import os
@@ -324,11 +325,15 @@ class KubernetesDiscovery:
         live.api_key_prefix = dict(fresh.api_key_prefix)
         live.refresh_api_key_hook = fresh.refresh_api_key_hook
 
-    def _call(self, scope: str | None, **kwargs):
+    def _call(self, scope: str | None, checked: bool = False, **kwargs):
+        """The request for ``scope``'s pods: (function, args, kwargs). ``checked``: the function
+        refuses an answer that is not a 200 (see ``_opened``) before its body is read as events."""
         kwargs["label_selector"] = self.kcfg.label_selector
         if scope is None:
-            return self._core.list_pod_for_all_namespaces, (), kwargs
-        return self._core.list_namespaced_pod, (scope,), kwargs
+            fn, args = self._core.list_pod_for_all_namespaces, ()
+        else:
+            fn, args = self._core.list_namespaced_pod, (scope,)
+        return (_opened(fn) if checked else fn), args, kwargs
 
     async def _list(self, scope: str | None) -> str:
         fn, args, kw = self._call(scope, _preload_content=False,
@@ -383,7 +388,7 @@ class KubernetesDiscovery:
                 return
             timeout = max(1, int(min(self.kcfg.watch_timeout_s, remaining)))
             fn, args, kw = self._call(
-                scope, resource_version=rv, allow_watch_bookmarks=True, timeout_seconds=timeout,
+                scope, checked=True, resource_version=rv, allow_watch_bookmarks=True, timeout_seconds=timeout,
                 # the server ends the watch at `timeout`; a connection that silently died is
                 # given up a little later
                 _request_timeout=aiohttp.ClientTimeout(total=timeout + 15, sock_connect=10))
@@ -576,6 +581,27 @@ class KubernetesDiscovery:
                  in_flight=cur.ep.in_flight)
 
 
+def _opened(fn):
+    """``fn`` (a list call with ``_preload_content=False``, as a watch makes it) whose answer is
+    refused unless it is a 200: kubernetes-asyncio reads a watch's body line by line whatever its
+    status, so an error a proxy or load balancer answers with (a text or HTML page, or no body)
+    was read as a line not understood, or as a watch that ended with nothing, its status lost.
+    Raises ``Gone`` on a 410, else ``ApiError`` with the status and the body's message."""
+    @functools.wraps(fn)
+    async def call(*args, **kwargs):
+        resp = await fn(*args, **kwargs)
+        if resp.status == 200:
+            return resp
+        try:
+            body = await resp.read()
+        finally:
+            resp.release()
+        if resp.status == 410:
+            raise Gone()
+        raise ApiError(resp.status, _status_message(body) or resp.reason or "")
+    return call
+
+
 def _names_a_pod(obj: Any) -> bool:
     """Whether a list item or a watch event's object is a pod's: an object whose metadata names it
     and its namespace (the API server's always do)."""
@@ -595,6 +621,8 @@ def _error_text(e: BaseException) -> str:
 def _status_message(body: bytes) -> str:
     try:
         doc = json.loads(body)
-        return str(doc.get("message") or doc.get("reason") or doc)[:300]
     except ValueError:
-        return body[:300].decode("utf-8", "replace")
+        return body[:300].decode("utf-8", "replace").strip()
+    if isinstance(doc, dict):
+        return str(doc.get("message") or doc.get("reason") or doc)[:300]
+    return str(doc)[:300]
