@@ -645,6 +645,30 @@ async def test_a_watch_refused_by_a_proxy_counts_by_its_status(emu, discover, st
     assert (err["verb"], err["result"], str(status) in err["message"]) == ("watch", result, True), err
 
 
+@pytest.mark.parametrize(("verb", "retry_after"), [("list", "20"), ("watch", "20"), ("list", "date")])
+async def test_a_retry_after_of_the_api_server_is_waited_out(emu, discover, verb, retry_after):
+    """A 429 or 503 with ``Retry-After`` (the API server's priority and fairness, or its graceful
+    shutdown, or a proxy): the next try waits that long at least (up to 30 s), not the first
+    ``retry_backoff_s`` of the backoff."""
+    import email.utils
+    import time
+
+    if retry_after == "date":
+        retry_after = email.utils.formatdate(time.time() + 25, usegmt=True)
+    emu.failure_headers = {"Retry-After": retry_after}
+    if verb == "list":
+        emu.fail_next_lists = [429]
+    else:
+        emu.fail_watches = 503
+    d, _ = await discover(namespaces=["llm"], sync=False)
+    watch = lambda: d.status()["watches"][0]        # noqa: E731
+    await until(lambda: watch()["state"] == "backing_off")
+    w = watch()
+    assert (w["last_error"]["verb"], w["last_error"]["result"]) == (
+        verb, "throttled" if verb == "list" else "server_error"), w
+    assert w["retry_at"] - w["last_error"]["time"] >= 19.9, w
+
+
 def samples(registry: CollectorRegistry, name: str) -> dict[tuple, float]:
     """``name``'s samples in the registry's exposition, by their label values."""
     return {tuple(v for _, v in sorted(s.labels.items())): s.value
