@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.utils
 import functools
 import heapq
 import json
+import math
 import os
 import random
 import time
@@ -69,10 +71,29 @@ class Gone(Exception):
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
         # status 0: an answer the API server gave with a 200 that discovery cannot take (no status to name)
         super().__init__(f"HTTP {status}: {message}" if status else message)
         self.status = status
+        self.retry_after = retry_after      # the answer's Retry-After, in seconds from now
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """A ``Retry-After`` header's delay in seconds (a number of seconds or an HTTP date), or None."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:
+            return None
+        seconds = when.timestamp() - time.time()
+    return max(seconds, 0.0) if math.isfinite(seconds) else None
 
 
 async def load_client_configuration(kcfg: KubernetesConfig):
@@ -296,6 +317,10 @@ class KubernetesDiscovery:
                         log.info("kubernetes resourceVersion expired; relisting", namespace=scope or "*")
                         continue
                 delay = backoff * random.uniform(0.8, 1.2)
+                if isinstance(e, ApiError) and e.retry_after is not None:
+                    # the API server (its priority and fairness, its graceful shutdown) or a proxy
+                    # said when to come back: not sooner, and not later than the backoff's cap
+                    delay = max(delay, min(e.retry_after, max(MAX_BACKOFF_S, first)))
                 state.enter("backing_off", time.time() + delay)
                 if gone:
                     log.info("kubernetes resourceVersion expired; relisting", namespace=scope or "*",
@@ -347,7 +372,7 @@ class KubernetesDiscovery:
         if status == 410:
             raise Gone()
         if status != 200:
-            raise ApiError(status, _status_message(body))
+            raise ApiError(status, _status_message(body), retry_after_s(resp.headers.get("Retry-After")))
         data = json.loads(body)
         # no ``items`` at all (a Status, an empty object, a proxy's own answer) is no list of pods:
         # taken for an empty one, it would take every pod out of the pool (``null`` is an empty list)
@@ -598,7 +623,8 @@ def _opened(fn):
             resp.release()
         if resp.status == 410:
             raise Gone()
-        raise ApiError(resp.status, _status_message(body) or resp.reason or "")
+        raise ApiError(resp.status, _status_message(body) or resp.reason or "",
+                       retry_after_s(resp.headers.get("Retry-After")))
     return call
 
 

@@ -36,7 +36,7 @@ class KubernetesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     resync_interval_s: Annotated[_Seconds, Meta(description="Full relist that repairs missed watch events, in seconds (0: never).")] = 300.0
     watch_timeout_s: Annotated[float, Meta(ge=1, description="Server-side timeout of one watch request, in seconds.")] = 300.0
     watch_idle_timeout_s: Annotated[_Seconds, Meta(description="A watch that brought nothing (no event, no bookmark) for this long is taken for a connection that died without a word (a NAT or load balancer that forgot it, a node cut off) and opened again from the last resourceVersion, in seconds (0: never; then such a watch is given up only watch_timeout_s + 15 s after it was opened). The API server sends a watch that asked for bookmarks one about every minute.")] = 180.0
-    retry_backoff_s: Annotated[float, Meta(gt=0, description="First retry delay after an API error, doubling up to 30 s, in seconds.")] = 1.0
+    retry_backoff_s: Annotated[float, Meta(gt=0, description="First retry delay after an API error, doubling up to 30 s, in seconds; an answer's Retry-After (429, 503) is waited out when longer, up to 30 s.")] = 1.0
     models: Annotated[dict[str, KubernetesModelConfig], Meta(description="Settings per model name for its discovered pods; a pod's model.aibrix.ai/config annotation wins over them.")] = {}
 
     def __post_init__(self) -> None:

@@ -54,3 +54,16 @@ def test_drain_delay_is_a_server_key():
     with pytest.raises(ConfigError) as e:
         config_from_dict({"server": {"drain_delay_s": -1}})
     assert e.value.key_path == "server.drain_delay_s"
+
+
+def test_retry_after_is_read_as_seconds_or_an_http_date():
+    import email.utils
+    import time
+
+    from k8s.discovery import retry_after_s
+
+    assert [retry_after_s(v) for v in ("5", " 1.5 ", "0", "-3")] == [5.0, 1.5, 0.0, 0.0]
+    assert [retry_after_s(v) for v in (None, "", "soon", "inf", "nan", "Mon, 99 Foo 2025 00:00:00")] == [None] * 6
+    ahead = retry_after_s(email.utils.formatdate(time.time() + 60, usegmt=True))
+    assert ahead is not None and 50 < ahead <= 60
+    assert retry_after_s(email.utils.formatdate(time.time() - 60, usegmt=True)) == 0.0
