@@ -390,3 +390,41 @@ async def test_a_model_looked_up_before_the_pods_are_listed_is_not_a_404(emu, si
         assert (status, doc["error"]["code"]) == (404, "model_not_found")
     finally:
         emu.release_lists()
+
+
+async def test_a_model_whose_only_pod_is_made_again_is_not_a_404_in_between(emu, kube_block, sims, gateway):
+    """A StatefulSet rolls its one pod by deleting it and then making it again under its name: in
+    between, the model its pod served (here one the config does not name) is a 503 to retry, as
+    while the pod was terminating, for a request and for ``GET /v1/models/{id}`` alike, not a 404
+    model_not_found that no client retries; a model no pod ever served is still a 404."""
+    sim = await sims("vllm", "llama")
+    sim_pod(emu, "llama-0", sim, "llama")
+    gw = await gateway([], kubernetes=kube_block)
+    assert await wait_for(lambda: gw.gw.pool.ready("llama"), timeout=3)
+    client = openai_client(gw)
+    emu.mark_terminating("llm", "llama-0")
+    assert await wait_for(lambda: not gw.gw.pool.ready("llama"), timeout=3)
+    emu.delete_pod("llm", "llama-0")
+    assert await wait_for(lambda: not gw.gw.pool.endpoints("llama"), timeout=3)
+    with pytest.raises(openai.APIStatusError) as e:
+        await client.chat.completions.create(model="llama", messages=CHAT, max_tokens=2)
+    assert (e.value.status_code, e.value.response.headers.get("retry-after")) == (503, "5"), e.value.response.text
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.url + "/v1/models/llama") as r:
+            assert r.status == 503 and r.headers.get("Retry-After") == "5"
+        async with s.get(gw.url + "/v1/models/never") as r:
+            assert r.status == 404
+    with pytest.raises(openai.NotFoundError):
+        await client.chat.completions.create(model="never", messages=CHAT, max_tokens=2)
+    # a pod waiting for its address (Pending: not scheduled yet, its sandbox not made) is a pod of
+    # its model too: a 503 until it serves
+    emu.create_pod("llm", "qwen-0", {M: "qwen"}, ip=None, ready=False)
+    assert await wait_for(lambda: gw.runner.app[DISCOVERY_KEY].status()["skipped"], timeout=3)
+    with pytest.raises(openai.APIStatusError) as e:
+        await client.chat.completions.create(model="qwen", messages=CHAT, max_tokens=2)
+    assert e.value.status_code == 503, e.value.response.text
+    sim_pod(emu, "llama-0", sim, "llama")
+    assert await wait_for(lambda: gw.gw.pool.ready("llama"), timeout=3)
+    r = await client.chat.completions.create(model="llama", messages=CHAT, max_tokens=2)
+    assert r.choices[0].message.content
+    await client.close()
