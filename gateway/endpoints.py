@@ -158,6 +158,10 @@ def engine_headers(ep: Endpoint, headers: dict[str, str]) -> dict[str, str]:
     return out
 
 
+def _never(_model: str) -> bool:
+    return False
+
+
 class EndpointPool:
     """Endpoints grouped by model. Static config and discovery both feed it."""
 
@@ -187,6 +191,10 @@ class EndpointPool:
         # False while Kubernetes discovery has not listed the pods yet: a model the pool lacks may
         # then be one of theirs (k8s/discovery.py)
         self.listed = True
+        # whether a model the pool lacks is one Kubernetes discovery expects endpoints of soon: a
+        # pod of it waits for its address, or its last pod left moments ago (a StatefulSet makes
+        # it again under its name) (k8s/discovery.py)
+        self.awaited: Callable[[str], bool] = _never
 
     def add(self, ep: Endpoint) -> Endpoint:
         ep.removed = False

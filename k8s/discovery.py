@@ -27,6 +27,8 @@ Every change to the pool is a synchronous step on the event loop, so routing nev
 applied update. A pod that stops being routable (not Ready, terminating) stays in the pool marked
 ``draining`` — the model stays known, requests get 503 rather than 404 while pods roll — and
 goes when the pod is deleted; either way requests already on it keep their endpoint and finish.
+A model with no endpoint left stays awaited (a 503, ``EndpointPool.awaited``) while a pod of it
+waits for its address and for ``LEFT_GRACE_S`` after its last pod left.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ HEALTHY_WATCH_S = 60.0    # a watch that held this long (or brought a line) befo
 LIST_TIMEOUT_S = 60.0
 FIRST_LIST_WAIT_S = 10.0  # how long a starting worker waits for its first list before it serves anyway
 SHORT_WATCH_S = 1.0       # a watch that ends sooner having brought nothing failed (client-go's reflector: the same)
+LEFT_GRACE_S = 30.0       # a model whose last pod left is awaited this long (a 503, not a 404): its pod may come again
 
 
 class Gone(Exception):
@@ -165,6 +168,12 @@ class KubernetesDiscovery:
         # per scope, the delay of the relist that the next watch event naming no pod brings forward
         self._skip_backoff: dict[str | None, float] = {}
         self.watch_states: dict[str | None, WatchState] = {s: WatchState(since=time.time()) for s in self.scopes}
+        # the models awaited though the pool has no endpoint of them (``EndpointPool.awaited``): of
+        # the pods waiting for their address (key -> model), and since when the last pod of a model left
+        self._waiting: dict[str, str] = {}
+        self._waiting_models: Counter[str] = Counter()
+        self._left_at: dict[str, float] = {}
+        pool.awaited = self._awaits
         self._tasks: list[asyncio.Task] = []
         self._api_client: Any = None
         self._core: Any = None
@@ -183,6 +192,31 @@ class KubernetesDiscovery:
         """The key of the engines of ``model`` (its block's ``api_key``), or None."""
         mc = self.models.get(model)
         return mc.api_key if mc is not None else None
+
+    def _awaits(self, model: str) -> bool:
+        """Whether ``model``, of which the pool has no endpoint, is one whose pods are expected: one
+        of them waits for its address (Pending), or its last pod left under ``LEFT_GRACE_S`` ago (a
+        StatefulSet deletes a pod before it makes it again; a Recreate rollout, all of them)."""
+        if self._waiting_models.get(model):
+            return True
+        left = self._left_at.get(model)
+        if left is None:
+            return False
+        if time.monotonic() - left < LEFT_GRACE_S:
+            return True
+        del self._left_at[model]
+        return False
+
+    def _wait(self, key: str, model: str | None) -> None:
+        """Pod ``key`` waits for its address to serve ``model`` (None: it does not, or no longer)."""
+        before = self._waiting.pop(key, None)
+        if before is not None:
+            self._waiting_models[before] -= 1
+            if not self._waiting_models[before]:
+                del self._waiting_models[before]
+        if model:
+            self._waiting[key] = model
+            self._waiting_models[model] += 1
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -508,6 +542,7 @@ class KubernetesDiscovery:
         elif etype == "DELETED":
             self._scope_keys[scope].discard(key)
             self._skipped.pop(key, None)
+            self._wait(key, None)
             self._drop(key, "deleted")
 
     def _reconcile(self, scope: str | None, items: list[Mapping[str, Any]], whole: bool = True) -> None:
@@ -529,6 +564,7 @@ class KubernetesDiscovery:
                          namespace=scope or "*", pods=sorted(kept)[:MAX_LISTED], kept=len(kept))
         for key in lacked - kept:
             self._skipped.pop(key, None)
+            self._wait(key, None)
             self._drop(key, "gone at relist")
         if kept:
             self._lacked[scope] = kept
@@ -557,9 +593,11 @@ class KubernetesDiscovery:
             if self._skipped.get(key) != view.reason:
                 log.info("kubernetes pod not used", pod=key, reason=view.reason)
             self._skipped[key] = view.reason
+            self._wait(key, view.model)
             self._drop(key, view.reason)
             return
         self._skipped.pop(key, None)
+        self._wait(key, None)
         cur = self._tracked.get(key)
         if cur is not None and cur.view == view:      # same endpoint; maybe readiness changed
             if cur.view.routable != view.routable:
@@ -602,6 +640,10 @@ class KubernetesDiscovery:
         if cur is None:
             return
         self.pool.remove(cur.ep)
+        if not self.pool.has_model(cur.view.model):     # its last endpoint: awaited a while (``_awaits``)
+            now = time.monotonic()
+            self._left_at = {m: t for m, t in self._left_at.items() if now - t < LEFT_GRACE_S}
+            self._left_at[cur.view.model] = now
         log.info("kubernetes endpoint removed", pod=key, model=cur.view.model, url=cur.view.url, reason=reason,
                  in_flight=cur.ep.in_flight)
 

@@ -70,6 +70,7 @@ class Skipped:
 
     key: str
     reason: str
+    model: str = ""        # the model of a pod that will serve it once it has an address (Pending)
 
 
 def pod_key(pod: Mapping[str, Any]) -> str:
@@ -189,13 +190,13 @@ def map_pod(pod: Mapping[str, Any], models: Mapping[str, ModelConfig] | None = N
         return Skipped(key, "pod-group-index > 0 (only the group leader serves HTTP)")
     if labels.get(LABEL_RAY_NODE_TYPE) == "worker":
         return Skipped(key, "Ray worker pod")
-    ip = status.get("podIP")
-    if not ip:
-        return Skipped(key, "no pod IP yet")
-    if not _is_address(ip):
-        return Skipped(key, f"pod IP {str(ip)[:60]!r} is not an IP address")
     if status.get("phase") in ("Succeeded", "Failed"):
         return Skipped(key, f"phase {status.get('phase')}")
+    ip = status.get("podIP")
+    if not ip:         # (Pending: not scheduled yet, or its sandbox not made) its model awaits it
+        return Skipped(key, "no pod IP yet", model=model)
+    if not _is_address(ip):
+        return Skipped(key, f"pod IP {str(ip)[:60]!r} is not an IP address")
 
     mc = (models or {}).get(model)
     engine = (labels.get(LABEL_ENGINE) or (mc.engine if mc else "vllm")).strip().lower()

@@ -69,10 +69,13 @@ class ModelLegs(NamedTuple):
     slo: SLOConfig | None                   # the model's default latency objectives (``slo:``), if any
 
 
-def not_listed_yet(model: str) -> GatewayError:
-    """A model the pool lacks while Kubernetes discovery has not listed the pods yet: it may be one
-    of theirs, so a 503 the client retries, not a 404 (``EndpointPool.listed``)."""
-    return GatewayError(503, f"no ready endpoint for model {model} (the Kubernetes pods have not been listed yet)",
+def not_listed_yet(model: str, listed: bool = False) -> GatewayError:
+    """A model the pool lacks while Kubernetes discovery has not listed the pods yet (it may be one
+    of theirs), or, ``listed``, one whose pods discovery awaits (``EndpointPool.awaited``): a 503
+    the client retries, not a 404 (``EndpointPool.listed``)."""
+    why = ("its Kubernetes pods are starting or being made again" if listed
+           else "the Kubernetes pods have not been listed yet")
+    return GatewayError(503, f"no ready endpoint for model {model} ({why})",
                         code="service_unavailable", headers={"Retry-After": "5"},
                         header=("x-error-no-model-backends", "true"), error_class=ErrorClass.NO_ENDPOINT)
 
@@ -200,8 +203,8 @@ class Pipeline:
         """The model must exist (404; 503 while the pods are not listed yet); it counts one more
         request in flight until ``_leave``."""
         if not self.pool.has_model(model) and self.config.model(model) is None:
-            if not self.pool.listed:
-                raise not_listed_yet(model)
+            if not self.pool.listed or self.pool.awaited(model):
+                raise not_listed_yet(model, self.pool.listed)
             raise GatewayError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found",
                                header=("x-error-no-model-backends", safe_header_value(model)),
                                error_class=ErrorClass.MODEL_NOT_FOUND)

@@ -461,8 +461,8 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
         for entry in model_entries():
             if entry["id"] == name:
                 return _json(200, model_info(entry) if ANTHROPIC_VERSION in request.headers else entry, _VARY)
-        if not pool.listed:     # the pods not listed yet: it may be one of theirs, as for a request
-            raise not_listed_yet(name)
+        if not pool.listed or pool.awaited(name):   # it may be one of the pods', as for a request
+            raise not_listed_yet(name, pool.listed)
         raise GatewayError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found",
                            header=("x-error-no-model-backends", safe_header_value(name)),
                            error_class=ErrorClass.MODEL_NOT_FOUND)

@@ -76,6 +76,11 @@ def test_pods_that_are_not_used_say_why(p, reason):
     assert isinstance(v, Skipped) and reason in v.reason
 
 
+def test_a_pod_waiting_for_its_address_names_its_model_and_a_failed_one_does_not():
+    assert map_pod(pod(labels=M, ip=None, ready=False, phase="Pending")) == Skipped("llm/p", "no pod IP yet", "llama")
+    assert map_pod(pod(labels=M, ip=None, ready=False, phase="Failed")) == Skipped("llm/p", "phase Failed")
+
+
 @pytest.mark.parametrize("p", [
     pod(labels={"model.aibrix.ai/name": 7}),
     pod(labels=M, annotations={"model.aibrix.ai/name": ["llama"]}),
