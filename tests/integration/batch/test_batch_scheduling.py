@@ -873,3 +873,38 @@ async def test_the_lines_of_a_discovered_model_wait_while_its_pods_are_not_liste
     finally:
         emu.release_lists()
     assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 5, 0), done
+
+
+async def test_the_lines_of_a_model_whose_only_pod_waits_for_its_address_wait_for_it(
+        emu, sims, gateway, tmp_path, monkeypatch):
+    """A batch for a model only pods serve, created while its one pod is Pending without an address
+    (not scheduled yet): the gateway answers the model's requests 503 to retry then, and its batch
+    lines wait for the pod, uncounted, as for a model with no ready endpoint, rather than each
+    being answered 404 model_not_found; once the pod has its address they run."""
+    import k8s.discovery
+    monkeypatch.setattr(k8s.discovery, "FIRST_LIST_WAIT_S", 0.0)
+    sim = await sims("vllm", "llama")
+    emu.create_pod("llm", "llama-0", {"model.aibrix.ai/name": "llama"}, ip=None, ready=False)
+    path = tmp_path / "kubeconfig"
+    path.write_text(emu.kubeconfig())
+    kube = {"enabled": True, "kubeconfig": str(path), "namespaces": ["llm"], "retry_backoff_s": 0.05}
+    with structlog.testing.capture_logs() as logs:
+        gw = await gateway([], kubernetes=kube, batch=cfg(tmp_path, max_attempts=2, max_concurrency=1))
+        await until(lambda: gw.gw.pool.listed and gw.gw.pool.awaited("llama"), timeout=10)
+        c = openai_client(gw)
+        b = await create(c, rows(["llama"] * 3, max_tokens=4))
+
+        def waits() -> list[tuple[str, str]]:
+            return [(e["model"], e["reason"]) for e in logs if e["event"].startswith("batch lines of a model wait")]
+
+        async def waiting_or_failed() -> bool:
+            return bool(waits()) or (await c.batches.retrieve(b.id)).request_counts.failed > 0
+
+        await until(waiting_or_failed, timeout=10)
+        now = await c.batches.retrieve(b.id)
+        assert (now.status, now.request_counts.completed, now.request_counts.failed) == ("in_progress", 0, 0), now
+        assert waits() == [("llama", "pods on their way")], waits()
+        emu.delete_pod("llm", "llama-0")
+        sim_pod(emu, "llama-0", sim, "llama")
+        done = await run_to_end(c, b.id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 3, 0), done
