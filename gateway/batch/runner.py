@@ -537,12 +537,16 @@ class BatchRunner:
         being answered 404 (None: they are): Kubernetes discovery has not listed the pods yet (a
         gateway started again, its API server slow), so it may be one of theirs; or the gateway knew
         it while this runner ran (its pods all gone in a rollout, its config reloaded without it),
-        so it may come back within the batch's window."""
+        so it may come back within the batch's window; or discovery expects endpoints of it soon (a
+        pod of it waits for its address, its last pod left moments ago: ``EndpointPool.awaited``),
+        as a request to it then is a 503 to retry."""
         if not model:
             return None
         if not getattr(self.pool, "listed", True):
             return "pods not listed yet"
-        return "no such model" if model in self.known else None
+        if model in self.known:
+            return "no such model"
+        return "pods on their way" if self.pool.awaited(model) else None
 
     def _read_ahead(self, job: _Job) -> None:
         """The next chunk of input lines, read on a thread; lines already answered are skipped."""
