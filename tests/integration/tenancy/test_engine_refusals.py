@@ -192,3 +192,18 @@ async def test_a_messages_or_responses_stream_whose_engine_dies_is_charged_what_
     else:
         prompt = parse(path, orjson.dumps({"model": "m", **body}), {}, "e").prompt_tokens_est
     assert (await settled(gw))["tokens"] == prompt + 3
+
+
+async def test_a_messages_count_tokens_request_is_charged_nothing(sims, gateway):
+    """count_tokens generates nothing and reports no usage (docs/apis.md: it charges nothing): the
+    prompt's estimate, charged when a generating request's usage never came, is not charged."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], limits=LIMITS)
+    async with aiohttp.ClientSession() as s:
+        for _ in range(2):
+            async with s.post(gw.url + "/v1/messages/count_tokens", json={"model": "m", "messages": CHAT},
+                              headers={"user": "alice"}) as r:
+                assert r.status == 200 and (await r.json())["input_tokens"] > 0
+    usage = await settled(gw)
+    assert usage["tokens"] == 0 and usage["requests"] == 2
+
