@@ -31,6 +31,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import Gauge
 
+from gateway.apis.paths import COUNT_TOKENS
 from gateway.config.schema import Config, UserLimits
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import ErrorClass, GatewayError
@@ -365,7 +366,9 @@ class Tenancy:
         if limits is None and not rps:
             return
         t.limits = limits
-        t.est_tokens = ireq.prompt_tokens_est
+        # the prompt's estimate, charged when a generating request's usage never comes; a
+        # Messages count_tokens generates nothing and reports no usage: it charges nothing
+        t.est_tokens = ireq.prompt_tokens_est if ireq.path != COUNT_TOKENS else 0
         q = AdmitQuery(t.user, limits, ireq.model, rps)
         started = time.perf_counter()
         try:
