@@ -207,3 +207,22 @@ async def test_a_messages_count_tokens_request_is_charged_nothing(sims, gateway)
     usage = await settled(gw)
     assert usage["tokens"] == 0 and usage["requests"] == 2
 
+
+
+@pytest.mark.parametrize("fault", ["error_after=3", "drop_after=3"])
+async def test_an_sglang_messages_stream_that_fails_is_charged_its_prompt_and_what_it_sent(sims, gateway, fault):
+    """SGLang's ``message_start`` carries zero usage, and after its own error event its
+    ``message_delta`` too (the counts come only in the ``message_delta`` of a stream that
+    finished): a stream it fails after 3 tokens, or whose connection breaks there, reported no
+    prompt, so it is charged the prompt's estimate and the 3 deltas sent, as any stream cut
+    before its usage, not the deltas alone (or nothing, when SGLang's stream still ended)."""
+    sim = await sims("sglang", "m")
+    gw = await gateway([model_block("m", "sglang", [sim.url])], limits=LIMITS)
+    body = {"model": "m", "stream": True, "messages": CHAT, "max_tokens": 50}
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/messages", json=body,
+                                                    headers={"user": "alice", "x-sim-fault": fault}) as r:
+        assert r.status == 200
+        raw = await r.read()
+    assert raw.count(b"event: content_block_delta") == 3 and b"event: error" in raw
+    estimate = parse("/v1/messages", orjson.dumps(body), {}, "e").prompt_tokens_est
+    assert estimate > 0 and (await settled(gw))["tokens"] == estimate + 3
