@@ -22,6 +22,8 @@ says which engine serves which path), through the same pipeline as chat. What di
   ``content_block_delta`` is the first token (TTFT); each one after it is an inter-token gap.
   ``message_start`` carries the input tokens, ``message_delta`` the output tokens and the stop
   reason, ``message_stop`` ends the stream. Only those three and ``error`` are JSON-decoded.
+  A usage of zeros (SGLang's ``message_start``, and its ``message_delta`` after its own error
+  event) counts nothing: the stream is charged as one whose usage never came.
   An event goes out once it is whole (its blank line came), never in part.
 
 Over prefill/decode pairs (docs/pd.md, Messages): an engine whose Messages request takes the P/D
@@ -342,6 +344,16 @@ def _count(v: Any) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
 
 
+def _reports(usage: dict[str, Any]) -> bool:
+    """Whether a stream's usage reports anything: SGLang's ``message_start`` carries zeros, and
+    so does the ``message_delta`` it still sends after its own error event; a prompt has a token
+    at least, so all zeros are no count (the stream is charged as one without its usage)."""
+    return any(_count(usage.get(k)) for k in _USAGE_KEYS)
+
+
+_USAGE_KEYS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+
+
 def openai_usage(usage: dict[str, Any], output: int | None = None, inclusive: bool = False) -> dict[str, Any]:
     """An Anthropic usage object in OpenAI's spelling (what the gateway's accounting reads).
     ``inclusive``: its ``input_tokens`` already counts the cache reads (SGLang's)."""
@@ -524,13 +536,15 @@ class MessagesScanner:
             usage = msg.get("usage") if isinstance(msg, dict) else None
             if isinstance(usage, dict):
                 self._start_usage = usage
-                self.usage = openai_usage(usage, inclusive=self._inclusive)
+                if _reports(usage):
+                    self.usage = openai_usage(usage, inclusive=self._inclusive)
         elif kind == "message_delta":
             usage = obj.get("usage")
             if isinstance(usage, dict):
                 # message_delta's counts are cumulative; the input side may be left to message_start
-                self.usage = openai_usage({**self._start_usage, **{k: v for k, v in usage.items() if v is not None}},
-                                          inclusive=self._inclusive)
+                merged = {**self._start_usage, **{k: v for k, v in usage.items() if v is not None}}
+                if _reports(merged):
+                    self.usage = openai_usage(merged, inclusive=self._inclusive)
             delta = obj.get("delta")
             stop = delta.get("stop_reason") if isinstance(delta, dict) else None
             if isinstance(stop, str):
