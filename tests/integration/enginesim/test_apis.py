@@ -69,6 +69,9 @@ async def test_sglang_messages_dialect_and_its_own_pooling_surface(sims):
             'event: message_stop\ndata: {"type":"message_stop"}\n\n') and "Stream processing error" in text
         async with s.post(s1.url + "/v1/messages", json={**body, "messages": [{"role": "system", "content": "x"}]}) as r:
             assert r.status == 400 and (await r.json())["object"] == "error"
+        for stream in (False, True):      # stop_sequences its request model refuses: its validation 400
+            async with s.post(s1.url + "/v1/messages", json={**body, "stop_sequences": 5, "stream": stream}) as r:
+                assert r.status == 400 and (await r.json())["object"] == "error"
         async with s.post(s1.url + "/v1/tokenize", json={"prompt": ["ab", "cdefgh"]}) as r:
             got = await r.json()
         assert got["count"] == [1, 2] and len(got["tokens"]) == 2
