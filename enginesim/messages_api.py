@@ -403,6 +403,7 @@ class SGLangMessagesApi(MessagesApi):
             self._check_model(body.get("model"))
             max_tokens = _max_tokens(body, "Value error, max_tokens must be positive")     # pydantic's validator
             stream = _stream_flag(body)
+            stop = parse_stop(body.get("stop_sequences"))
             prompt_ids = self._prompt_ids(body)
             fault = request_fault(engine, request)
             check_fault_status(engine, fault)
@@ -417,8 +418,7 @@ class SGLangMessagesApi(MessagesApi):
         if not too_long:
             seq = engine.new_sequence(
                 seq_id=uuid.uuid4().hex, rid=uuid.uuid4().hex, prompt_ids=prompt_ids,
-                params=SamplingParams(max_tokens=max_tokens, min_tokens=0,
-                                      stop=parse_stop(body.get("stop_sequences")), ignore_eos=False),
+                params=SamplingParams(max_tokens=max_tokens, min_tokens=0, stop=stop, ignore_eos=False),
                 stream=stream, fault=fault, cache_salt=None, dp_rank=request_dp_rank(engine, request))
             seq.trace_headers = trace_headers(request.headers)
             if self.cfg.tool_call_parser:
