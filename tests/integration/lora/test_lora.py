@@ -232,6 +232,10 @@ async def test_a_messages_request_for_an_sglang_adapter_is_refused_not_served_by
     assert not load_calls(st) and not [r for r in st["received"] if r["path"].startswith("/v1/messages")]
     msg = await c.messages.create(model="terse", max_tokens=4, messages=MSG)      # vLLM: by model
     assert msg.usage.output_tokens == 4 and len(load_calls(await sim_state(v.url))) == 1
+    # vLLM's Messages answer is its chat answer converted: the model is the adapter's name, as in chat
+    async with c.messages.stream(model="terse", max_tokens=2, messages=MSG) as stream:
+        streamed = await stream.get_final_message()
+    assert msg.model == streamed.model == "terse"
 
 
 async def test_enginesim_slots_lru_metric_and_unknown_adapter(sims):
