@@ -5,9 +5,10 @@ messages), runs it, and converts the answer. What a gateway sees, reproduced her
 
 - Non-streaming: ``{"id", "type": "message", "role": "assistant", "content": [{"type": "text",
   "text"}], "model", "stop_reason", "usage": {"input_tokens", "output_tokens"}}``; ``None``
-  fields are left out. The id is the chat completion's (``chatcmpl-…``). ``stop_reason``:
-  ``end_turn`` for EOS, ``max_tokens`` for length, and for a stop string of the request's
-  ``stop_sequences`` (the chat choice's ``stop_reason`` a string) ``stop_sequence``, with the
+  fields are left out. ``model`` is the chat answer's: a LoRA adapter's name, else the served
+  name. The id is the chat completion's (``chatcmpl-…``). ``stop_reason``: ``end_turn`` for EOS,
+  ``max_tokens`` for length, and for a stop string of the request's ``stop_sequences`` (the chat
+  choice's ``stop_reason`` a string) ``stop_sequence``, with the
   matched string in ``stop_sequence`` (left out otherwise). A prefill for a remote decode
   (``kv_transfer_params.do_remote_decode``) answers its ``kv_transfer_params`` at top level, as the
   chat answer vLLM converts does; a decode takes the params the same way as chat (the request's
@@ -311,7 +312,7 @@ class MessagesApi:
         if seq.tool_calls is not None:
             content = _tool_use_blocks(seq.tool_calls, result.text)
         out: dict[str, Any] = {"id": seq.id, "type": "message", "role": "assistant", "content": content,
-                               "model": self.cfg.served_name,
+                               "model": seq.lora or self.cfg.served_name,
                                "usage": {"input_tokens": seq.prompt_tokens, "output_tokens": seq.completion_tokens}}
         if seq.tool_calls is not None:
             out["stop_reason"] = "tool_use"
@@ -343,7 +344,7 @@ class MessagesApi:
                     started = True
                     await resp.write(_frame("message_start", {"type": "message_start", "message": {
                         "id": seq.id, "type": "message", "role": "assistant", "content": [],
-                        "model": self.cfg.served_name, "stop_reason": None, "stop_sequence": None,
+                        "model": seq.lora or self.cfg.served_name, "stop_reason": None, "stop_sequence": None,
                         "usage": {"input_tokens": seq.prompt_tokens, "output_tokens": 0}}}))
                 if seq.tool_calls is not None:
                     for frame in _tool_use_frames(seq.tool_calls, out.text, out.finish_reason is not None):
