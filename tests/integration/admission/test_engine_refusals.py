@@ -128,3 +128,15 @@ async def test_a_request_granted_from_the_queue_then_refused_gives_its_counter_b
         await refused
     assert counter(gw) == 0
     assert gw.gw.pool.endpoints("m")[0].in_flight == 0 and gw.gw.admission._models["m"].granted == 0
+
+
+async def test_a_messages_count_tokens_request_gives_its_users_counter_back(sims, gateway):
+    """count_tokens generates nothing: no output is expected of it (it names no max_tokens, so twice
+    its prompt was), and, served, it gives back what it was charged, as any request that got
+    nothing generated."""
+    _, gw = await refused_gateway(sims, gateway, "served")
+    async with aiohttp.ClientSession() as s, s.post(
+            gw.url + "/v1/messages/count_tokens", json={"model": "m", "messages": CHAT}, headers={"user": "alice"}) as r:
+        assert r.status == 200 and (await r.json())["input_tokens"] > 0
+    assert await wait_for(lambda: gw.gw.pool.endpoints("m")[0].in_flight == 0)    # released: settled
+    assert counter(gw) == 0
