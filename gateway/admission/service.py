@@ -45,6 +45,7 @@ from gateway.admission.saturation import (
     total_headroom,
     unsaturated,
 )
+from gateway.apis.paths import COUNT_TOKENS
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import LATENCY_BUCKETS, Counter, Histogram
@@ -523,7 +524,10 @@ class Admission:
 def expected_output(ireq: InferenceRequest) -> int:
     """The output tokens a request is expected to produce, for each sequence the engine generates
     (``n`` choices, ``best_of``, each prompt of a completion's batch): its limit when it names one,
-    else as many as its prompt (a rough guess, corrected once the answer's usage is known)."""
+    else as many as its prompt (a rough guess, corrected once the answer's usage is known). None of a
+    Messages count_tokens request, which generates nothing."""
+    if ireq.path == COUNT_TOKENS:
+        return 0
     data = ireq.data
     for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
         v = data.get(key)
@@ -561,10 +565,11 @@ def served_cost(ctx: RequestContext) -> float | None:
     events it had sent. Nothing when no engine generated anything: never routed (its client left
     after its turn came), or an error answer before any token (the engine refused the request, as
     vLLM's 400 for a prompt past its context or a 501, could not be reached, or broke off first;
-    its client may have left on reading the error).
+    its client may have left on reading the error), or a Messages count_tokens, which generates
+    nothing whatever its answer.
     None when it cannot be told (a client that left a whole answer): the charge stands."""
     rec, ireq = ctx.rec, ctx.ireq
-    if ireq is None or ctx.charges.in_flight is None:
+    if ireq is None or ctx.charges.in_flight is None or ireq.path == COUNT_TOKENS:
         return 0.0
     if rec.prompt_tokens is not None or rec.completion_tokens is not None:
         completion = rec.completion_tokens or 0
