@@ -63,3 +63,45 @@ async def test_least_waiting_avoids_a_queued_engine_through_the_gateway(sims, ga
             for t in stuck:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
+
+
+@pytest.mark.parametrize("strategy", ["least-kv-cache", "least-waiting", "throughput", "least-latency"])
+async def test_an_engine_without_metrics_still_takes_its_share(sims, gateway, strategy):
+    """An engine whose /metrics gives nothing usable (here SGLang without --enable-metrics; a scrape
+    failing, timing out or answering garbage alike) serves as well as the others: it takes
+    requests whenever it has no more in flight than the endpoint the engines' numbers pick, so held
+    streams alternate between the two instead of all piling on the one that reports."""
+    reporting = await sims("sglang", "m")
+    silent = await sims("sglang", "m", enable_metrics=False)
+    gw = await gateway([model_block("m", "sglang", [reporting.url, silent.url])])
+    rep = next(e for e in gw.gw.pool.endpoints() if e.url == reporting.url)
+    sil = next(e for e in gw.gw.pool.endpoints() if e.url == silent.url)
+    for _ in range(300):                                    # until a scrape of each has been tried
+        if rep.metrics is not None and rep.metrics.kv_usage is not None and rep.metrics.waiting is not None:
+            break
+        await asyncio.sleep(0.02)
+    assert rep.metrics is not None and sil.metrics is None
+    body = {"model": "m", "prompt": "hold", "max_tokens": 2}
+    hold = {"routing-strategy": strategy, "x-sim-fault": "stall_before_first=inf"}
+    seen = []
+    async with aiohttp.ClientSession() as s:
+        tasks = []
+
+        async def held():
+            async with s.post(gw.url + "/v1/completions", json=body, headers=hold) as r:
+                await r.read()
+        try:
+            for i in range(4):
+                tasks.append(asyncio.create_task(held()))
+                for _ in range(500):                        # until the gateway has routed it
+                    if rep.in_flight + sil.in_flight == i + 1:
+                        break
+                    await asyncio.sleep(0.01)
+                seen.append((rep.in_flight, sil.in_flight))
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+    assert seen[-1] == (2, 2), seen
