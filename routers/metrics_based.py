@@ -3,11 +3,13 @@ least-latency.
 
 They read ``Endpoint.metrics``, the scraper's latest ``EngineMetrics`` snapshot. Rules common to all:
 
-* A snapshot older than ``RoutingSettings.metrics_max_age_s`` counts as missing. An endpoint without
-  a usable value is left out (in a weighted list it scores ``None``, i.e. 0). When no candidate
-  has one, the strategy routes like ``least-request`` and counts a fallback with reason
+* A snapshot older than ``RoutingSettings.metrics_max_age_s`` counts as missing. When no candidate
+  has a usable value, the strategy routes like ``least-request`` and counts a fallback with reason
   ``no_metrics`` (never scraped, or the engine does not report the signal) or ``stale_metrics``
-  (snapshots exist but are too old).
+  (snapshots exist but are too old). An endpoint without one among endpoints with one is chosen
+  instead of the best scored when it has fewer requests in flight (at random when as many), and
+  the fallback is counted with its reason: left out, it would get nothing while its numbers are
+  missing. (In a weighted list it scores ``None``, i.e. 0.)
 * Between two scrapes the snapshot does not move, so a burst would herd onto the endpoint that
   looked best at the last scrape (AIBrix issue #2422 in another guise). Each router therefore adds
   what *it* has sent to an endpoint since that endpoint's current snapshot (requests and their
@@ -114,9 +116,33 @@ class MetricRouter(ScoringRouter):
             self.ctx.on_fallback(self.name, reason)
             ep = self._fallback.choose(candidates)
         else:
-            ep = self._pick(candidates, scores)
+            ep = self._unscored(candidates, scores, self._pick(candidates, scores))
         self.post_route(req, ep)
         return Decision(ep, self.name)
+
+    def _unscored(self, candidates: Sequence[Endpoint], scores: list[float | None], best: Endpoint) -> Endpoint:
+        """``best`` (the best scored), or a candidate without a usable value that has fewer requests
+        in flight (random among equals, ``best`` included). Left out, an engine whose scrape fails,
+        times out or answers nothing usable would get no request for as long as that lasts, however
+        loaded the others; so it carries about as many requests as the endpoint the numbers pick,
+        by the gateway's own count. Counted as a fallback for the missing value when chosen."""
+        low = best.in_flight + best.remote_in_flight
+        pick, ties = best, 1
+        for ep, s in zip(candidates, scores, strict=True):
+            if s is not None:
+                continue
+            n = ep.in_flight + ep.remote_in_flight
+            if n < low:
+                pick, low, ties = ep, n, 1
+            elif n == low:
+                ties += 1
+                if self._random() * ties < 1.0:
+                    pick = ep
+        if pick is not best:
+            m = pick.metrics
+            stale = m is not None and m.scraped_at < self.clock() - self.max_age
+            self.ctx.on_fallback(self.name, "stale_metrics" if stale else "no_metrics")
+        return pick
 
     def _pick(self, candidates: Sequence[Endpoint], scores: list[float | None]) -> Endpoint:
         best: Endpoint | None = None

@@ -69,16 +69,25 @@ def test_without_metrics_it_is_least_request_and_says_why(router_cls):
     assert fallbacks[(router.name, "stale_metrics")] == 2
 
 
-def test_endpoints_without_fresh_metrics_are_left_out():
+def test_endpoints_without_fresh_metrics_go_by_their_in_flight():
+    """A stale or missing snapshot is not read (however good it looks), nor is its endpoint left
+    out: it is chosen when it has fewer requests in flight than the best scored one."""
     clock = Clock()
     ctx, fallbacks = ctx_for(clock=clock)
     router = LeastKVCacheRouter(ctx)
-    eps = make_eps(3)
+    eps = make_eps(3, in_flight=[3, 1, 2])
     eps[0].metrics = snap(t=clock.t - 20, kv_usage=0.0)      # stale, though it looks best
     eps[1].metrics = snap(kv_usage=0.6)
     eps[2].metrics = None
     assert router.route(make_req(), eps).endpoint is eps[1]
     assert not fallbacks
+    eps[0].in_flight = 0
+    assert router.route(make_req(), eps).endpoint is eps[0]
+    assert fallbacks == {("least-kv-cache", "stale_metrics"): 1}
+    eps[0].in_flight = 3
+    eps[2].in_flight = 0
+    assert router.route(make_req(), eps).endpoint is eps[2]
+    assert fallbacks[("least-kv-cache", "no_metrics")] == 1
 
 
 # -- least-waiting ---------------------------------------------------------------------------------
