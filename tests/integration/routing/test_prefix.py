@@ -119,3 +119,27 @@ async def test_metadata_user_id_names_a_session_on_messages_only(sims, gateway):
                                                             "messages": [{"role": "user", "content": f"hi {turn}"}]}) as r:
                 assert r.status == 200, await r.text()
     assert metric(await gw.metrics_text(), "switchyard_routing_session_total", model="m", outcome="kept") == 2
+
+
+async def test_a_cache_salt_keys_its_prompts_apart_on_the_approximate_index(sims, gateway):
+    """vLLM caches a salted prompt apart from the same prompt under another salt or none (its
+    cache_salt is folded into the first block's hash), so a prompt sent under one salt is no
+    match for another: that request is counted no_match and routed on load, where it was taken
+    for a full match on an engine holding nothing of it."""
+    engines = [await sims("vllm", "m") for _ in range(2)]
+    gw = await gateway([model_block("m", "vllm", [e.url for e in engines], strategy="prefix-cache")])
+    messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "Where is train 7?"}]
+
+    async def no_match() -> float:
+        return metric(await gw.metrics_text(), "switchyard_routing_fallbacks_total",
+                      strategy="prefix-cache", reason="no_match")
+    async with aiohttp.ClientSession() as s:
+        holder, _ = await chat(s, gw.url, messages, cache_salt="tenant-a")
+        assert await no_match() == 1
+        pod, data = await chat(s, gw.url, messages, cache_salt="tenant-a")    # the same salt: a match
+        assert pod == holder and data["usage"]["prompt_tokens_details"]["cached_tokens"] > 200
+        assert await no_match() == 1
+        for other in ({"cache_salt": "tenant-b"}, {}):                       # another salt, or none
+            _, data = await chat(s, gw.url, messages, **other)
+            assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert await no_match() == 3
