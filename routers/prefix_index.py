@@ -11,8 +11,8 @@ One index per gateway lives in ``RouterContext.prefix_index``: the ``prefix-cach
 by it and the ``pd`` strategy uses it for its prefill choice. This module imports nothing of
 ``routers`` (the context builds the index), so the context can hold it without an import circle.
 
-* One bounded LRU over all models; the chain is seeded with the model name, so models never
-  share keys (what vLLM does with its root hash). ``prefix_index_blocks`` bounds the number of
+* One bounded LRU over all models; the chain is seeded with the model name (and a request's LoRA
+  adapter and ``cache_salt``), so models never share keys (what vLLM does with its root hash). ``prefix_index_blocks`` bounds the number of
   keys; ``prefix_idle_ttl_s`` forgets keys and endpoint entries no request touched for that long.
 * Hash: XXH3-64 (``xxhash``) of each block's UTF-8 bytes, seeded with the previous block's key, so
   a key names the whole prefix; the first block is seeded with the hash of the model name. It is
@@ -180,8 +180,12 @@ class PrefixIndex:
         """The request's chain, computed once per request object."""
         if req is self._memo_req:
             return self._memo_keys
-        # an adapter's prompts are keyed apart from its base model's: the engine caches them apart
+        # an adapter's prompts are keyed apart from its base model's, and a cache_salt's from other
+        # salts' and unsalted ones (vLLM folds it into the first block's hash): the engine caches them apart
         seed = req.model if req.lora is None else f"{req.model}\0lora:{req.lora}"
+        salt = req.data.get("cache_salt")
+        if salt.__class__ is str and salt:
+            seed = f"{seed}\0salt:{salt}"
         tools = req.data.get("tools")
         text = req.prompt_text if not tools else tools_text(tools) + req.prompt_text
         keys = prefix_keys(text, seed, self.block_chars, self.max_blocks)
