@@ -17,6 +17,7 @@ import structlog
 from gateway.config.schema import config_from_dict, load_config
 from gateway.server.app import DISCOVERY_KEY, RELOAD_KEY
 from gateway.server.reload import Reloader
+from routers.session import encode_session_id
 from tests.support.factories import model_block, pd_model, pd_pair, roleset
 from tests.support.http import openai_client, sim_state
 from tests.support.metrics import metric, series
@@ -495,3 +496,38 @@ async def test_a_model_a_reload_removed_leaves_the_in_flight_gauge_once_its_last
     in_flight = series(await gw.metrics_text(), "switchyard_in_flight_requests")
     assert in_flight == {'model="m"': 0.0}
     await client.close()
+
+
+async def test_an_engine_declared_anew_counts_the_requests_it_still_runs(sims, gateway, tmp_path):
+    """The requests a reload found on an endpoint declared again at its URL with other settings
+    still run on the engine: the endpoint in its place counts them until they end, so the next
+    requests go by the engine's real load instead of piling on the engine that looked idle."""
+    sims_ = [await sims("vllm", "m") for _ in range(2)]
+    gw = await gateway([model_block("m", "vllm", [s.url for s in sims_], strategy="least-request")])
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    busy = next(e for e in gw.gw.pool.endpoints() if e.url == sims_[0].url)
+    pin = {"routing-strategy": "session-affinity", "x-session-id": encode_session_id(busy.address),
+           "x-sim-fault": "stall_before_first=inf"}
+    body = {"model": "m", "prompt": "hold", "max_tokens": 2}
+    async with aiohttp.ClientSession() as s:
+        async def hold() -> None:
+            async with s.post(gw.url + "/v1/completions", json=body, headers=pin) as r:
+                await r.read()
+        stuck = [asyncio.create_task(hold()) for _ in range(2)]
+        try:
+            await until(lambda: busy.in_flight == 2)
+            f.write(models=[model_block("m", "vllm", [{"url": u.url, "max_prompt_tokens": 100_000} for u in sims_],
+                                        strategy="least-request")])
+            assert f.reloader.reload("test").result == "ok"
+            anew = next(e for e in gw.gw.pool.endpoints() if e.url == sims_[0].url)
+            assert anew is not busy and anew.in_flight == 2
+            async with s.post(gw.url + "/v1/completions", json={**body, "prompt": "go"}) as r:
+                assert r.status == 200 and r.headers["target-pod"] == sims_[1].url.removeprefix("http://")
+        finally:
+            for t in stuck:
+                t.cancel()
+            for t in stuck:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+    await until(lambda: busy.in_flight == 0)
+    assert anew.in_flight == 0
