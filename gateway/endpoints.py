@@ -99,6 +99,9 @@ class Endpoint:
     ejected: bool = False          # its circuit breaker is open (gateway/resilience/breaker.py)
     in_flight: int = 0             # gateway requests currently charged to this endpoint
     remote_in_flight: int = 0      # other gateway replicas' in-flight here (gateway/tenants, via Redis)
+    # the endpoint a reload put in this one's place, the same engine declared anew (``EndpointPool.replaced``):
+    # it counts this one's requests in flight too, until they end (gateway/pipeline/ledger.py)
+    successor: Endpoint | None = field(default=None, repr=False)
     # P/D trackers (gateway/pipeline/ledger.py): charged with the routing decision, released exactly once
     prefill_in_flight: int = 0     # prefill calls of this gateway in progress on this endpoint
     pending_decode: int = 0        # decodes chosen for this endpoint whose leg has not started yet
@@ -215,7 +218,11 @@ class EndpointPool:
                 listener(ep)
 
     def replaced(self, old: Endpoint, new: Endpoint) -> None:
-        """``new`` (added) takes the place of ``old`` (removed): the same engine under other settings."""
+        """``new`` (added) takes the place of ``old`` (removed): the same engine under other settings.
+        The requests still on ``old`` run on that engine: ``new`` counts them in flight until they
+        end (each release follows ``successor``), so the next decisions see the engine's load."""
+        new.in_flight += old.in_flight
+        old.successor = new
         for listener in self.replacement_listeners:
             listener(old, new)
 

@@ -64,7 +64,10 @@ class InFlight(Charge):
         if self.released:
             return
         self.released = True
-        self.endpoint.in_flight += int(-self.amount)
+        ep = self.endpoint
+        ep.in_flight += int(-self.amount)
+        while (ep := ep.successor) is not None:    # a reload declared its engine anew: counted there too
+            ep.in_flight += int(-self.amount)
 
     @staticmethod
     def _add(ep: Endpoint, amount: float) -> None:
