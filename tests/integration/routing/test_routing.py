@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 
 from routers.session import decode_session_id
-from tests.support.factories import model_block
+from tests.support.factories import model_block, pd_model, pd_pair, roleset
 
 
 async def test_session_header_round_trip_through_the_gateway(sims, gateway):
@@ -120,3 +120,23 @@ async def test_the_log_line_says_why_a_decision_kept_a_session(sims, gateway):
                 assert r.status == 200
     lines = [x for x in logs if x["event"] == "request"]
     assert [x.get("route_reason") for x in lines] == [None, "session", "session", None]
+
+
+async def test_a_whole_request_strategy_named_for_a_prefill_decode_model_is_400(sims, gateway):
+    """A model whose endpoints are all prefill and decode ones is routed only by pd: a header that
+    names another strategy is the client's error, a 400 naming the header (an SDK does not retry
+    it), not a 503 with Retry-After that no retry would ever get past."""
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    body = {"model": "m", "prompt": "x", "max_tokens": 1}
+    async with aiohttp.ClientSession() as s:
+        for spec in ("least-request", "prefix-cache:2,least-request"):
+            async with s.post(gw.url + "/v1/completions", json=body, headers={"routing-strategy": spec}) as r:
+                got = await r.json()
+                assert r.status == 400 and r.headers["x-error-routing"] == "true", got
+                assert "Retry-After" not in r.headers
+                assert got["error"]["code"] == "invalid_routing_strategy" and got["error"]["param"] == "routing-strategy"
+                assert "pd" in got["error"]["message"]
+        for headers in ({}, {"routing-strategy": "pd"}):
+            async with s.post(gw.url + "/v1/completions", json=body, headers=headers) as r:
+                assert r.status == 200 and r.headers["routing-strategy"] == "pd"
