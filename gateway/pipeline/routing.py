@@ -122,7 +122,26 @@ class Routing:
                 self._defaults.clear()
             self._defaults[model] = (version, found)
             return found
-        return self.resolve(self.strategy_for(model, header, lora))
+        found = self.resolve(self.strategy_for(model, header, lora))
+        if header is not None and not found[1].chooses_pairs and self.pool.has_pd(model):
+            self._fits(model, header, found[0])
+        return found
+
+    def _fits(self, model: str, header: str, spelling: str) -> None:
+        """A 400 when the header chose a whole-request strategy for a model all of whose endpoints
+        are prefill and decode ones: only ``pd`` routes it, and no retry gets past that (a 503 with
+        Retry-After, which SDKs retry, said otherwise). A lock, or a model with whole-request
+        endpoints that are not ready now, answers as before (the 503 of ``candidates``)."""
+        m = self.config.model(model)
+        if (m is not None and m.lock_strategy) or not header.strip():
+            return
+        if any(ep.role in WHOLE_REQUEST_ROLES for ep in self.pool.endpoints(model)):
+            return
+        raise GatewayError(400, f"routing strategy {spelling} cannot route model {model}: its endpoints are "
+                                "prefill and decode endpoints, which only the pd strategy routes",
+                           param="routing-strategy", code="invalid_routing_strategy",
+                           headers={"routing-strategy": spelling},
+                           header=("x-error-routing", "true"), error_class=ErrorClass.ROUTING)
 
     def strategy_for(self, model: str, header: str | None, lora: bool = False) -> str:
         """``lora``: the request names an adapter of ``model``; unless the model is P/D, its
