@@ -732,3 +732,24 @@ async def test_the_last_sync_time_and_the_pods_are_exported(emu, discover):
     b0 = d.stats["bookmarks"]
     await asyncio.sleep(1.0)                                     # ten bookmark intervals
     assert sync() == quiet and d.stats["bookmarks"] == b0
+
+
+async def test_a_pod_changed_in_place_is_the_same_engine_to_routing(emu, discover):
+    """A pod whose labels or annotations change (here its routing profile) is a new endpoint of the
+    pool, but the same engine at the same address, still running its requests and holding its
+    conversations: the endpoint in its place counts its requests in flight, and the pool's
+    replacement listeners (the routing view: sessions, prefix entries, latency models, adapters)
+    are told, as for an endpoint a reload declares anew."""
+    emu.create_pod("llm", "a", {M: "llama"})
+    d, pool = await discover(namespaces=["llm"])
+    (old,) = pool.endpoints("llama")
+    told: list[tuple] = []
+    pool.replacement_listeners.append(lambda was, now: told.append((was, now)))
+    old.in_flight = 2                           # as if two streams were running on it
+    prof = json.dumps({"profiles": {"default": {"routingStrategy": "least-request"}}})
+    emu.update_pod("llm", "a", lambda p: p["metadata"].setdefault("annotations", {}).__setitem__(
+        "model.aibrix.ai/config", prof))
+    await until(lambda: pool.endpoints("llama") and pool.endpoints("llama")[0] is not old)
+    (new,) = pool.endpoints("llama")
+    assert new.url == old.url and new.extra["routing_strategy"] == "least-request"
+    assert told == [(old, new)] and new.in_flight == 2
