@@ -29,6 +29,9 @@ applied update. A pod that stops being routable (not Ready, terminating) stays i
 goes when the pod is deleted; either way requests already on it keep their endpoint and finish.
 A model with no endpoint left stays awaited (a 503, ``EndpointPool.awaited``) while a pod of it
 waits for its address and for ``LEFT_GRACE_S`` after its last pod left.
+A pod whose labels or annotations change in place is a new endpoint; at the same address, for the
+same model, it is the same engine, which the pool's replacement listeners are told of (its
+requests in flight, sessions, prefix entries and latency models go to the new endpoint).
 """
 
 from __future__ import annotations
@@ -606,6 +609,10 @@ class KubernetesDiscovery:
             return
         if cur is not None:
             self._drop(key, "pod changed")
+        # the same pod (uid) at the same address serving the same model: the same engine, still
+        # running its requests and holding its conversations (EndpointPool.replaced, as a reload's)
+        was = cur.ep if cur is not None and (cur.view.uid, cur.view.url, cur.view.model) == (
+            view.uid, view.url, view.model) else None
         ep = Endpoint(url=view.url, model=view.model, engine=view.engine, role=view.role, roleset=view.roleset,
                       bootstrap_port=view.bootstrap_port, min_prompt_tokens=view.min_prompt_tokens,
                       max_prompt_tokens=view.max_prompt_tokens, source="kubernetes", name=view.name,
@@ -619,6 +626,8 @@ class KubernetesDiscovery:
             log.warning("kubernetes annotation refused; the pod is routed without KV events", pod=key,
                         annotation=ANNO_KV_EVENTS, reason=view.kv_events_error)
         self.pool.add(ep)
+        if was is not None:
+            self.pool.replaced(was, ep)
         self._tracked[key] = _Tracked(view, ep)
         log.info("kubernetes endpoint added", pod=key, model=view.model, url=view.url, engine=view.engine,
                  role=view.role, roleset=view.roleset, routable=view.routable,
