@@ -140,3 +140,22 @@ async def test_a_whole_request_strategy_named_for_a_prefill_decode_model_is_400(
         for headers in ({}, {"routing-strategy": "pd"}):
             async with s.post(gw.url + "/v1/completions", json=body, headers=headers) as r:
                 assert r.status == 200 and r.headers["routing-strategy"] == "pd"
+
+
+async def test_pd_spreads_requests_over_equal_prefills_and_decodes(sims, gateway):
+    """Equal prefills and equal decodes (idle between requests, no prefix in common, the decodes
+    scored by their running requests) are picked at random, as AIBrix's shuffled pod list does: one
+    request at a time, every one went to the first prefill and the first decode listed."""
+    p1, p2 = [await sims("vllm", "m", role="prefill") for _ in range(2)]
+    d1, d2 = [await sims("vllm", "m", role="decode") for _ in range(2)]
+    gw = await gateway([pd_model("vllm", [{"name": "rs-1", "prefill": [p1.url, p2.url], "decode": [d1.url, d2.url]}])],
+                       pd={"decode_score_policy": "least_request"})
+    prefills, decodes = set(), set()
+    async with aiohttp.ClientSession() as s:
+        for i in range(24):             # all on one prefill (or one decode) at random: 2 in 2^24
+            body = {"model": "m", "prompt": f"request {i}", "max_tokens": 1}
+            async with s.post(gw.url + "/v1/completions", json=body) as r:
+                assert r.status == 200 and r.headers["routing-strategy"] == "pd"
+                prefills.add(r.headers["prefill-target-pod"])
+                decodes.add(r.headers["target-pod"])
+    assert len(prefills) == 2 and len(decodes) == 2, (prefills, decodes)
