@@ -18,7 +18,8 @@ The pipeline follows AIBrix's P/D selection, with its signals taken from what th
    ``least_request``: in-flight prefills; ``token_load``: active + kv_weight·resident tokens) and
    decode score (``load_balancing``: ``(w_r·run/max_run + w_t·(1 − thr/max_thr)) / (free/max_free)``;
    ``least_request``: running + pending), each roleset keeping its best of each.
-7. Pair score ``prefill/max_prefill + decode/max_decode``; lowest wins.
+7. Pair score ``prefill/max_prefill + decode/max_decode``; lowest wins. Equal scores (in step 6
+   and here) are picked at random.
 
 Signals: "running" is, when the engine's metrics are fresh, this gateway's live in-flight count on
 the decode plus what the engine's last scrape counted beyond this gateway's own requests then
@@ -190,30 +191,46 @@ class PDRouter(Router):
 
         p_scores, match = self._prefill_scores(req, P, cfg)
         d_scores = self._decode_scores(D, cfg)
-        best_p: dict[str, tuple[float, Endpoint]] = {}
-        for ep, s in p_scores.items():
-            rs = ep.roleset or ""
-            if rs not in best_p or s < best_p[rs][0]:
-                best_p[rs] = (s, ep)
-        best_d: dict[str, tuple[float, Endpoint]] = {}
-        for ep, s in d_scores.items():
-            rs = ep.roleset or ""
-            if rs not in best_d or s < best_d[rs][0]:
-                best_d[rs] = (s, ep)
+        best_p = self._best_per_roleset(p_scores)
+        best_d = self._best_per_roleset(d_scores)
         pairs = [rs for rs in best_p if rs in best_d]
         if not pairs:
             raise NoRouteError("no roleset has both a prefill and a decode endpoint after filtering")
         max_p = max(1.0, max(best_p[rs][0] for rs in pairs))
         max_d = max(0.01, max(best_d[rs][0] for rs in pairs))
-        best_rs, best_score = None, math.inf
+        best_rs, best_score, ties = pairs[0], math.inf, 0
+        rand = self.ctx.rng.random
         for rs in pairs:
             score = best_p[rs][0] / max_p + best_d[rs][0] / max_d
             if score < best_score:
-                best_rs, best_score = rs, score
+                best_rs, best_score, ties = rs, score, 1
+            elif score == best_score:
+                ties += 1
+                if rand() * ties < 1.0:
+                    best_rs = rs
         p_ep, d_ep = best_p[best_rs][1], best_d[best_rs][1]
         uncached = int(n * (1.0 - match.get(p_ep, 0.0) / 100.0))
         return Decision(d_ep, "pd", prefill=p_ep, uncached_tokens=uncached, reason="+".join(fast),
                         prefix_match=match.get(p_ep) if match else None, learn=partial(self._learn, req, p_ep))
+
+    def _best_per_roleset(self, scores: dict[Endpoint, float]) -> dict[str, tuple[float, Endpoint]]:
+        """Each roleset's lowest score and its endpoint; equal ones picked at random (the candidates
+        come in the pool's order, so the first listed took every tie: one request at a time, every
+        one went to the same prefill and the same decode)."""
+        best: dict[str, tuple[float, Endpoint]] = {}
+        ties: dict[str, int] = {}
+        rand = self.ctx.rng.random
+        for ep, s in scores.items():
+            rs = ep.roleset or ""
+            held = best.get(rs)
+            if held is None or s < held[0]:
+                best[rs] = (s, ep)
+                ties[rs] = 1
+            elif s == held[0]:
+                ties[rs] += 1
+                if rand() * ties[rs] < 1.0:
+                    best[rs] = (s, ep)
+        return best
 
     def _one_pair(self, req: InferenceRequest, p: Endpoint, d: Endpoint, cfg: PDRouteSettings, n: int) -> Decision:
         """The decision of the general path when the candidates are one prefill and one decode of
