@@ -531,3 +531,39 @@ async def test_an_engine_declared_anew_counts_the_requests_it_still_runs(sims, g
                     await t
     await until(lambda: busy.in_flight == 0)
     assert anew.in_flight == 0
+
+
+async def test_an_engine_removed_and_declared_again_counts_the_requests_it_still_runs(sims, gateway, tmp_path):
+    """An endpoint one reload removes and a later one declares again, while requests from before
+    still run on its engine: the new endpoint counts them until they end, as one declared anew in
+    a single reload does."""
+    sims_ = [await sims("vllm", "m") for _ in range(2)]
+    gw = await gateway([model_block("m", "vllm", [s.url for s in sims_], strategy="least-request")])
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    busy = next(e for e in gw.gw.pool.endpoints() if e.url == sims_[0].url)
+    pin = {"routing-strategy": "session-affinity", "x-session-id": encode_session_id(busy.address),
+           "x-sim-fault": "stall_before_first=inf"}
+    body = {"model": "m", "prompt": "hold", "max_tokens": 2}
+    async with aiohttp.ClientSession() as s:
+        async def hold() -> None:
+            async with s.post(gw.url + "/v1/completions", json=body, headers=pin) as r:
+                await r.read()
+        stuck = [asyncio.create_task(hold()) for _ in range(2)]
+        try:
+            await until(lambda: busy.in_flight == 2)
+            f.write(models=[model_block("m", "vllm", [sims_[1].url], strategy="least-request")])
+            assert f.reloader.reload("test").result == "ok"
+            f.write(models=[model_block("m", "vllm", [s.url for s in sims_], strategy="least-request")])
+            assert f.reloader.reload("test").result == "ok"
+            back = next(e for e in gw.gw.pool.endpoints() if e.url == sims_[0].url)
+            assert back is not busy and back.in_flight == 2
+            async with s.post(gw.url + "/v1/completions", json={**body, "prompt": "go"}) as r:
+                assert r.status == 200 and r.headers["target-pod"] == sims_[1].url.removeprefix("http://")
+        finally:
+            for t in stuck:
+                t.cancel()
+            for t in stuck:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+    await until(lambda: busy.in_flight == 0)
+    assert back.in_flight == 0
