@@ -221,10 +221,16 @@ class EndpointPool:
         """``new`` (added) takes the place of ``old`` (removed): the same engine under other settings.
         The requests still on ``old`` run on that engine: ``new`` counts them in flight until they
         end (each release follows ``successor``), so the next decisions see the engine's load."""
-        new.in_flight += old.in_flight
-        old.successor = new
+        self.succeeded(old, new)
         for listener in self.replacement_listeners:
             listener(old, new)
+
+    @staticmethod
+    def succeeded(old: Endpoint, new: Endpoint) -> None:
+        """``new`` counts ``old``'s requests in flight, the same engine's, until they end: each
+        release follows ``successor`` (gateway/pipeline/ledger.py)."""
+        new.in_flight += old.in_flight
+        old.successor = new
 
     def live_names(self, model: str) -> set[str]:
         return {ep.name for ep in self._by_model.get(model, ())}

@@ -132,6 +132,13 @@ def sync_pool(pool: EndpointPool, config: Config) -> tuple[list[Endpoint], list[
         successor = successors.get((ep.model, ep.url))
         if successor is not None:
             pool.replaced(ep, successor)
+    # one an earlier reload removed, declared again while requests from before still run on its
+    # engine: the new endpoint counts them until they end (what else routing knew of it went then)
+    for old, _ in pool.retired:
+        if old.source == "static" and old.in_flight and old.successor is None:
+            successor = successors.get((old.model, old.url))
+            if successor is not None:
+                pool.succeeded(old, successor)
     return added, removed
 
 
