@@ -739,6 +739,42 @@ async def test_usage_does_not_count_the_slots_of_a_replica_that_died(sims, gatew
     assert (await a.gw.tenancy.state.usage("alice"))["concurrent"] == 0
 
 
+async def test_a_replica_started_again_under_its_configured_id_holds_none_of_the_slots_its_last_run_held(
+        redis_server):
+    """A configured replica id names a replica the same from one run to the next (a worker the
+    parent starts again after it died, as <replica_id>/<index>; a pod restarted under its name). A
+    run that died with requests in flight left its slots under that name in the users' concurrency
+    hashes; the next run heartbeats under it, so they would count as its own for as long as it
+    runs: a user of max_concurrent 2 who had 2 requests on the worker that died could never run
+    one again. The next run's first heartbeat takes them out."""
+    cfg = StateConfig(redis_url=redis_server.url, **FAST_STATE)
+    lim = UserLimits(max_concurrent=2)
+    q = AdmitQuery("alice", lim, "m")
+    old = RedisState(cfg, replica_id="gw-a/0")
+    try:
+        await old.sync({})
+        assert [(await old.admit(q)).acquired for _ in range(2)] == [True, True]
+    finally:
+        await old.stop()                    # dies: no settle, no farewell
+    new = RedisState(cfg, replica_id="gw-a/0")
+    try:
+        await new.sync({})
+        got = [await new.admit(q) for _ in range(2)]
+        assert [(r.reason, r.acquired) for r in got] == [(None, True), (None, True)]
+        assert (await new.usage("alice"))["concurrent"] == 2
+        new.settle("alice", 0, True)
+        new.settle("alice", 0, True)
+        r = aioredis.Redis.from_url(redis_server.url)
+        try:
+            async def released() -> bool:
+                return not await r.hgetall("switchyard:conc:alice")
+            assert await wait_for(released), await r.hgetall("switchyard:conc:alice")
+        finally:
+            await r.aclose()
+    finally:
+        await new.stop()
+
+
 async def _frozen(gw) -> None:
     """The replica's mirror stops following the store: a race between two admin calls, held open."""
     async def stale() -> None:
