@@ -20,7 +20,9 @@ not refusing.
 Keys (``P`` = ``state.key_prefix``), all with an expiry except the directory:
 ``P:rpm:<user>``, ``P:tpm:<user>``, ``P:rps:<model>`` windows (PEXPIRE at first hit);
 ``P:conc:<user>`` hash replica id → requests in flight (entries of replicas that stopped
-heartbeating are dropped by the next check); ``P:replicas`` zset replica id → last heartbeat
+heartbeating are dropped by the next check); ``P:slotusers:<replica>`` set of the users whose hash
+has an entry of that replica's (a run started again under a configured replica id takes its
+last run's entries out at its first heartbeat); ``P:replicas`` zset replica id → last heartbeat
 (Redis server time, so replica clocks do not matter); ``P:inflight:<replica>`` hash endpoint →
 in-flight (TTL ``replica_ttl_s``); ``P:users``, ``P:keys`` (SHA-256 digest → record) and
 ``P:version`` (bumped on every directory write) and ``P:dirlog`` (the change log: a zset of the
@@ -98,9 +100,10 @@ end
 """
 
 ADMIT = _LIVE_SLOTS + """
--- KEYS: 1 rpm window, 2 tpm window, 3 concurrency hash, 4 model rps window, 5 replicas zset
+-- KEYS: 1 rpm window, 2 tpm window, 3 concurrency hash, 4 model rps window, 5 replicas zset,
+--       6 the users this replica holds slots of
 -- ARGV: 1 rpm, 2 tpm, 3 max_concurrent, 4 rps, 5 replica id, 6 replica ttl ms, 7 user window ms,
---       8 model window ms
+--       8 model window ms, 9 user
 local rpm, tpm, conc, rps = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local win, mwin = tonumber(ARGV[7]), tonumber(ARGV[8])
 
@@ -137,6 +140,8 @@ if reason == '' then
   if conc > 0 then
     redis.call('HINCRBY', KEYS[3], ARGV[5], 1)
     redis.call('PEXPIRE', KEYS[3], 86400000)
+    redis.call('SADD', KEYS[6], ARGV[9])
+    redis.call('PEXPIRE', KEYS[6], 86400000)
     cn = cn + 1
     acquired = 1
   end
@@ -643,6 +648,11 @@ class RedisState:
         p = self._p
         return f"{p}:rpm:{user}", f"{p}:tpm:{user}", f"{p}:conc:{user}"
 
+    def _k_slot_users(self) -> str:
+        """The users whose concurrency hash holds an entry of this replica's (``replica_id`` is
+        set per worker after construction, so the name is made when used)."""
+        return f"{self._p}:slotusers:{self.replica_id}"
+
     async def admit(self, q: AdmitQuery) -> AdmitResult:
         if not self.up:
             raise StateUnavailable("redis is marked down", self.down_reason or "unreachable")
@@ -650,9 +660,10 @@ class RedisState:
         user = q.user or ""
         k_rpm, k_tpm, k_conc = self._user_keys(user)
         args = [lim.rpm if lim else 0, lim.tpm if lim else 0, lim.max_concurrent if lim else 0, q.model_rps,
-                self.replica_id, self._ttl_ms, USER_WINDOW_MS, MODEL_WINDOW_MS]
+                self.replica_id, self._ttl_ms, USER_WINDOW_MS, MODEL_WINDOW_MS, user]
         try:
-            out = await self._submit(ADMIT, [k_rpm, k_tpm, k_conc, f"{self._p}:rps:{q.model}", self.k_replicas],
+            out = await self._submit(ADMIT, [k_rpm, k_tpm, k_conc, f"{self._p}:rps:{q.model}", self.k_replicas,
+                                             self._k_slot_users()],
                                      args, orphan=functools.partial(self._orphan_admit, user))
         except StateUnavailable as e:
             if e.reason == "unreachable" and lim is not None and lim.max_concurrent:
@@ -857,6 +868,14 @@ class RedisState:
             self.refused = ""
             self._tell()
         version = out[0].decode()
+        if not self._beating:
+            # a replica's first heartbeat: a run before it under the same name (a configured
+            # replica_id: a worker started again after it died, a pod restarted) may have died with
+            # slots in the users' hashes, which count as this run's now that it heartbeats under
+            # that name; its exact counts (none yet, or what it took while this sync was on its
+            # way) are published for every user the name held slots of
+            users = await self._call(self.client.smembers(self._k_slot_users()), probe=True)
+            self._dirty |= {u.decode() for u in users}
         if out[1] and self._beating:
             # this replica's heartbeat is gone while no call of its own failed: Redis restarted
             # (empty) or was flushed between two calls, or this replica was silent past the ttl and
@@ -879,6 +898,8 @@ class RedisState:
         # not a transaction (see WHOLE_DIRECTORY): the two keys need not change in one step
         pipe = self.client.pipeline(transaction=False)
         pipe.zrem(self.k_replicas, self.replica_id).delete(self.k_inflight_prefix + self.replica_id)
+        if not self.held and not self._dirty:   # no slot of its own left in any user's hash
+            pipe.delete(self._k_slot_users())
         with contextlib.suppress(StateUnavailable):
             await self._call(pipe.execute())
 
