@@ -187,6 +187,36 @@ def test_a_bad_engine_key_names_its_key_and_does_not_show_it(text, key):
     assert "secret" not in str(ei.value)
 
 
+# -- clients' API keys and the admin token ------------------------------------------------------
+
+@pytest.mark.parametrize("text,key", [
+    ('auth: {api_keys: [{key: " sk-secret-1", user: a}]}', "auth.api_keys[0].key"),
+    ('auth: {api_keys: [{key: sk-ok-1, user: a}, {key: "sk-secret-1\\n", user: b}]}', "auth.api_keys[1].key"),
+    ('auth: {api_keys: [{key: "sk-secret\\r\\n-1", user: a}]}', "auth.api_keys[0].key"),
+    ('auth: {api_keys: [{key: "sk-secret\\0-1", user: a}]}', "auth.api_keys[0].key"),
+    ('auth: {admin_token: "admin-secret\\n"}', "auth.admin_token"),
+    ('auth: {admin_token: "\\tadmin-secret"}', "auth.admin_token"),
+    ("auth: {admin_token_env: SY_TEST_ADMIN_TOKEN}", "auth.admin_token_env"),
+])
+def test_a_client_key_or_admin_token_no_request_can_present_names_its_key_and_does_not_show_it(
+        monkeypatch, text, key):
+    """A header's value has no whitespace at its ends (RFC 9110 section 5.5: the gateway reads the
+    key after ``Bearer`` and in ``x-api-key`` without it) and no line break or NUL: a key or admin
+    token with one (a secret from a file or an environment variable that kept its final newline) is
+    one no request matches, every request with it a 401. Refused with the config, as an engine's key
+    is, naming the key and not showing it."""
+    monkeypatch.setenv("SY_TEST_ADMIN_TOKEN", "admin-secret\n")
+    with pytest.raises(ConfigError) as ei:
+        parse_config(GOOD + text + "\n", source="conf.yaml")
+    assert ei.value.key_path == key, str(ei.value)
+    assert "secret" not in str(ei.value)
+
+
+def test_a_client_key_with_a_space_inside_is_one_a_request_can_present():
+    c = parse_config(GOOD + 'auth: {api_keys: [{key: "sk two words", user: a}], admin_token: "ad min"}\n')
+    assert c.auth.api_keys[0].key_sha256 and c.auth.admin_token == "ad min"
+
+
 def _alias_bomb(levels: int) -> str:
     """Anchors each listing the one before ten times: a few lines that expand to 10**levels values."""
     rows = ['  a0: &a0 [x, x, x, x, x, x, x, x, x, x]']
