@@ -100,6 +100,17 @@ def _from_env(inline: str | None, env: str | None, key: str) -> str | None:
 _ENGINE_KEY = re.compile(r"[\x21-\x7e]+")
 
 
+def _presentable(secret: str) -> bool:
+    """Whether a client can send ``secret`` as a header's value, as the gateway reads it: no
+    whitespace at its ends (RFC 9110 section 5.5: not part of the value; the key after ``Bearer``
+    and in ``x-api-key`` is read without it) and no line break or NUL, which no value holds."""
+    return secret == secret.strip() and not any(c in secret for c in "\r\n\0")
+
+
+_UNPRESENTABLE = ("has whitespace at its ends, or a line break or a NUL, which no header a client sends "
+                  "can carry, so no request would match it")
+
+
 def _engine_key(inline: str | None, env: str | None) -> str | None:
     """An engine's API key (``api_key`` or ``api_key_env``), checked; errors never show it."""
     key = _from_env(inline, env, "api_key")
@@ -339,7 +350,7 @@ class ApiKey(Block):
     """``key`` (plaintext, never in repr) or ``key_sha256`` (hex SHA-256: the file holds no secret)."""
 
     _secret = ("key",)
-    key: Annotated[str, Meta(description="The API key in plain text; give this or key_sha256.")] = ""
+    key: Annotated[str, Meta(description="The API key in plain text; give this or key_sha256. No whitespace at its ends, line break or NUL, which no request could present.")] = ""
     user: Annotated[Name, Meta(description="The user this key authenticates as (limits.users names users); sent to the engine in the user header, so it holds no line break (CR, LF) or NUL.")] = "default"
     key_sha256: Annotated[str, Meta(description="Hex SHA-256 of the API key, so the file holds no secret; give this or key.")] = ""
     name: Annotated[str, Meta(description="A label for the key, shown by the admin API.")] = ""
@@ -351,6 +362,8 @@ class ApiKey(Block):
             raise ValueError("key: give exactly one of key or key_sha256")
         if not _SHA256_HEX.fullmatch(digest):
             raise ValueError("key_sha256: must be 64 hex digits (sha256 of the key)")
+        if self.key and not _presentable(self.key):
+            raise ValueError(f"key: the key {_UNPRESENTABLE}")
         if any(c in self.user for c in "\r\n\0"):
             # the key's user replaces the client's `user` header to the engine (gateway/tenants),
             # and a header value holds none of these (RFC 9110 section 5.5)
@@ -363,12 +376,16 @@ class AuthConfig(Block):
     _secret = ("admin_token",)
     api_keys: Annotated[tuple[ApiKey, ...], Meta(description="Accepted client API keys (Authorization: Bearer ...); empty: no gateway authentication unless enabled is true.")] = ()
     enabled: Annotated[bool | None, Meta(description="Require an API key on every request; null: on when api_keys is not empty.")] = None
-    admin_token: Annotated[Name | None, Meta(description="Bearer token of the admin API (/admin/*); null: the admin API is off.")] = None
+    admin_token: Annotated[Name | None, Meta(description="Bearer token of the admin API (/admin/*); null: the admin API is off. No whitespace at its ends, line break or NUL, which no request could present (nor in the value of admin_token_env).")] = None
     admin_token_env: Annotated[Name | None, Meta(description="Name of an environment variable holding admin_token (instead of admin_token).")] = None
     forward_authorization: Annotated[bool, Meta(description="With authentication on, also pass the client's Authorization header on to the engines (by default they never see the client's key).")] = False
 
     def __post_init__(self) -> None:
         force_setattr(self, "admin_token", _from_env(self.admin_token, self.admin_token_env, "admin_token"))
+        if self.admin_token is not None and not _presentable(self.admin_token):
+            where = (f"admin_token_env: the value of {self.admin_token_env}" if self.admin_token_env is not None
+                     else "admin_token: the token")
+            raise ValueError(f"{where} {_UNPRESENTABLE}")
         seen: dict[str, int] = {}
         for i, k in enumerate(self.api_keys):
             if k.key_sha256 in seen:
