@@ -775,6 +775,31 @@ async def test_a_replica_started_again_under_its_configured_id_holds_none_of_the
         await new.stop()
 
 
+async def test_slots_published_again_after_a_redis_restart_are_taken_out_by_the_next_run_too(redis_server):
+    """Redis lost its data (a restart, a flush) and the replica published the slots it holds again;
+    it then died with them. The next run under its name takes those out as well."""
+    cfg = StateConfig(redis_url=redis_server.url, **FAST_STATE)
+    q = AdmitQuery("alice", UserLimits(max_concurrent=2), "m")
+    old = RedisState(cfg, replica_id="gw-a/0")
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await old.sync({})
+        assert (await old.admit(q)).acquired
+        await r.flushall()
+        await old.sync({})                  # its heartbeat is gone: its slot is published again
+        assert await r.hgetall("switchyard:conc:alice") == {b"gw-a/0": b"1"}
+    finally:
+        await old.stop()
+    new = RedisState(cfg, replica_id="gw-a/0")
+    try:
+        await new.sync({})
+        assert await r.hgetall("switchyard:conc:alice") == {}
+        assert [(await new.admit(q)).acquired for _ in range(2)] == [True, True]
+    finally:
+        await new.stop()
+        await r.aclose()
+
+
 async def _frozen(gw) -> None:
     """The replica's mirror stops following the store: a race between two admin calls, held open."""
     async def stale() -> None:
