@@ -99,6 +99,10 @@ local function live_slots(hash, replicas, me, ttl_ms, drop)
 end
 """
 
+# how long a replica's list of the users it holds slots of is kept after its last slot (as a
+# user's concurrency hash is after their last check)
+SLOT_USERS_TTL_MS = 86_400_000
+
 ADMIT = _LIVE_SLOTS + """
 -- KEYS: 1 rpm window, 2 tpm window, 3 concurrency hash, 4 model rps window, 5 replicas zset,
 --       6 the users this replica holds slots of
@@ -769,11 +773,13 @@ class RedisState:
         after an outage, every user it held slots for), in one pipeline."""
         users, self._dirty = self._dirty, set()
         pipe = self.client.pipeline(transaction=False)
+        k_users = self._k_slot_users()
         for user in users:
             k_conc = self._user_keys(user)[2]
             n = self.held.get(user, 0)
             if n > 0:
-                pipe.hset(k_conc, self.replica_id, n)
+                # listed as the limit check lists it, for a run after this one to take out
+                pipe.hset(k_conc, self.replica_id, n).sadd(k_users, user).pexpire(k_users, SLOT_USERS_TTL_MS)
             else:
                 pipe.hdel(k_conc, self.replica_id)
         try:
