@@ -800,6 +800,32 @@ async def test_slots_published_again_after_a_redis_restart_are_taken_out_by_the_
         await r.aclose()
 
 
+async def test_a_request_that_leaves_while_its_check_is_on_its_way_gives_its_counts_back(redis_server):
+    """The client goes (its request cancelled) while the limit check is on its way to Redis, which
+    runs it: the request passed and no engine saw it, so it gives back the counts it made in the
+    user's RPM window and the model's RPS window, as one shed or refused before any engine does,
+    besides its slot."""
+    st = RedisState(StateConfig(redis_url=redis_server.url, **FAST_STATE))
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await st.sync({})
+        q = AdmitQuery("alice", UserLimits(rpm=5, max_concurrent=1), "m", model_rps=10)
+        check = asyncio.create_task(st.admit(q))
+        await asyncio.sleep(0)              # queued for this loop turn's pipeline
+        check.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await check
+
+        async def given_back() -> bool:
+            got = await r.mget("switchyard:rpm:alice", "switchyard:rps:m")
+            return got[0] is not None and all(int(v or 0) == 0 for v in got) \
+                and not await r.hgetall("switchyard:conc:alice")
+        assert await wait_for(given_back), await r.mget("switchyard:rpm:alice", "switchyard:rps:m")
+    finally:
+        await st.stop()
+        await r.aclose()
+
+
 async def _frozen(gw) -> None:
     """The replica's mirror stops following the store: a race between two admin calls, held open."""
     async def stale() -> None:
