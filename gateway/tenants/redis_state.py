@@ -668,7 +668,7 @@ class RedisState:
         try:
             out = await self._submit(ADMIT, [k_rpm, k_tpm, k_conc, f"{self._p}:rps:{q.model}", self.k_replicas,
                                              self._k_slot_users()],
-                                     args, orphan=functools.partial(self._orphan_admit, user))
+                                     args, orphan=functools.partial(self._orphan_admit, q))
         except StateUnavailable as e:
             if e.reason == "unreachable" and lim is not None and lim.max_concurrent:
                 # the check may still run in Redis with nobody to read its answer (a Redis stopped
@@ -707,10 +707,22 @@ class RedisState:
         else:
             entry[0] += n
 
-    def _orphan_admit(self, user: str, out: list) -> None:
-        """The request left while its check was in flight: give back the slot it may have taken."""
+    def _orphan_admit(self, q: AdmitQuery, out: list) -> None:
+        """The request left while its check was in flight: no engine saw it, so it gives back the
+        slot it may have taken and, if it passed, its counts in the request windows (those that
+        will not end before the call could reach them)."""
+        user = q.user or ""
         if out[8]:
             self._settle(user, 0, True)
+        if out[0]:                          # refused: it counted nothing
+            return
+        keys = []
+        if q.limits is not None and q.limits.rpm and int(out[2]) > 50:
+            keys.append(self._user_keys(user)[0])
+        if q.model_rps and int(out[7]) > 50:
+            keys.append(f"{self._p}:rps:{q.model}")
+        if keys and self.up:
+            self._submit(UNCOUNT, keys, []).add_done_callback(_retrieved)
 
     def uncount(self, user: str, counted: tuple[float | None, float | None, str]) -> None:
         """A request no engine saw gives its count back to the shared windows it was counted in,
