@@ -521,3 +521,46 @@ async def test_a_body_refused_by_its_length_gets_its_413_and_the_connection_ends
             assert got[0].json()["error"]["type"] == ("request_too_large" if path != CHAT else "invalid_request_error")
             assert await wait_for(lambda: gw.connections() == 0, timeout=5.0, interval=0.01)
         assert await gw.received() == []
+
+
+# Host field values that are no host[:port] (RFC 3986's reg-name, IPv4 or IP literal, then a port)
+BAD_HOSTS = {"empty": "", "space": "gateway .test", "tab": "gateway\t.test", "userinfo": "user@gateway.test",
+             "path": "gateway.test/v1", "letters_as_port": "gateway.test:http", "unclosed_literal": "[::1",
+             "non_ascii": "g\u00e4teway.test"}
+
+
+@on_both_loops
+async def test_a_host_header_that_is_no_host_is_a_400_on_the_fast_lane_and_off_it():
+    """RFC 9112 §3.2: a server MUST answer 400 to a request with more than one Host field line or a
+    Host whose value is not valid. The same bytes get the same answer whichever path takes them (the
+    fast lane's POST, aiohttp's with a query string, a GET of the application's), in the path's API
+    shape, and nothing of such a request reaches the engine; a host, a port, an IP literal are served."""
+    async with edge_gateway(**SERVER) as gw:
+        def sent(target: str, host: str, method: str = "POST") -> bytes:
+            raw = request(method, target, BODY if method == "POST" else None)
+            return raw.replace(b"Host: gateway.test\r\n", b"Host: " + host.encode("utf-8") + b"\r\n", 1)
+
+        cases = [(name, target, method) for name in [*BAD_HOSTS, "two"]
+                 for target, method in ((CHAT, "POST"), (CHAT + "?x=1", "POST"), ("/v1/models", "GET"),
+                                        ("/v1/messages", "POST"))]
+
+        def raw_of(name: str, target: str, method: str) -> bytes:
+            if name == "two":
+                return sent(target, "gateway.test\r\nHost: other.test", method)
+            return sent(target, BAD_HOSTS[name], method)
+
+        exchanges = await asyncio.gather(*(exchange(gw.port, raw_of(*case), wait=8.0) for case in cases))
+        for (name, target, _), ex in zip(cases, exchanges, strict=True):
+            assert [r.status for r in ex.responses] == [400], \
+                (name, target, [(r.status, r.body[:100]) for r in ex.responses])
+            assert ex.closed, (name, target)
+            if target == "/v1/messages":
+                assert ex.first.json()["type"] == "error", (name, ex.first.body)
+            else:
+                assert_openai_error(ex.first, 400)
+        assert await gw.received() == []
+        for host in ("gateway.test:8080", "127.0.0.1", "[::1]:8080", "gateway.test.", "my_host-1.internal:"):
+            for target in (CHAT, CHAT + "?x=1"):
+                raw = sent(target, host).replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1)
+                ex = await exchange(gw.port, raw)
+                assert [r.status for r in ex.responses] == [200], (host, target, ex.responses)
