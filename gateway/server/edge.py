@@ -42,8 +42,8 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   sends (up to 10 s, or the body clock) goes on behind it, so the close does not reset the
   connection under an answer not yet read.
 - **The request log.** Every answer the edge writes itself (those above, the 408s, and the
-  refusals of ``EdgeServer``'s handler: a version, ``CONNECT``, a ``Content-Length``, a transfer
-  coding, a coding, an ``Expect``) has a request log line (``log_edge_answer``, the shape of every request line), its
+  refusals of ``EdgeServer``'s handler: a version, a ``Host`` that is no host, ``CONNECT``, a
+  ``Content-Length``, a transfer coding, a coding, an ``Expect``) has a request log line (``log_edge_answer``, the shape of every request line), its
   method and path as far as the edge read them, its duration from the head's start
   (``e_head_started``: the start of the head clock the edge runs anyway). A 408 or 400 for a body
   the pipeline was reading is left to the pipeline's line, which says that answer
@@ -1112,6 +1112,20 @@ def version_refused(request: web.BaseRequest, version: Any) -> web.Response:
                           "HTTP/1.1 are served", "bad_request")
 
 
+def host_refused(request: web.BaseRequest) -> web.Response | None:
+    """RFC 9112 §3.2: a request whose ``Host`` is not a valid field value gets a 400 (the parser
+    refuses two Host lines, and a missing one in HTTP/1.1, itself). A valid one is a host (a name,
+    an IPv4 address, an IP literal in brackets), not empty, and a port of digits (``lane.HOST``):
+    an empty Host, one with a space, userinfo or a path names no server this one could be; none of
+    it is served, and the connection closes. None: no Host (HTTP/1.0), or a valid one."""
+    host = request.headers.get(hdrs.HOST)
+    if host is None or lane.HOST.fullmatch(host) is not None:
+        return None
+    what = f"the Host header {safe_header_value(host)[:64]!r} is not a host[:port]" if host else "the Host header is empty"
+    return _closing_error(request, 400, f"malformed HTTP request: {what} (RFC 9112 section 3.2)", "bad_request",
+                          param="Host", type_="invalid_request_error")
+
+
 def connect_refused(request: web.BaseRequest, allow: str) -> web.Response:
     """CONNECT names a host to tunnel to (``evil.example:443``), not a path: never routed, and the
     connection, which the parser put in tunnel mode, is closed after the answer. Its ``Allow`` is
@@ -1493,6 +1507,9 @@ class EdgeServer(web.Server):
             if _VERSION_REFUSED in request:
                 edge.metrics.protocol_errors.labels("400").inc()
                 return refused(request, version_refused(request, request[_VERSION_REFUSED]))
+            if (host := host_refused(request)) is not None:
+                edge.metrics.protocol_errors.labels("400").inc()
+                return refused(request, host)
             if request.method == "CONNECT":     # a tunnel request: this is not a forward proxy
                 return refused(request, connect_refused(request, allow))
             if request.method == "OPTIONS" and request.raw_path == "*":    # about the server, not a path
@@ -1533,8 +1550,15 @@ class EdgeServer(web.Server):
             return await app_handler(request)
 
         if cors is not None:            # a preflight to an API path is answered here, without an API key
-            request_handler = _cors_preflights(request_handler, cors, cors_methods, direct, edge.cors_counted,
-                                               edge.request_log)
+            preflights = _cors_preflights(request_handler, cors, cors_methods, direct, edge.cors_counted,
+                                          edge.request_log)
+
+            async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
+                # a preflight is refused for a Host that is no host, as every request is
+                if _VERSION_REFUSED not in request and (host := host_refused(request)) is not None:
+                    edge.metrics.protocol_errors.labels("400").inc()
+                    return refused(request, host)
+                return await preflights(request)
         self.request_handler = request_handler
 
     def __call__(self) -> EdgeProtocol:

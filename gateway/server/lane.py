@@ -19,7 +19,7 @@ path, a query string, HTTP/1.0, a body that is chunked, compressed, larger than 
 while it comes after its head, or followed by more than ``HOLD_BYTES``, ``Expect``, ``Upgrade``,
 with CORS on an ``Origin`` (gateway/server/cors.py; a request without one is a ``CorsLaneRequest``,
 whose answers carry ``Vary: Origin``), a head without exactly one ``Host`` (aiohttp's
-400), a head near the edge's header limits, a body over ``server.max_body_bytes``, a connection
+400), or whose ``Host`` is no host[:port] (the edge's 400), a head near the edge's header limits, a body over ``server.max_body_bytes``, a connection
 with a request of aiohttp's in flight, or a head that is
 not plain lines of a token, a colon and a value (a control byte, a bare CR or LF, a folded line,
 a value ending in a space or a tab).
@@ -149,6 +149,12 @@ _TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 _BLOCK = re.compile(r"(?:" + _TOKEN + r":[^\x00-\x08\x0a-\x1f\x7f]*(?<![ \t])\r\n)*")
 _NAME = itemgetter(0)
 _FIELD = re.compile(r"(" + _TOKEN + r"):[ \t]*([^\r\n]*)\r\n")
+# a Host field's value (RFC 9112 §3.2: uri-host [ ":" port ], RFC 3986 §3.2.2): an IP literal in
+# brackets, or a reg-name (an IPv4 address is one), not empty, then a port of digits. Any other value
+# (empty, a space, userinfo, a path) is a 400 (gateway/server/edge.py ``host_refused``), which the lane
+# leaves to aiohttp's path
+HOST = re.compile(r"(?:\[(?:[0-9A-Fa-f:.]+|[vV][0-9A-Fa-f]+\.[A-Za-z0-9\-._~!$&'()*+,;=:]+)\]"
+                  r"|(?:[A-Za-z0-9\-._~!$&'()*+,;=]|%[0-9A-Fa-f]{2})+)(?::[0-9]*)?")
 
 
 def _keep_alive(fields: list[tuple[str, str]], lowered: list[str]) -> bool:
@@ -226,6 +232,8 @@ def parse(data: bytes, paths: dict[bytes, str], max_head: int, max_headers: int,
     lowered = list(map(str.lower, map(_NAME, fields)))     # in C, no Python frame per header
     if not decline.isdisjoint(lowered) or lowered.count("content-length") != 1 or lowered.count("host") != 1:
         return None                     # (an HTTP/1.1 request without one Host is aiohttp's 400)
+    if HOST.fullmatch(fields[lowered.index("host")][1]) is None:
+        return None                     # (the edge's 400: ``host_refused``)
     # its body
     length = fields[lowered.index("content-length")][1]
     if not length.isascii() or not length.isdigit():
