@@ -564,3 +564,46 @@ async def test_a_host_header_that_is_no_host_is_a_400_on_the_fast_lane_and_off_i
                 raw = sent(target, host).replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1)
                 ex = await exchange(gw.port, raw)
                 assert [r.status for r in ex.responses] == [200], (host, target, ex.responses)
+
+
+FOO = b"FOO /v1/models HTTP/1.1\r\nHost: gateway.test\r\n\r\n"
+BROKEN_ON_MESSAGES = (b"POST /v1/messages HTTP/1.1\r\nHost: gateway.test\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1\r\nContent-Length: 2\r\n\r\n")
+GARBAGE = b"GARBAGE\r\n\r\n"
+
+
+def _answers(ex) -> list[tuple[int, object]]:
+    """Each answer's status, with an error's whole body, a success's object."""
+    return [(r.status, r.body if r.status >= 400 else r.json().get("object")) for r in ex.responses]
+
+
+@on_both_loops
+async def test_a_broken_request_pipelined_behind_a_good_one_gets_the_answers_it_gets_in_a_read_of_its_own():
+    """The good request's answer, then the broken one's as it gets it when it comes in a read of its
+    own: a method the gateway does not know is the 501 naming it, a broken head on a Messages path is
+    a 400 in Anthropic's shape. In the same read as the good one, a GET or a query string (aiohttp's
+    path) left the broken one the good one's request line to answer in, and a chunked request was
+    not answered at all (the parser drops what it parsed in a read it then refuses); a chunked body
+    with a chunk extension and a trailer ends where the parser ends it."""
+    te = b"Transfer-Encoding: chunked\r\n\r\n"
+    firsts = {"get": request("GET", "/v1/models"), "query": request("POST", CHAT + "?x=1", BODY),
+              "lane": request("POST", CHAT, BODY), "chunked": H + te + chunked(BODY),
+              "chunked_extension_trailer": H + te + b"%x;name=value\r\n" % len(BODY) + BODY
+              + b"\r\n0;last\r\nX-Trailer: 1\r\n\r\n"}
+    bads = {"foo": (FOO, 501), "messages": (BROKEN_ON_MESSAGES, 400), "garbage": (GARBAGE, 400)}
+    cases = [(f, b) for f in firsts for b in bads]
+    async with edge_gateway(**SERVER) as gw:
+        one = await asyncio.gather(*(exchange(gw.port, firsts[f] + bads[b][0], wait=8.0) for f, b in cases))
+        two = await asyncio.gather(*(exchange(gw.port, firsts[f], bads[b][0], wait=8.0) for f, b in cases))
+        for (f, b), ex1, ex2 in zip(cases, one, two, strict=True):
+            assert [r.status for r in ex2.responses] == [200, bads[b][1]], (f, b, _answers(ex2))
+            assert _answers(ex1) == _answers(ex2), (f, b)
+            assert ex1.closed and not ex1.trailing, (f, b)
+            if b == "messages":
+                assert ex1.responses[1].json()["type"] == "error", (f, ex1.responses[1].body)
+            else:
+                err = assert_openai_error(ex1.responses[1])
+                assert "POST" not in err["message"], (f, b, err)
+        got = await gw.received()
+        assert len(got) == 2 * len(cases) - 2 * len(bads), len(got)     # every good one but the GET's
+
