@@ -607,3 +607,30 @@ async def test_a_broken_request_pipelined_behind_a_good_one_gets_the_answers_it_
         got = await gw.received()
         assert len(got) == 2 * len(cases) - 2 * len(bads), len(got)     # every good one but the GET's
 
+
+
+@on_both_loops
+async def test_a_chunked_body_that_breaks_gets_one_answer_however_its_bytes_are_read():
+    """A chunk size or extension that does not parse, in the read that brings the head or in a
+    later one (with the end of a good chunk or alone): the same 400 bad_body, naming what broke,
+    with the client's request id, in the path's API shape, the connection closed; nothing reaches
+    the engine. With the head, the parser's refusal of the whole read was answered as a head it
+    could not parse: another message and code, and the client's request id lost."""
+    async with edge_gateway(**SERVER) as gw:
+        for path in (CHAT, "/v1/messages"):
+            head = (f"POST {path} HTTP/1.1\r\nHost: gateway.test\r\nx-request-id: my-req-7\r\n"
+                    "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
+            size = b"%x\r\n" % len(BODY)
+            for bad in (b"zz\r\n", b"-1\r\n", b"1;\x01\r\n"):
+                splits = [[head + size + BODY + b"\r\n" + bad], [head, size + BODY + b"\r\n" + bad],
+                          [head + size + BODY[:8], BODY[8:] + b"\r\n" + bad], [head + size + BODY + b"\r\n", bad]]
+                exs = await asyncio.gather(*(exchange(gw.port, *parts, wait=8.0) for parts in splits))
+                for parts, ex in zip(splits, exs, strict=True):
+                    assert ex.closed and [r.status for r in ex.responses] == [400], (path, parts, _answers(ex))
+                    assert ex.first.headers["request-id"] == "my-req-7", (path, parts, ex.first.headers)
+                    if path == CHAT:
+                        assert assert_openai_error(ex.first)["code"] == "bad_body", (parts, ex.first.body)
+                    else:
+                        assert ex.first.json()["type"] == "error", ex.first.body
+                assert len({ex.first.body for ex in exs}) == 1, (path, bad, [ex.first.body for ex in exs])
+        assert await gw.received() == []
