@@ -134,6 +134,15 @@ _BUSY = 4      # the handler runs, the body is complete: only the write-stall cl
 # a request head's Content-Length and Transfer-Encoding fields, which tell where its body ends (``_e_feed``)
 _FRAMING = re.compile(rb"\r\n(content-length|transfer-encoding)[ \t]*:[ \t]*([^\r\n]*?)[ \t]*(?=\r\n)", re.I)
 
+# a chunk's size line (RFC 9112 §7.1): its size in hex, its extensions, if any, to the line's end
+# (chunk-ext: ``;`` name [``=`` token or quoted string], each after optional blanks); a line that came
+# in part, as far as it came
+_EXT_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})(?:[ \t]*;[ \t]*" + _EXT_TOKEN + rb"(?:[ \t]*=[ \t]*(?:" + _EXT_TOKEN
+                         + rb'|"(?:[^"\\\r\n]|\\[^\r\n])*"))?)*[ \t]*\r\n')
+_CHUNK_PART = re.compile(rb"[0-9A-Fa-f]{0,15}(?:[ \t;][^\r\n]*)?\r?")
+_BROKEN = -2        # ``_chunked_end``: a line of the chunked framing that came whole does not parse
+
 # CR and LF, the bytes of the empty lines a server ignores before a request line (RFC 9112 §2.2)
 _EMPTY_LINE = b"\r\n"
 
@@ -333,6 +342,30 @@ class Edge:
         return status, _short(message or _REASONS.get(status, "error")), "bad_request"
 
 
+def _chunked_end(data: bytes, pos: int) -> int:
+    """Where the chunked body that begins at ``pos`` ends in ``data``: past its last chunk (size 0)
+    and its trailer section's empty line. -1 when it does not end within ``data``, ``_BROKEN`` when
+    a size line that came whole does not parse or a chunk's data is not followed by its CRLF. Only
+    where ``_e_feed`` cuts a read is read off it: the parser reads the body as it reads it anyway."""
+    size = len(data)
+    while True:
+        m = _CHUNK_SIZE.match(data, pos)
+        if m is None:
+            if data.find(b"\r\n", pos) < 0 and _CHUNK_PART.fullmatch(data, pos) is not None:
+                return -1               # the line's start, the rest to come
+            return _BROKEN
+        n = int(m.group(1), 16)
+        pos = m.end()
+        if n == 0:
+            end = data.find(b"\r\n\r\n", pos - 2)       # the trailer section ends in an empty line
+            return end + 4 if end >= 0 else -1
+        pos += n + 2
+        if pos > size:
+            return -1
+        if data[pos - 2:pos] != b"\r\n":
+            return _BROKEN
+
+
 def _error_type(status: int) -> str | None:
     """Errors the edge answers are the client's doing below 500: ``invalid_request_error``."""
     return "invalid_request_error" if status < 500 else None
@@ -358,7 +391,7 @@ class EdgeProtocol(web.RequestHandler):
 
     __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_timer_at", "_e_stall", "_e_rx_head",
                  "_e_pipelined", "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
-                 "_e_read_paused", "_e_loop", "_e_line", "_e_unparsed", "_e_head_at", "_lane", "_lane_held", "_lane_server",
+                 "_e_read_paused", "_e_loop", "_e_line", "_e_heads", "_e_unparsed", "_e_head_at", "_lane", "_lane_held", "_lane_server",
                  "_lane_part", "_lane_task", "_lane_next", "_lane_wake", "_lane_parse", "_lane_request")
 
     def __init__(self, manager: web.Server, *, edge: Edge, loop: asyncio.AbstractEventLoop, **kwargs: Any) -> None:
@@ -381,6 +414,7 @@ class EdgeProtocol(web.RequestHandler):
         self._e_counted = False
         self._e_read_paused = False     # the handler is not consuming the body: the silence is ours
         self._e_line = b""              # the first bytes of the head aiohttp is parsing (``_LINE_KEEP``)
+        self._e_heads: dict[int, bytes] | None = None   # those of heads fed behind a request in one read (``_e_feed``)
         self._e_unparsed = False        # the request started last is aiohttp's for a head it could not parse
         self._e_head_at = 0.0           # loop time the head clock of the request in turn started (``e_head_started``)
         self._lane: Any = None          # the fast lane's request in flight (gateway/server/lane.py)
@@ -495,7 +529,10 @@ class EdgeProtocol(web.RequestHandler):
             # request and leaves the handler waiting), and a body that fails to decode raises in the
             # handler's read; either way the edge answers, the request is over
             if payload.exception() is not None or (self._e_parsed != parsed and not payload.is_eof()):
-                self._e_broken_body()
+                broken = payload.exception()
+                if broken is None and self._messages and self._messages[-1][0].__class__ is _ErrInfo:
+                    broken = self._messages[-1][0].exc
+                self._e_broken_body(f"malformed request body: {_cause_text(broken)}")
             elif payload.is_eof():
                 self._e_body_done()
             return
@@ -510,12 +547,16 @@ class EdgeProtocol(web.RequestHandler):
 
     def _e_feed(self, data: bytes) -> None:
         """``data`` to aiohttp's parser, a request at a time where a request's end is told by its
-        head (no body, or one ``Content-Length``) and more bytes follow it. The parser, given a read
-        whose later part it refuses, drops the requests it parsed before in that read and answers
-        the first of them with the refusal; fed apart, each of them is queued before the refusal
-        (which ends the connection) and answered, as the fast lane answers its own (gateway/server/lane.py).
-        Where the parser's reading is cut makes no difference to what it reads: a request the edge
-        cannot tell the end of (chunked), or bytes that are not a request's start, go on in one piece."""
+        head (no body, one ``Content-Length``, a chunked body whose last chunk and trailers are in
+        ``data``) and more bytes follow it. The parser, given a read whose later part it refuses,
+        drops the requests it parsed before in that read and answers the first of them with the
+        refusal; fed apart, each of them is queued before the refusal (which ends the connection)
+        and answered, as the fast lane answers its own (gateway/server/lane.py), and the first bytes
+        of each next head are kept for its turn (``_e_heads``): the answer to a head the parser
+        refuses is shaped by its own request line, not by the one before it. A chunked body whose
+        framing breaks in ``data`` is fed after its head (``_e_feed_broken``). Where the parser's
+        reading is cut makes no difference to what it reads: bytes the edge cannot tell the end of,
+        or that are not a request's start, go on in one piece."""
         pos, size = 0, len(data)
         while True:
             end = data.find(b"\r\n\r\n", pos)
@@ -524,10 +565,22 @@ class EdgeProtocol(web.RequestHandler):
             framing = _FRAMING.findall(data, pos, end + 2)
             stop = end + 4
             if framing:
-                if len(framing) != 1 or framing[0][0].lower() != b"content-length" or not framing[0][1].isdigit() \
-                        or len(framing[0][1]) > 18:     # (a length past int64 is refused: left whole)
+                if len(framing) != 1:
                     break
-                stop += int(framing[0][1])
+                name, value = framing[0]
+                if name.lower() == b"content-length":
+                    if not value.isdigit() or len(value) > 18:  # (a length past int64 is refused: left whole)
+                        break
+                    stop += int(value)
+                elif value.lower() == b"chunked":
+                    stop = _chunked_end(data, stop)
+                    if stop == _BROKEN:
+                        self._e_feed_broken(data, pos, end + 4)
+                        return
+                    if stop < 0:
+                        break
+                else:
+                    break
             if stop >= size:
                 break
             super().data_received(data[pos:stop])
@@ -535,7 +588,27 @@ class EdgeProtocol(web.RequestHandler):
             messages = self._messages
             if messages and messages[-1][0].__class__ is _ErrInfo:
                 return                  # refused: what follows is never read (the connection ends)
+            if self._e_heads is None:
+                self._e_heads = {}
+            self._e_heads[self._e_parsed + 1] = data[pos:pos + _LINE_KEEP]
         super().data_received(data[pos:] if pos else data)
+
+    def _e_feed_broken(self, data: bytes, pos: int, body: int) -> None:
+        """A chunked request whose framing breaks in this read (``data[pos:body]`` its head): the
+        head is fed alone, then its body, so the parser reads the request and then the body's fault,
+        as when the body comes in a later read; fed whole, the parser refused the read as a head it
+        could not parse (the request's id and path unknown to the answer). The fault, which the
+        parser queues as a next request's, is set on the request's body, whose handler answers it
+        (``EdgeServer``'s 400 ``bad_body``) and closes the connection."""
+        super().data_received(data[pos:body])
+        messages = self._messages
+        if not messages or messages[-1][0].__class__ is _ErrInfo:
+            return
+        payload = messages[-1][1]
+        super().data_received(data[body:])
+        last = messages[-1][0] if messages else None
+        if last.__class__ is _ErrInfo and not payload.is_eof() and payload.exception() is None:
+            payload.set_exception(last.exc)
 
     # -- the fast lane (gateway/server/lane.py) ----------------------------------------------
 
@@ -738,8 +811,9 @@ class EdgeProtocol(web.RequestHandler):
         self._e_request = request
         self._e_payload = payload
         self._e_unparsed = unparsed
-        if not unparsed:                # its head parsed: the next head's bytes are kept anew
-            self._e_line = b""
+        if not unparsed:                # its head parsed: the next head's bytes are kept anew (or were: ``_e_feed``)
+            heads = self._e_heads
+            self._e_line = heads.pop(self._e_started + 1, b"") if heads else b""
         if payload.is_eof():
             self._e_phase = _BUSY
             return
@@ -1535,7 +1609,8 @@ class EdgeServer(web.Server):
                     edge.metrics.protocol_errors.labels("415").inc()
                     return refused(request, coding)
             broken = request.content.exception()
-            if broken is not None:          # the body came with the head and does not decode
+            if broken is not None:          # the body came with the head and does not decode, or its framing broke
+                edge.metrics.protocol_errors.labels("400").inc()
                 request.content.feed_eof()  # abandoned: aiohttp must not linger reading it after the answer
                 return refused(request, _closing_error(request, 400, f"malformed request body: {_cause_text(broken)}",
                                                        "bad_body"))
