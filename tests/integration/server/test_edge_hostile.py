@@ -634,3 +634,20 @@ async def test_a_chunked_body_that_breaks_gets_one_answer_however_its_bytes_are_
                         assert ex.first.json()["type"] == "error", ex.first.body
                 assert len({ex.first.body for ex in exs}) == 1, (path, bad, [ex.first.body for ex in exs])
         assert await gw.received() == []
+
+
+@on_both_loops
+async def test_a_field_the_parser_takes_once_sent_twice_gets_the_same_400_on_the_fast_lane_and_off_it():
+    """aiohttp's parser refuses a second Content-Type, User-Agent, ETag, Server, Max-Forwards,
+    Content-Location or Content-Range (RFC 9110's fields of one value) with a 400; the fast lane,
+    which reads the same bytes where they are a plain request, gives that answer too."""
+    async with edge_gateway(**SERVER) as gw:
+        for field in ("Content-Type: text/plain", "User-Agent: a", "user-agent: b"):
+            raws = [request("POST", target, BODY, {"User-Agent": "x"}).replace(b"\r\n\r\n", b"\r\n" + field.encode()
+                                                                                 + b"\r\n\r\n", 1)
+                    for target in (CHAT, CHAT + "?x=1")]
+            lane_ex, aiohttp_ex = [await exchange(gw.port, raw) for raw in raws]
+            assert [r.status for r in aiohttp_ex.responses] == [400] and aiohttp_ex.closed, aiohttp_ex.responses
+            assert [(r.status, r.body) for r in lane_ex.responses] == [(r.status, r.body) for r in aiohttp_ex.responses]
+            assert lane_ex.closed, field
+        assert await gw.received() == []

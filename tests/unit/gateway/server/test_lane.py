@@ -69,6 +69,10 @@ def test_bytes_above_ascii_in_a_value_are_carried_as_aiohttp_carries_them():
     _raw("Upgrade: h2c"),
     _raw("Content-Length: 3"),                      # two lengths
     _raw(host=False), _raw("Host: a", "Host: b"),   # HTTP/1.1 without one Host: aiohttp's 400
+    # another field the parser takes once only (RFC 9110's singletons), twice: aiohttp's 400
+    _raw("Content-Type: application/json", "Content-Type: text/plain"), _raw("User-Agent: a", "user-agent: a"),
+    _raw("ETag: a", "ETag: b"), _raw("Server: a", "Server: b"), _raw("Max-Forwards: 1", "Max-Forwards: 2"),
+    _raw("Content-Location: /a", "Content-Location: /b"), _raw("Content-Range: a", "Content-Range: b"),
     _raw(length="+57"), _raw(length="5 7"), _raw(length="٥٧"),
     _raw(length="0" * 4400 + str(len(BODY))),     # more digits than int() converts
     _raw(line="POST /v1/chat/completions HTTP/1.0"),
@@ -121,7 +125,8 @@ _names = st.one_of(
     st.text(_TOKEN_CHARS, min_size=1, max_size=12),
     st.text(_TOKEN_CHARS, min_size=1, max_size=12),
     st.text(_TOKEN_CHARS + " :\t\x00\x7f\xe9{}()/\"", min_size=0, max_size=12),     # often not a token
-    st.sampled_from(["Connection", "connection", "Transfer-Encoding", "Expect", "Content-Length", "X-Request-Id", "Host"]),
+    st.sampled_from(["Connection", "connection", "Transfer-Encoding", "Expect", "Content-Length", "X-Request-Id", "Host",
+                     "Content-Type", "user-agent"]),
 )
 _values = st.one_of(
     st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=20),
