@@ -19,7 +19,8 @@ path, a query string, HTTP/1.0, a body that is chunked, compressed, larger than 
 while it comes after its head, or followed by more than ``HOLD_BYTES``, ``Expect``, ``Upgrade``,
 with CORS on an ``Origin`` (gateway/server/cors.py; a request without one is a ``CorsLaneRequest``,
 whose answers carry ``Vary: Origin``), a head without exactly one ``Host`` (aiohttp's
-400), or whose ``Host`` is no host[:port] (the edge's 400), a head near the edge's header limits, a body over ``server.max_body_bytes``, a connection
+400), or whose ``Host`` is no host[:port] (the edge's 400), a head with two of another field the
+parser takes once (``Content-Type``, ``User-Agent``, ...: aiohttp's 400), a head near the edge's header limits, a body over ``server.max_body_bytes``, a connection
 with a request of aiohttp's in flight, or a head that is
 not plain lines of a token, a colon and a value (a control byte, a bare CR or LF, a folded line,
 a value ending in a space or a tab).
@@ -52,6 +53,9 @@ from gateway.request import WholeBody
 HOLD_BYTES = 65536      # bytes of a next request held while one runs, before reading pauses
 HOLD_BODY = 1 << 20     # the largest body the lane waits for when it comes after its head
 
+# the fields aiohttp's parser refuses twice in a request (RFC 9110's of one value), with a 400; the
+# lane leaves a head with two of one to it (Content-Length and Host are counted on their own)
+_SINGLETONS = ("content-type", "user-agent", "content-location", "content-range", "etag", "max-forwards", "server")
 # headers that make a request aiohttp's to handle (framing, encodings, protocol switches)
 _DECLINE = frozenset(("transfer-encoding", "content-encoding", "expect", "upgrade", "http2-settings"))
 # and with CORS on, a request from a web page, whose answer gets CORS's headers there (gateway/server/cors.py)
@@ -234,6 +238,8 @@ def parse(data: bytes, paths: dict[bytes, str], max_head: int, max_headers: int,
         return None                     # (an HTTP/1.1 request without one Host is aiohttp's 400)
     if HOST.fullmatch(fields[lowered.index("host")][1]) is None:
         return None                     # (the edge's 400: ``host_refused``)
+    if len(set(lowered)) != len(lowered) and any(lowered.count(name) > 1 for name in _SINGLETONS):
+        return None                     # (aiohttp's 400)
     # its body
     length = fields[lowered.index("content-length")][1]
     if not length.isascii() or not length.isdigit():
