@@ -559,7 +559,8 @@ async def test_a_host_header_that_is_no_host_is_a_400_on_the_fast_lane_and_off_i
             else:
                 assert_openai_error(ex.first, 400)
         assert await gw.received() == []
-        for host in ("gateway.test:8080", "127.0.0.1", "[::1]:8080", "gateway.test.", "my_host-1.internal:"):
+        for host in ("gateway.test:8080", "127.0.0.1", "[::1]:8080", "gateway.test.", "my_host-1.internal:",
+                     "[fe80::1%25eth0]:8080", "%2Fvar%2Frun%2Fgw.sock"):
             for target in (CHAT, CHAT + "?x=1"):
                 raw = sent(target, host).replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1)
                 ex = await exchange(gw.port, raw)
