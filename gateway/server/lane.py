@@ -154,10 +154,11 @@ _BLOCK = re.compile(r"(?:" + _TOKEN + r":[^\x00-\x08\x0a-\x1f\x7f]*(?<![ \t])\r\
 _NAME = itemgetter(0)
 _FIELD = re.compile(r"(" + _TOKEN + r"):[ \t]*([^\r\n]*)\r\n")
 # a Host field's value (RFC 9112 §3.2: uri-host [ ":" port ], RFC 3986 §3.2.2): an IP literal in
-# brackets, or a reg-name (an IPv4 address is one), not empty, then a port of digits. Any other value
-# (empty, a space, userinfo, a path) is a 400 (gateway/server/edge.py ``host_refused``), which the lane
-# leaves to aiohttp's path
-HOST = re.compile(r"(?:\[(?:[0-9A-Fa-f:.]+|[vV][0-9A-Fa-f]+\.[A-Za-z0-9\-._~!$&'()*+,;=:]+)\]"
+# brackets (an IPv6 address's zone after %25, RFC 6874), or a reg-name (an IPv4 address is one), not
+# empty, then a port of digits. Any other value (empty, a space, userinfo, a path) is a 400
+# (gateway/server/edge.py ``host_refused``), which the lane leaves to aiohttp's path
+HOST = re.compile(r"(?:\[(?:[0-9A-Fa-f:.]+(?:%25(?:[A-Za-z0-9\-._~]|%[0-9A-Fa-f]{2})+)?"
+                  r"|[vV][0-9A-Fa-f]+\.[A-Za-z0-9\-._~!$&'()*+,;=:]+)\]"
                   r"|(?:[A-Za-z0-9\-._~!$&'()*+,;=]|%[0-9A-Fa-f]{2})+)(?::[0-9]*)?")
 
 
