@@ -652,3 +652,14 @@ async def test_a_field_the_parser_takes_once_sent_twice_gets_the_same_400_on_the
             assert [(r.status, r.body) for r in lane_ex.responses] == [(r.status, r.body) for r in aiohttp_ex.responses]
             assert lane_ex.closed, field
         assert await gw.received() == []
+
+
+@on_both_loops
+async def test_an_empty_line_after_a_request_lends_nothing_to_the_next_heads_answer():
+    """An empty line after a request in its read (RFC 9112 §2.2: ignored), then a head the parser
+    refuses in a later read: its answer is the one it gets alone, a 501 naming an unknown method."""
+    async with edge_gateway(**SERVER) as gw:
+        for first in (request("GET", "/v1/models"), request("POST", CHAT + "?x=1", BODY)):
+            ex = await exchange(gw.port, first + b"\r\n", FOO, wait=8.0)
+            assert [r.status for r in ex.responses] == [200, 501], _answers(ex)
+            assert "FOO" in assert_openai_error(ex.responses[1])["message"]
