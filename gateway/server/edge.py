@@ -588,9 +588,12 @@ class EdgeProtocol(web.RequestHandler):
             messages = self._messages
             if messages and messages[-1][0].__class__ is _ErrInfo:
                 return                  # refused: what follows is never read (the connection ends)
-            if self._e_heads is None:
-                self._e_heads = {}
-            self._e_heads[self._e_parsed + 1] = data[pos:pos + _LINE_KEEP]
+            # (empty lines before a request line are none of it, RFC 9112 §2.2)
+            head = data[pos:pos + _LINE_KEEP].lstrip(b"\r\n")
+            if head:
+                if self._e_heads is None:
+                    self._e_heads = {}
+                self._e_heads[self._e_parsed + 1] = head
         super().data_received(data[pos:] if pos else data)
 
     def _e_feed_broken(self, data: bytes, pos: int, body: int) -> None:
