@@ -663,3 +663,15 @@ async def test_an_empty_line_after_a_request_lends_nothing_to_the_next_heads_ans
             ex = await exchange(gw.port, first + b"\r\n", FOO, wait=8.0)
             assert [r.status for r in ex.responses] == [200, 501], _answers(ex)
             assert "FOO" in assert_openai_error(ex.responses[1])["message"]
+
+
+@on_both_loops
+async def test_empty_lines_before_a_head_the_parser_refuses_lend_nothing_to_its_answer():
+    """Empty lines before a request line (RFC 9112 §2.2: ignored) in the read that brings it, on a
+    fresh connection or a kept-alive one: the head's answer is the one it gets without them."""
+    async with edge_gateway(**SERVER) as gw:
+        for parts in ([b"\r\n" + FOO], [b"\r\n\r\n" + FOO], [request("GET", "/v1/models"), b"\r\n" + FOO]):
+            ex = await exchange(gw.port, *parts, wait=8.0)
+            assert [r.status for r in ex.responses][-1] == 501, (parts, _answers(ex))
+        ex = await exchange(gw.port, b"\r\n" + BROKEN_ON_MESSAGES, wait=8.0)
+        assert ex.first.status == 400 and ex.first.json()["type"] == "error", ex.first.body
