@@ -508,8 +508,7 @@ class EdgeProtocol(web.RequestHandler):
         elif phase == _HEAD and self._lane_server is not None and not self._e_rx_head and self._lane_take(data):
             return
         if phase == _HEAD:
-            if len(self._e_line) < _LINE_KEEP:     # a head for aiohttp: its request line, for its errors
-                self._e_line += data[:_LINE_KEEP]
+            self._e_keep(data)          # a head for aiohttp: its request line, for its errors
             self._e_rx_head = True
             parsed = self._e_parsed
             self._e_feed(data)
@@ -541,9 +540,15 @@ class EdgeProtocol(web.RequestHandler):
                 super().data_received(data)     # empty lines the parser skips: no next request yet
                 return
             self._e_pipelined = True
-        if len(self._e_line) < _LINE_KEEP:         # the head of a next request
-            self._e_line += data[:_LINE_KEEP]
+        self._e_keep(data)              # the head of a next request
         self._e_feed(data)
+
+    def _e_keep(self, data: bytes) -> None:
+        """The first bytes of the head aiohttp parses (``_e_line``), without the empty lines before
+        its request line (RFC 9112 §2.2: none of a request, the parser skips them)."""
+        line = self._e_line
+        if len(line) < _LINE_KEEP:
+            self._e_line = line + data[:_LINE_KEEP] if line else data[:_LINE_KEEP].lstrip(b"\r\n")
 
     def _e_feed(self, data: bytes) -> None:
         """``data`` to aiohttp's parser, a request at a time where a request's end is told by its
