@@ -345,6 +345,28 @@ async def test_a_model_without_room_does_not_hold_back_another_models_lines(sims
     assert (b.request_counts.completed, b.request_counts.failed) == (16, 0)
 
 
+async def test_lines_start_as_often_as_max_lines_per_s_allows(sims, gateway, tmp_path):
+    """``batch.max_lines_per_s`` spaces a model's starts 1/rate apart: the runner wakes for the next
+    start the cap allows, not only at its next poll of the store (``poll_interval_s``) or when a
+    line ends. Here no line ends (the engine holds each before its first token): at 100 lines a
+    second, twenty start within a fraction of a second of the batch's validation."""
+    sim = await sims("vllm", "m", fault="stall_before_first=inf")
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       batch=cfg(tmp_path, poll_interval_s=0.5, max_lines_per_s=100, max_concurrency=64,
+                                 endpoint_capacity=64, reserve_slots=0))
+    c = openai_client(gw)
+    b = await create(c, rows(["m"] * 22))
+
+    async def started() -> bool:
+        return len((await sim_state(sim.url))["running"]) >= 20
+
+    # one start a poll would take 9.5 s past the first; the whole wait is within 5 s of the batch's creation
+    await until(started, timeout=5, interval=0.02)
+    await c.batches.cancel(b.id)
+    b = await run_to_end(c, b.id)
+    assert b.status == "cancelled" and b.request_counts.total == 22
+
+
 async def test_an_input_file_past_its_ttl_is_kept_while_its_batch_runs(sims, gateway, tmp_path, monkeypatch):
     import threading
 
