@@ -119,6 +119,9 @@ class BatchRunner:
         self.jobs: dict[str, _Job] = {}
         self.in_flight: dict[str, int] = {}          # model → lines in flight
         self.next_start: dict[str, float] = {}       # model → earliest start of its next line (rate cap)
+        # the earliest start the rate cap held a line back for at the last dispatch: the loop wakes
+        # then, not at its next poll (a line that ends wakes it too, but none may end meanwhile)
+        self.rate_due: float | None = None
         self.wake = asyncio.Event()
         self._seq = 0
         self.lines_on: dict[str, dict[str, asyncio.Task]] = {}     # endpoint → request id → its line's task
@@ -192,6 +195,8 @@ class BatchRunner:
     def _next_wait(self) -> float:
         wait = self.cfg.poll_interval_s
         now = self.clock()
+        if self.rate_due is not None:
+            wait = min(wait, max(0.0, self.rate_due - now))
         for job in self.jobs.values():
             if job.waiting:
                 wait = min(wait, max(0.0, job.waiting[0][0] - now))
@@ -422,6 +427,7 @@ class BatchRunner:
 
     def _dispatch(self) -> None:
         """Start every line that has room, oldest batch first."""
+        self.rate_due = None
         if self.draining():         # the gateway stops: lines wait for the next start
             return
         now = self.clock()
@@ -475,7 +481,8 @@ class BatchRunner:
         cfg = self.cfg
         if self.in_flight.get(model, 0) >= cfg.max_concurrency:
             return False
-        if cfg.max_lines_per_s and self.next_start.get(model, 0.0) > now:
+        if cfg.max_lines_per_s and (due := self.next_start.get(model, 0.0)) > now:
+            self.rate_due = due if self.rate_due is None else min(self.rate_due, due)
             return False
         if model not in room:
             targets = self.targets(model) if model else None
