@@ -412,6 +412,47 @@ async def test_an_input_file_past_its_ttl_is_kept_while_its_batch_runs(sims, gat
     assert f.expires_at < b.completed_at      # the file's time was up while the batch read it
 
 
+async def test_a_batch_created_on_a_file_as_the_sweep_finds_it_expired_keeps_it(sims, gateway, tmp_path,
+                                                                                 monkeypatch):
+    """A file past its ``expires_at`` is in the store until the sweep removes it, and a batch may be
+    created on it meanwhile (with ``--workers N``, by another worker on its own connection to the
+    job store): one that lands between the sweep's look at the running batches and its delete
+    keeps the file, as a delete of the API's does, and runs."""
+    from gateway.batch.store import BatchStore
+
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path, file_ttl_s=1))
+    c = openai_client(gw)
+    path = str(tmp_path / "batch" / "batches.sqlite3")
+    f = await c.files.create(file=("in.jsonl", jsonl(rows(["m"] * 3))), purpose="batch")
+    real = BatchStore.expired_files
+    made: list[str] = []
+
+    def expired_then_a_batch(self, now):
+        found = real(self, now)
+        if f.id in found and not made:
+            made.append("batch_raced")
+            doc = {"id": "batch_raced", "object": "batch", "endpoint": "/v1/chat/completions", "errors": None,
+                   "input_file_id": f.id, "completion_window": "24h", "status": "validating",
+                   "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
+                   "expires_at": now + 86400, "finalizing_at": None, "completed_at": None, "failed_at": None,
+                   "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+                   "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": None, "model": None,
+                   "usage": {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
+                             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}}
+            other = BatchStore(path)
+            try:
+                assert other.add_batch(doc, "", None, True)
+            finally:
+                other.close()
+        return found
+
+    monkeypatch.setattr(BatchStore, "expired_files", expired_then_a_batch)
+    await until(lambda: bool(made), timeout=10, interval=0.05)
+    done = await run_to_end(c, "batch_raced")
+    assert (done.status, done.request_counts.completed, done.errors) == ("completed", 3, None), done
+
+
 async def test_a_batch_cancelled_before_it_was_validated_counts_its_lines(sims, gateway, tmp_path):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path, poll_interval_s=2.0))
