@@ -26,7 +26,7 @@ from gateway.batch.config import BatchConfig
 from gateway.batch.headroom import free_slots
 from gateway.batch.metrics import BatchMetrics
 from gateway.batch.runner import BatchRunner, Submit
-from gateway.batch.store import GONE_KEPT_S, BatchDb, BatchStore, now_s
+from gateway.batch.store import GONE_KEPT_S, BatchDb, BatchStore, FileInUse, now_s
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.tenants.service import NoTenancy, Tenancy
 
@@ -186,7 +186,10 @@ class BatchService:
                 for fid in await self.db.run(BatchStore.expired_files, now_s()):
                     if fid in inputs:       # a running batch reads it: it goes once the batch ends
                         continue
-                    await self.db.run(BatchStore.delete_file, fid)
+                    try:        # checked again in the delete's transaction: another worker may create one
+                        await self.db.run(BatchStore.delete_file, fid, True)
+                    except FileInUse:
+                        continue
                     await asyncio.to_thread(batch_files.remove, self.db.dir, fid)
                 await self.db.run(BatchStore.forget_gone, now_s() - GONE_KEPT_S)
                 known = await self.db.run(BatchStore.file_ids)
