@@ -636,6 +636,40 @@ async def test_a_runner_that_fails_is_started_again_and_answers_every_line_once(
     assert metric(page, "switchyard_batch_runner_failures_total") == 1
 
 
+async def test_the_answered_lines_of_a_batch_that_ended_leave_the_job_store_though_the_runner_stopped_first(
+        sims, gateway, tmp_path, monkeypatch):
+    """A batch's answered lines are kept in the job store until its files are written and its end
+    stored, then dropped. A runner that stops in between (killed, or failed there: here the drop
+    meets a disk I/O error) leaves them to the runner started next, which drops the lines of every
+    batch that ended; they are not kept for good beside a batch no runner takes on again."""
+    import sqlite3
+
+    from gateway.batch.store import BatchStore
+
+    real = BatchStore.drop_results
+    failed: list[str] = []
+
+    def drop_fails_once(self, batch_id):
+        if not failed:
+            failed.append(batch_id)
+            raise sqlite3.OperationalError("disk I/O error")
+        return real(self, batch_id)
+
+    monkeypatch.setattr(BatchStore, "drop_results", drop_fails_once)
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
+    c = openai_client(gw)
+    b = await run_to_end(c, (await create(c, rows(["m"] * 4))).id)
+    assert b.status == "completed" and failed == [b.id]
+    db = sqlite3.connect(str(tmp_path / "batch" / "batches.sqlite3"))
+    try:
+        def left() -> int:
+            return db.execute("SELECT COUNT(*) FROM results WHERE batch_id = ?", (b.id,)).fetchone()[0]
+
+        await until(lambda: left() == 0, timeout=10, interval=0.05)
+    finally:
+        db.close()
+
 async def test_a_line_retried_on_another_endpoint_is_no_longer_one_to_stop_on_the_first(sims, gateway, tmp_path):
     """A line the pipeline moved from one endpoint to another (the first answered 500) runs on the
     second only: an interactive request that finds the first endpoint full afterwards stops the
