@@ -143,6 +143,9 @@ class BatchRunner:
         last_refresh = -1.0
         models = asyncio.ensure_future(self._read_models())
         try:
+            # the lines of batches a runner ended and stopped before it dropped them
+            if dropped := await self.db.run(BatchStore.drop_ended_results):
+                log.info("answered lines of batches that ended dropped from the job store", lines=dropped)
             while True:
                 now = self.clock()
                 if now - last_refresh >= self.cfg.poll_interval_s:

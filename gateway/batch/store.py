@@ -372,6 +372,15 @@ class BatchStore:
         """A finished batch's lines, once its output and error files are written."""
         self._tx(lambda db: db.execute("DELETE FROM results WHERE batch_id = ?", (batch_id,)))
 
+    def drop_ended_results(self) -> int:
+        """The lines of every batch that ended, dropped (how many): a runner stopped between storing a
+        batch's end and ``drop_results`` (killed, or failed on the drop) left them, and no runner
+        takes that batch on again."""
+        marks = ", ".join("?" * len(TERMINAL))
+        return self._tx(lambda db: db.execute(
+            f"DELETE FROM results WHERE batch_id IN (SELECT id FROM batches WHERE status IN ({marks}))",
+            TERMINAL).rowcount)
+
 
 def _migrate(db: sqlite3.Connection) -> None:
     """The columns of ``MIGRATIONS`` a store made before them lacks, added (the caller holds the
