@@ -670,6 +670,35 @@ async def test_the_answered_lines_of_a_batch_that_ended_leave_the_job_store_thou
     finally:
         db.close()
 
+async def test_an_interactive_request_stops_every_batch_line_it_would_wait_behind(sims, gateway, tmp_path):
+    """Before the gateway learns an engine's capacity (vLLM does not tell it: the gateway learns it
+    once it sees the engine queue), batch lines fill ``endpoint_capacity``, here more than the
+    engine runs, and the rest wait in the engine's queue. An interactive request routed there
+    stops as many of the newest batch lines as it would wait behind, queued ones and one running,
+    so it takes a running slot at once: it is answered while the long lines it found run on."""
+    from gateway.admission.saturation import baseline
+
+    sim = await sims("vllm", "m", itl_ms=20.0, max_num_seqs=2)
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       batch=cfg(tmp_path, endpoint_capacity=6, reserve_slots=0, max_concurrency=6))
+    c = openai_client(gw)
+    b = await create(c, rows(["m"] * 6, max_tokens=150))     # 3 s a line
+    ep = gw.gw.pool.endpoints("m")[0]
+
+    async def queued() -> bool:
+        state = await sim_state(sim.url)
+        return len(state["running"]) == 2 and len(state["waiting"]) == 4 and baseline(ep).capacity == 2
+
+    await until(queued, timeout=10, interval=0.02)
+    answered = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "now"}],
+                                               max_tokens=2)
+    assert answered.choices
+    state = await sim_state(sim.url)
+    assert state["counts"]["completed"] == 1, state["counts"]      # no batch line ended before it
+    await c.batches.cancel(b.id)
+    assert (await run_to_end(c, b.id)).status == "cancelled"
+
+
 async def test_a_line_retried_on_another_endpoint_is_no_longer_one_to_stop_on_the_first(sims, gateway, tmp_path):
     """A line the pipeline moved from one endpoint to another (the first answered 500) runs on the
     second only: an interactive request that finds the first endpoint full afterwards stops the
