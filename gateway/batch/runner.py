@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import math
 import os
 import secrets
 import time
@@ -631,18 +632,29 @@ class BatchRunner:
             self.placed[rid] = ep.name
             self.lines_on.setdefault(ep.name, {})[rid] = task
             return
-        if ep.name in self.lines_on and free_slots(ep, self.cfg.endpoint_capacity, self.engine_signals()) < 1:
-            self.preempt(ep.name)
+        if ep.name in self.lines_on:
+            # not charged yet: it needs one free slot, more where batch lines fill the engine past its
+            # capacity (filled to endpoint_capacity before the engine was seen queueing: some queue)
+            free = free_slots(ep, self.cfg.endpoint_capacity, self.engine_signals())
+            if free < 1:
+                self.preempt(ep.name, math.ceil(1 - free))
 
-    def preempt(self, endpoint: str) -> bool:
-        """The newest batch line on ``endpoint`` stops and goes back to the queue (uncounted), for an
-        interactive request routed there with no free slot (here, or in a sibling worker)."""
+    def preempt(self, endpoint: str, slots: int = 1) -> bool:
+        """The newest batch lines on ``endpoint`` stop and go back to the queue (uncounted), for an
+        interactive request routed there with no free slot (here, or in a sibling worker): as many
+        as ``slots`` (the slots it lacks: one, or more where batch lines wait in the engine's queue
+        ahead of it), less the lines stopped already that have not ended yet (they still count
+        there); at least the newest one. Whether one stopped."""
         running = self.lines_on.get(endpoint)
         if not running:
             return False
-        victim = next(reversed(running))
-        self.preempted.add(victim)
-        running.pop(victim).cancel()
+        ending = sum(1 for rid in self.preempted if self.placed.get(rid) == endpoint)
+        for _ in range(max(1, slots - ending)):
+            if not running:
+                break
+            victim = next(reversed(running))
+            self.preempted.add(victim)
+            running.pop(victim).cancel()
         return True
 
     async def _run_line(self, job: _Job, line: Line, attempts: int, model: str, rid: str) -> None:

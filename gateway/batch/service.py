@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import math
 import os
 import sqlite3
 from collections.abc import AsyncIterator, Callable
@@ -172,9 +173,13 @@ class BatchService:
             self.tell_siblings(ep)
 
     def sibling_preempt(self, ep: Endpoint) -> bool:
-        """A sibling worker's interactive request found no free slot on ``ep``: the newest batch line
-        there stops, if this worker runs batches and has one there."""
-        return self.runner is not None and self.runner.preempt(ep.name)
+        """A sibling worker's interactive request found no free slot on ``ep``: the newest batch lines
+        there stop, if this worker runs batches and has some there, as many as it lacks slots (it is
+        counted here already, in ``remote_in_flight``), at least one."""
+        if self.runner is None:
+            return False
+        free = free_slots(ep, self.cfg.endpoint_capacity, self._signals["engine_signals"]())
+        return self.runner.preempt(ep.name, max(1, math.ceil(-free)))
 
     async def _sweep(self) -> None:
         """Expired files leave the store and the disk; so do files on disk the store forgot, the

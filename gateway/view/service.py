@@ -41,7 +41,7 @@ own view, without telling anyone again:
   in-flight requests its sender knew of at the scrape, so each worker can tell its own requests
   from other gateways' in the engine's counts (``EngineMetrics.gateway_in_flight``);
 * between workers, an interactive request routed to an endpoint with no free slot
-  (``tell_preempt``): the worker that runs batches stops its newest batch line there
+  (``tell_preempt``): the worker that runs batches stops its newest batch lines there
   (``on_preempt``), as it does for its own requests (``gateway.batch``);
 * between workers, with batches on, the models whose requests wait in the worker's admission
   queue (``told_queued`` → ``sibling_queued``), all of them, as one's queue fills or empties and
