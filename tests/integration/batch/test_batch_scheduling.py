@@ -670,6 +670,7 @@ async def test_the_answered_lines_of_a_batch_that_ended_leave_the_job_store_thou
     finally:
         db.close()
 
+
 async def test_an_interactive_request_stops_every_batch_line_it_would_wait_behind(sims, gateway, tmp_path):
     """Before the gateway learns an engine's capacity (vLLM does not tell it: the gateway learns it
     once it sees the engine queue), batch lines fill ``endpoint_capacity``, here more than the
