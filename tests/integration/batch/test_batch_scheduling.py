@@ -453,6 +453,47 @@ async def test_a_batch_created_on_a_file_as_the_sweep_finds_it_expired_keeps_it(
     assert (done.status, done.request_counts.completed, done.errors) == ("completed", 3, None), done
 
 
+async def test_a_batch_being_validated_holds_up_no_other_batch(sims, gateway, tmp_path, monkeypatch):
+    """A batch's validation reads its whole input file (seconds for one of batch.max_file_bytes): the
+    batches already running go on meanwhile: their lines start, their answers are stored, and one
+    whose lines are all answered completes."""
+    import threading
+
+    from gateway.batch import runner
+
+    real = runner.validate
+    slow: list[str] = []
+    reading, go = threading.Event(), threading.Event()
+
+    def held(path: str, endpoint: str, *args):
+        if slow and path.endswith(slow[0]):
+            reading.set()
+            go.wait(30)
+        return real(path, endpoint, *args)
+
+    monkeypatch.setattr(runner, "validate", held)
+    sim = await sims("vllm", "m", itl_ms=10.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
+    c = openai_client(gw)
+    first = await create(c, rows(["m"] * 8, max_tokens=20))    # two at a time: about a second
+
+    async def running() -> bool:
+        return (await c.batches.retrieve(first.id)).status == "in_progress"
+
+    await until(running, timeout=10, interval=0.02)
+    f = await c.files.create(file=("big.jsonl", jsonl(rows(["m"] * 3))), purpose="batch")
+    slow.append(f.id)
+    second = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    try:
+        assert await asyncio.to_thread(reading.wait, 10)
+        done = await run_to_end(c, first.id, timeout=15)
+        assert done.status == "completed" and done.request_counts.completed == 8
+        assert (await c.batches.retrieve(second.id)).status == "validating"
+    finally:
+        go.set()
+    assert (await run_to_end(c, second.id)).request_counts.completed == 3
+
+
 async def test_a_batch_cancelled_before_it_was_validated_counts_its_lines(sims, gateway, tmp_path):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path, poll_interval_s=2.0))
