@@ -90,6 +90,8 @@ class _Job:
     results: list[Result] = field(default_factory=list)
     stopping: str | None = None          # cancelled | expired | failed: no new line goes
     reading: bool = False                # a chunk of input lines is being read
+    validating: bool = False             # its input is being validated (a task of its own)
+    validated: bool = False              # by this runner: a look at the store read before says validating
     unreadable: str | None = None        # why the input could not be read on (the batch fails)
 
     @property
@@ -124,6 +126,7 @@ class BatchRunner:
         # then, not at its next poll (a line that ends wakes it too, but none may end meanwhile)
         self.rate_due: float | None = None
         self.wake = asyncio.Event()
+        self.fault: BaseException | None = None     # a task of the runner's failed: the runner fails
         self._seq = 0
         self.lines_on: dict[str, dict[str, asyncio.Task]] = {}     # endpoint → request id → its line's task
         self.placed: dict[str, str] = {}                            # request id → endpoint
@@ -148,6 +151,8 @@ class BatchRunner:
             if dropped := await self.db.run(BatchStore.drop_ended_results):
                 log.info("answered lines of batches that ended dropped from the job store", lines=dropped)
             while True:
+                if self.fault is not None:
+                    raise self.fault
                 now = self.clock()
                 if now - last_refresh >= self.cfg.poll_interval_s:
                     last_refresh = now
@@ -234,7 +239,7 @@ class BatchRunner:
                 job.doc = doc
             status = doc["status"]
             if status == "validating":
-                await self._validate(job)
+                self._validate_soon(job)
             elif status == "in_progress" and doc.get("expires_at") and now >= doc["expires_at"]:
                 # a batch already finalizing answered every line: it completes, whenever that ends
                 self._halt(job, "expired")
@@ -249,6 +254,24 @@ class BatchRunner:
         self.m.set_overview(await self.db.run(BatchStore.status_counts),
                             min((j.doc["created_at"] for j in self.jobs.values()), default=None))
 
+    def _validate_soon(self, job: _Job) -> None:
+        """The batch's validation, in a task of its own: it reads the whole input file (seconds for
+        one of max_file_bytes), and the other batches go on meanwhile, their lines started and
+        answered, their cancels seen. A fault it does not handle fails the runner, as before."""
+        if job.validating or job.validated:
+            return
+        job.validating = True
+        task = asyncio.ensure_future(self._validate(job))
+        job.tasks.add(task)
+
+        def validated(t: asyncio.Task) -> None:
+            job.tasks.discard(t)
+            job.validating = False
+            if not t.cancelled() and t.exception() is not None and self.fault is None:
+                self.fault = t.exception()
+            self.wake.set()
+        task.add_done_callback(validated)
+
     async def _validate(self, job: _Job) -> None:
         doc = job.doc
         model: str | None = None
@@ -259,9 +282,12 @@ class BatchRunner:
                                  "param": "input_file_id", "line": None}]
         now = now_s()
 
+        made: list[bool] = []
+
         def change(d: dict[str, Any]) -> bool:
             if d["status"] != "validating":
                 return False
+            made.append(True)
             d["model"] = model      # the one its lines name (None: several, each line runs on its own)
             if errors:      # refused whole: no line of it is a request (OpenAI counts none either)
                 d.update(status="failed", failed_at=now, errors={"object": "list", "data": errors})
@@ -270,6 +296,9 @@ class BatchRunner:
                 d.update(status="in_progress", in_progress_at=now)
             return True
         job.doc = await self.db.run(BatchStore.update_batch, job.id, change, True) or job.doc
+        job.validated = True
+        if not made:        # cancelled meanwhile, or validated already (a look at the store read before)
+            return
         log.info("batch validated", batch_id=job.id, status=job.doc["status"], lines=total)
         if job.doc["status"] == "failed":
             self.m.batch_done("failed")
