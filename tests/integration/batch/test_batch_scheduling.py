@@ -494,6 +494,41 @@ async def test_a_batch_being_validated_holds_up_no_other_batch(sims, gateway, tm
     assert (await run_to_end(c, second.id)).request_counts.completed == 3
 
 
+async def test_a_batch_whose_files_are_being_written_holds_up_no_other_batch(sims, gateway, tmp_path, monkeypatch):
+    """A batch's end writes its output and error files from every answered line (and a cancelled
+    one first names each line it never ran, reading its input): seconds for a large batch. The
+    other batches go on meanwhile: one created then is validated, runs and completes."""
+    import threading
+
+    from gateway.batch.runner import BatchRunner
+
+    real = BatchRunner._write_outputs
+    slow: list[str] = []
+    writing, go = threading.Event(), threading.Event()
+
+    def held(self, bid: str, owner: str):
+        if slow and bid == slow[0]:
+            writing.set()
+            go.wait(30)
+        return real(self, bid, owner)
+
+    monkeypatch.setattr(BatchRunner, "_write_outputs", held)
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
+    c = openai_client(gw)
+    f = await c.files.create(file=("in.jsonl", jsonl(rows(["m"] * 2))), purpose="batch")
+    first = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    slow.append(first.id)       # before the runner (this loop's) can end it
+    try:
+        assert await asyncio.to_thread(writing.wait, 10)
+        second = await run_to_end(c, (await create(c, rows(["m"] * 3))).id, timeout=15)
+        assert second.status == "completed" and second.request_counts.completed == 3
+        assert (await c.batches.retrieve(first.id)).status == "finalizing"
+    finally:
+        go.set()
+    assert (await run_to_end(c, first.id)).request_counts.completed == 2
+
+
 async def test_a_batch_cancelled_before_it_was_validated_counts_its_lines(sims, gateway, tmp_path):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path, poll_interval_s=2.0))
