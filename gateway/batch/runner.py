@@ -92,6 +92,7 @@ class _Job:
     reading: bool = False                # a chunk of input lines is being read
     validating: bool = False             # its input is being validated (a task of its own)
     validated: bool = False              # by this runner: a look at the store read before says validating
+    ending: bool = False                 # its end is being written (a task of its own: ``_finalize``)
     unreadable: str | None = None        # why the input could not be read on (the batch fails)
 
     @property
@@ -127,6 +128,10 @@ class BatchRunner:
         self.rate_due: float | None = None
         self.wake = asyncio.Event()
         self.fault: BaseException | None = None     # a task of the runner's failed: the runner fails
+        self.ending: set[asyncio.Task] = set()         # batches' ends being written (``_finalize``)
+        # batches this runner ended that a look at the store begun before their end may still list
+        # as running: not taken on again (their files would be written twice)
+        self.ended: set[str] = set()
         self._seq = 0
         self.lines_on: dict[str, dict[str, asyncio.Task]] = {}     # endpoint → request id → its line's task
         self.placed: dict[str, str] = {}                            # request id → endpoint
@@ -213,8 +218,8 @@ class BatchRunner:
 
     async def _stop_lines(self) -> None:
         """Shutting down: lines in flight are cancelled (they run again after a restart); what was
-        answered is committed."""
-        tasks = [t for job in self.jobs.values() for t in job.tasks]
+        answered is committed. A batch's end being written waits for its files' write (``_finalize``)."""
+        tasks = [t for job in self.jobs.values() for t in job.tasks] + list(self.ending)
         for t in tasks:
             t.cancel()
         if tasks:
@@ -231,6 +236,8 @@ class BatchRunner:
         for doc in docs:
             bid = doc["id"]
             seen.add(bid)
+            if bid in self.ended:       # read before its end was stored (``_finalize`` runs beside)
+                continue
             job = self.jobs.get(bid)
             if job is None:
                 owner = await self.db.run(BatchStore.batch_owner, bid) or ""
@@ -248,6 +255,7 @@ class BatchRunner:
         for bid in list(self.jobs):
             if bid not in seen and not self.jobs[bid].tasks:
                 del self.jobs[bid]
+        self.ended &= seen          # a look begun after their end lists them no more
         await self._overview()
 
     async def _overview(self) -> None:
@@ -315,13 +323,30 @@ class BatchRunner:
 
     async def _finish_ready(self) -> None:
         for job in list(self.jobs.values()):
-            if job.tasks or job.results:
+            if job.tasks or job.results or job.ending:
                 continue
             status = job.doc["status"]
             if job.stopping is not None:
-                await self._finalize(job, job.stopping)
+                self._finalize_soon(job, job.stopping)
             elif status == "finalizing" or (status == "in_progress" and job.eof and not job.ready and not job.waiting):
-                await self._finalize(job, "completed")
+                self._finalize_soon(job, "completed")
+
+    def _finalize_soon(self, job: _Job, final: str) -> None:
+        """The batch's end, in a task of its own: writing its files (and naming the lines a cancelled
+        or expired batch never ran) takes seconds for a large batch, and the other batches go on
+        meanwhile. Not stopped by ``_halt`` (a batch whose end began completes, or, cancelled before
+        it was finalizing, ends again as cancelled); a fault it does not handle fails the runner."""
+        job.ending = True
+        task = asyncio.ensure_future(self._finalize(job, final))
+        self.ending.add(task)
+
+        def ended(t: asyncio.Task) -> None:
+            self.ending.discard(t)
+            job.ending = False
+            if not t.cancelled() and t.exception() is not None and self.fault is None:
+                self.fault = t.exception()
+            self.wake.set()
+        task.add_done_callback(ended)
 
     async def _finalize(self, job: _Job, final: str) -> None:
         """Write the output and error files by streaming the stored lines, then the final state."""
@@ -383,8 +408,9 @@ class BatchRunner:
                                                            "param": "input_file_id", "line": None}]}
             return True
         job.doc = await self.db.run(BatchStore.update_batch, bid, done) or doc
-        await self.db.run(BatchStore.drop_results, bid)
+        self.ended.add(bid)
         self.jobs.pop(bid, None)
+        await self.db.run(BatchStore.drop_results, bid)
         self.m.batch_done(final)
         await self._overview()
         counts = job.doc["request_counts"]
