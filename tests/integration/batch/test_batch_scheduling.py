@@ -6,7 +6,9 @@ before it was validated counts its lines; one cancelled once its input cannot be
 runner goes on; a malformed part header of an upload is a 400; a line a retry moved to another
 endpoint is no longer the one an interactive request stops on the first; the lines of a model whose
 ready endpoints the routing refuses every time (prefill and decode pods routed whole) spend their
-attempts and end in the error file, where those of a P/D model with no ready pair wait for one."""
+attempts and end in the error file, where those of a P/D model with no ready pair wait for one; lines
+start as often as max_lines_per_s allows; a batch being validated, or whose files are being written,
+holds up no other batch; an interactive request stops every batch line it would wait behind."""
 
 from __future__ import annotations
 
