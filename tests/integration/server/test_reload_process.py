@@ -1007,3 +1007,33 @@ async def test_a_reload_of_one_process_waits_a_bounded_time_for_a_fifos_text(sim
     assert [(line["event"], line.get("key_path")) for line in lines] == \
         [("config reload refused; the running config is kept", "<file>")], lines
     assert "no text came" in lines[0]["error"], lines
+
+
+@pytest.mark.timeout(60)
+async def test_a_reload_that_changes_the_files_worker_count_is_refused_as_needing_a_restart(sims, tmp_path):
+    """``server.workers`` written in the file, with no ``--workers`` on the command line, is read at
+    start only: a reload that changes it is refused (409, ``server.workers``), as for the rest of
+    ``server``, and the same file with its first count applies. Before, the count the gateway
+    started with was laid over the new file's, so the reload was answered ``ok`` with nothing
+    changed while the file said another count than the gateway runs."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    auth = f"auth: {{admin_token: {TOKEN}}}\n"
+
+    def text(workers: int) -> str:
+        return config_text(port, [sim.url], extra=auth).replace("log_level: warning}",
+                                                                f"log_level: warning, workers: {workers}}}")
+
+    path.write_text(text(1))
+    async with gateway_process(path, port), aiohttp.ClientSession() as s:
+        admin = {"Authorization": f"Bearer {TOKEN}"}
+        path.write_text(text(2))
+        async with s.post(f"http://127.0.0.1:{port}/admin/reload", headers=admin) as r:
+            body = await r.json()
+        assert r.status == 409, body
+        assert body["error"]["code"] == "restart_required" and body["error"]["param"] == "server.workers", body
+        path.write_text(text(1))
+        async with s.post(f"http://127.0.0.1:{port}/admin/reload", headers=admin) as r:
+            body = await r.json()
+        assert r.status == 200 and body["generation"] == 2, body
