@@ -119,12 +119,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     listen: list = [args.host, args.port]
-    resolved: list[int] = []      # the worker count, once known: a reload keeps it
+    # the worker count, once known, and the file's ``server.workers`` it was resolved from: a reload
+    # of a file that still says it (``auto``, say) keeps the count; one that says another count is
+    # a change of ``server``, refused as needing a restart (``--workers`` overrides the file's always)
+    resolved: list[int] = []
+    written: list[int | str] = []
 
     def parse(text: str, deprecations: list[Deprecation] | None = None) -> Config:
         """The config file's ``text`` with the command line's overrides."""
         cfg = config_from_file(text, args.config, deprecations).with_listen(*listen)
-        if resolved:
+        if resolved and (args.workers is not None or cfg.server.workers in written):
             cfg = cfg.with_workers(resolved[0])
         return cfg.with_log_format(args.log_format) if args.log_format else cfg
 
@@ -166,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         workers_warnings(config, workers)
     resolved.append(workers)
+    written.append(config.server.workers)
     config = config.with_workers(workers)
     if stopped_while_starting():
         return 0
