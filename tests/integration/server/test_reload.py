@@ -567,3 +567,28 @@ async def test_an_engine_removed_and_declared_again_counts_the_requests_it_still
                     await t
     await until(lambda: busy.in_flight == 0)
     assert back.in_flight == 0
+
+
+async def test_a_reload_that_changes_metrics_max_age_s_applies_it_to_the_engine_gauges(sims, gateway):
+    """``routing.metrics_max_age_s`` reloads with the rest of ``routing``: the re-exported engine
+    gauges (``switchyard_engine_*``) leave out a snapshot older than the live value. With one
+    scrape at start and none for a minute, the snapshot is older than the 0.05 s the gateway
+    started with, and within the 600 s a reload sets. Before, /metrics kept the start's value
+    until a restart."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], routing={"metrics_max_age_s": 0.05},
+                       scrape={"interval_s": 60.0})
+    async with aiohttp.ClientSession() as s:
+        async def page() -> str:
+            async with s.get(gw.url + "/metrics") as r:
+                return await r.text()
+
+        async def stale() -> bool:
+            return metric(await page(), "switchyard_engine_metrics_age_seconds", model="m") > 0.1
+        await until(stale)
+        assert not series(await page(), "switchyard_engine_running_requests")
+        reloader = reloader_of(gw)
+        config = reloader.live.config
+        assert reloader.reload("test", msgspec.structs.replace(config, routing=msgspec.structs.replace(
+            config.routing, metrics_max_age_s=600.0))).result == "ok"
+        assert series(await page(), "switchyard_engine_running_requests")
