@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
+import msgspec
 from prometheus_client import CollectorRegistry
 
-from gateway.endpoints import Endpoint, EngineMetrics
+from gateway.config.schema import config_from_dict
+from gateway.endpoints import Endpoint, EndpointPool, EngineMetrics
+from gateway.pipeline.generation import build_services
 from gateway.resilience.outcome import Outcome
 from gateway.resilience.retry import Retries, RetryBudget, RetryConfig
 from tests.support.factories import Clock
@@ -81,3 +86,21 @@ def test_a_reload_keeps_a_budget_whose_window_is_unchanged_and_starts_one_whose_
         r.request("m")                                                 # counted in the new window's budget
     assert r.others("m", Outcome.FAULT, a, 0, [a, b], [a]) == [b]
     assert r.others("m", Outcome.FAULT, a, 0, [a, b], [a]) is None
+
+
+async def test_a_reload_that_changes_metrics_max_age_s_judges_headroom_by_the_new_age():
+    """``routing.metrics_max_age_s`` reloads with the rest of ``routing``: a backpressure retry
+    reads an engine's queue only from metrics younger than the live value. An engine whose last
+    scrape, a second old, said 4 waiting is no retry's target while metrics live 600 s; once a
+    reload makes them stale after 0.05 s, it is compared by in-flight requests and takes the
+    retry. Before, the retries kept the age the gateway started with."""
+    config = config_from_dict({"models": [{"name": "m", "endpoints": ["http://127.0.0.1:9000"]}],
+                               "routing": {"metrics_max_age_s": 600.0}})
+    services = build_services(config, EndpointPool())
+    busy, queued = eps(2)
+    busy.in_flight = 3
+    queued.metrics = EngineMetrics(scraped_at=time.monotonic() - 1.0, waiting=4)
+    assert services.retries.others("m", Outcome.BACKPRESSURE, busy, 0, [busy, queued], [busy]) is None
+    services.follow(msgspec.structs.replace(config, routing=msgspec.structs.replace(config.routing,
+                                                                                     metrics_max_age_s=0.05)))
+    assert services.retries.others("m", Outcome.BACKPRESSURE, busy, 0, [busy, queued], [busy]) == [queued]
