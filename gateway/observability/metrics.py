@@ -331,11 +331,13 @@ class GatewayMetrics:
 
     def attach_live_state(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int],
                           prefix_stats: Callable[[], dict[str, int]] | None = None,
-                          engine_max_age: float = 10.0, fleet_load: Callable[[Any], float] | None = None,
+                          engine_max_age: float | Callable[[], float] = 10.0,
+                          fleet_load: Callable[[Any], float] | None = None,
                           served: Callable[[str], bool] | None = None) -> None:
         """Gauges of live counts, read from the objects that hold them at scrape time. ``served``:
         whether a model is still served (one a reload or discovery removed keeps its in-flight
-        series while requests of it run, no longer)."""
+        series while requests of it run, no longer); ``engine_max_age``: a number of seconds, or
+        what gives the live one at each scrape (a reload changes it)."""
         self.registry.register(LiveState(endpoints, model_in_flight, prefix_stats, engine_max_age, fleet_load,
                                          served))
 
@@ -418,12 +420,14 @@ class LiveState(Collector):
 
     The engines' own running/waiting/KV figures are re-exported the same way from each endpoint's
     last scraped snapshot, so one Prometheus job (the gateway) shows what routing sees. A snapshot
-    older than ``engine_max_age`` (``routing.metrics_max_age_s``: what routers treat as missing)
-    is left out rather than shown as current; its age stays visible.
+    older than ``engine_max_age`` (``routing.metrics_max_age_s``: what routers treat as missing,
+    read at each scrape, as a reload may change it) is left out rather than shown as current; its
+    age stays visible.
     """
 
     def __init__(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int],
-                 prefix_stats: Callable[[], dict[str, int]] | None = None, engine_max_age: float = 10.0,
+                 prefix_stats: Callable[[], dict[str, int]] | None = None,
+                 engine_max_age: float | Callable[[], float] = 10.0,
                  fleet_load: Callable[[Any], float] | None = None,
                  served: Callable[[str], bool] | None = None) -> None:
         self._fleet_load = fleet_load
@@ -431,7 +435,7 @@ class LiveState(Collector):
         self._endpoints = endpoints
         self._model_in_flight = model_in_flight
         self._prefix_stats = prefix_stats
-        self._engine_max_age = engine_max_age
+        self._engine_max_age = engine_max_age if callable(engine_max_age) else lambda: engine_max_age
 
     def collect(self):
         eps = list(self._endpoints())
@@ -482,7 +486,8 @@ class LiveState(Collector):
         for ep, m in snaps:
             age.add_metric([ep.model, ep.name], max(0.0, now - m.scraped_at))
         yield age
-        fresh = [(ep, m) for ep, m in snaps if now - m.scraped_at <= self._engine_max_age]
+        max_age = self._engine_max_age()
+        fresh = [(ep, m) for ep, m in snaps if now - m.scraped_at <= max_age]
         for name, doc, field in _ENGINE_GAUGES:
             fam = GaugeMetricFamily(name, doc, labels=["model", "endpoint"])
             for ep, m in fresh:

@@ -85,7 +85,7 @@ class Services:
         stays: queues, stores, loaded adapters, breakers)."""
         self.responses.reconfigure(config)
         self.breakers.reconfigure(config.breaker_for)
-        self.retries.reconfigure(config.retry_for)
+        self.retries.reconfigure(config.retry_for, config.routing.metrics_max_age_s)
         self.lora.reconfigure(config)
         self.admission.reconfigure(config)
         self.view.sessions.reconfigure(config.routing.session_ttl_s, config.routing.session_max_entries)

@@ -116,10 +116,13 @@ class Retries:
             entry = self._budgets[model] = (window, RetryBudget(window, self.clock))
         return entry[1]
 
-    def reconfigure(self, config_for: Callable[[str], RetryConfig]) -> None:
-        """A reload: new settings; a model whose ``budget_window_s`` changed starts a new budget
+    def reconfigure(self, config_for: Callable[[str], RetryConfig], metrics_max_age: float | None = None) -> None:
+        """A reload: new settings (and ``routing.metrics_max_age_s``, the age within which an
+        engine's queue is read); a model whose ``budget_window_s`` changed starts a new budget
         (the others keep theirs), so ``request`` needs no look at the config."""
         self.config_for = config_for
+        if metrics_max_age is not None:
+            self.metrics_max_age = metrics_max_age
         self._budgets = {m: e for m, e in self._budgets.items() if config_for(m).budget_window_s == e[0]}
 
     def request(self, model: str) -> None:

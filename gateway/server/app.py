@@ -267,8 +267,9 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     reloader.listeners.append(lambda live: s.follow(live.config))   # shared services: their state stays
     metrics.attach_live_state(pool.endpoints, s.model_in_flight,
                               prefix_stats=lambda: reloader.live.routing.ctx.prefix_index.stats(),
-                              engine_max_age=config.routing.metrics_max_age_s,
-                              fleet_load=lambda ep: fleet_load(ep, time.monotonic(), config.routing.metrics_max_age_s),
+                              engine_max_age=lambda: reloader.live.config.routing.metrics_max_age_s,
+                              fleet_load=lambda ep: fleet_load(ep, time.monotonic(),
+                                                               reloader.live.config.routing.metrics_max_age_s),
                               served=lambda m: pool.has_model(m) or reloader.live.config.model(m) is not None)
     started_at = int(time.time() if worker is None or worker.started_at is None else worker.started_at)
 
