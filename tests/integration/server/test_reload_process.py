@@ -1037,3 +1037,68 @@ async def test_a_reload_that_changes_the_files_worker_count_is_refused_as_needin
         async with s.post(f"http://127.0.0.1:{port}/admin/reload", headers=admin) as r:
             body = await r.json()
         assert r.status == 200 and body["generation"] == 2, body
+
+
+@pytest.mark.timeout(90)
+async def test_an_admin_reload_is_answered_once_every_worker_applied_it(sims, tmp_path):
+    """``POST /admin/reload`` that rotates an API key answers once every worker has the new
+    config, so the old key is refused by every worker as soon as the answer came. Here the other
+    worker is stopped while the parent tells it of the reload: the worker asked has applied it,
+    and still waits; once the other runs again and applies it, the answer comes, and neither
+    worker takes the old key. Before, the worker asked answered with its own reload alone, and
+    the old key still worked on its sibling until that one got to the reload."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+
+    def text(key: str) -> str:
+        return config_text(port, [sim.url], log_level="info",
+                           extra=f"auth: {{admin_token: {TOKEN}, api_keys: [{{key: {key}}}]}}\n")
+
+    path.write_text(text("sk-old-key-0001"))
+    async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:
+        logs = LogLines(proc)
+        sessions = await pinned_workers(port, 2)
+        (asked, asked_http), (other, other_http) = sessions.items()
+        spare = (await pinned_workers(port, 2))     # a second connection to the worker asked
+        for pid, s in spare.items():
+            if pid != asked:
+                await s.close()
+        asked_spare = spare[asked]
+        answer: asyncio.Future | None = None
+        try:
+            async def status(s: aiohttp.ClientSession, key: str) -> int:
+                async with s.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"}) as r:
+                    return r.status
+
+            assert [await status(s, "sk-old-key-0001") for s in (asked_http, other_http)] == [200, 200]
+            path.write_text(text("sk-new-key-0002"))
+            await sigstop(other)
+            try:
+                async def admin() -> tuple[int, dict]:
+                    async with asked_http.post(f"http://127.0.0.1:{port}/admin/reload",
+                                               headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                        return r.status, await r.json()
+                answer = asyncio.ensure_future(admin())
+                applied = await logs.until(1)           # the worker asked applied it; the other is stopped
+                async with asked_spare.get(f"http://127.0.0.1:{port}/health") as r:
+                    assert r.status == 200              # the worker asked serves while it waits
+                await asyncio.sleep(0.2)
+                assert not answer.done()
+            finally:
+                os.kill(other, signal.SIGCONT)
+            status_code, body = await answer
+            assert (status_code, body["generation"]) == (200, 2), body
+            for s in (asked_http, other_http):
+                assert await status(s, "sk-old-key-0001") == 401
+                assert await status(s, "sk-new-key-0002") == 200
+        finally:
+            os.kill(other, signal.SIGCONT)
+            if answer is not None and not answer.done():
+                answer.cancel()
+            for s in (*sessions.values(), asked_spare):
+                await s.close()
+        proc.send_signal(signal.SIGTERM)
+        await proc.wait()
+        await logs.close()
+    assert [line["event"] for line in applied] == ["config reloaded"], applied
