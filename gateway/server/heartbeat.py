@@ -10,7 +10,8 @@ anonymous shared mapping the parent makes before it forks: one 8-byte slot per w
 restart counts, then the stop signals the parent got, then the config generation the parent
 counts, then the parent's last reload as it told the workers of it, then each worker's count of
 the reloads it asked for, then for each worker how many of its asks the parent's last told reload
-came after, then the parent's reloads by result). The parent reads the counters while it waits for its children; a worker
+came after, then the parent's reloads by result, then for each worker the last told reload it
+applied or refused). The parent reads the counters while it waits for its children; a worker
 that has ticked at least once (start-up is not judged) and has not ticked for
 ``server.worker_stall_timeout_s`` is logged and killed with SIGKILL (a stuck loop would never run a
 SIGTERM handler). The kernel resets the connections waiting in its accept queue, and the parent
@@ -49,6 +50,11 @@ SIGHUP for a reload it began earlier can reach a worker after that worker's ask 
 the workers one after another, and a worker may run late): that reload is applied, but it does not
 answer the ask, whose own reload follows and moves the generation once more; the answer was the
 generation a moment later.
+
+Each worker notes the last told reload it applied (or refused) in a slot of its own, from its start
+(the reloads told before it was forked are in the config it loaded): a worker asked POST
+/admin/reload answers once every sibling that serves (has ticked) noted that reload, so that an API
+key the reload removed is refused by every worker once the answer came.
 
 Only the worker writes its slots and only the parent the counts. The parent decides on whether a
 slot changed, never on its value, so a read that catches a write half done can only look like a
@@ -98,12 +104,13 @@ class Heartbeats:
     def __init__(self, workers: int) -> None:
         self.workers = workers
         # anonymous and shared across fork
-        self._map = mmap.mmap(-1, 8 * (3 * workers + len(REASONS) + 3 + len(RESULTS)))
+        self._map = mmap.mmap(-1, 8 * (4 * workers + len(REASONS) + 3 + len(RESULTS)))
         self._slots = memoryview(self._map).cast("Q")
         self._slots[self.workers + len(REASONS) + 1] = 1
         self._asks = self.workers + len(REASONS) + 3    # then a count per worker of its POST /admin/reload
         self._after = self._asks + self.workers         # then per worker: the told reload, the asks it came after
         self._results = self._after + self.workers      # then the parent's reloads by result
+        self._applied = self._results + len(RESULTS)    # then per worker: the last told reload it applied
         self._asks_seen = 0             # the parent's: the sum of those counts at its last reload
         self._asks_noted = [0] * workers    # the parent's: each count when it began its last reload
         # the parent's count of the reloads it told the workers of; a worker's copy is the count
@@ -192,6 +199,22 @@ class Heartbeats:
         generation = self._slots[self.workers + len(REASONS) + 1] & 0xFFFFFFFF
         self._slots[self.workers + len(REASONS) + 2] = (
             self.told_count << 40 | TRIGGERS.index(trigger) << 32 | generation)
+
+    def applied(self, index: int, seq: int) -> None:
+        """Worker ``index`` applied (or refused) the told reload number ``seq``, or started with
+        the config it led to (called by that worker only)."""
+        self._slots[self._applied + index] = seq & _TOLD_MASK
+
+    def applied_by_siblings(self, index: int, seq: int) -> bool:
+        """Whether every worker but ``index`` that serves (has ticked since it was last started)
+        has applied the told reload number ``seq`` or a later one. A worker not started yet, or
+        being started again, is left out: it starts on the config the parent read last."""
+        for i in range(self.workers):
+            if i == index or self._slots[i] == 0:
+                continue
+            if (self._slots[self._applied + i] - seq) & _TOLD_MASK >= 1 << 23:
+                return False
+        return True
 
     def last_told(self, index: int | None = None) -> Told:
         """The last reload the parent told the workers of (number 0, ``signal``: none yet); with

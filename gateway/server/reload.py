@@ -33,7 +33,10 @@ With ``--workers N`` the parent reads the file once, hands every worker the text
 (gateway/server/handoff.py) and forwards ``SIGHUP`` to them (gateway/server/workers.py): each worker
 applies that text, so a file rewritten meanwhile cannot leave them on different configs. A worker
 that receives ``POST /admin/reload`` signals the parent, so every worker reloads, and answers with
-its own result. A worker's generation is then the parent's count of applied reloads (in the
+its own result once every sibling that serves has applied that reload too (so an API key the
+reload removed is refused by every worker once the answer came; a sibling that has not within
+``WORKER_RELOAD_TIMEOUT_S`` of the ask, its loop stalled say, is left behind with a warning and the
+answer goes). A worker's generation is then the parent's count of applied reloads (in the
 workers' shared memory, gateway/server/heartbeat.py), not its own, and its log line names the
 trigger of the parent's reload it applies, which the parent tells the workers with that reload; a
 SIGHUP sent to a worker itself, with no reload of the parent's to apply, reloads nothing there (a
@@ -82,6 +85,7 @@ RESTART_BLOCKS = ("listen", "server", "upstream", "health", "scrape", "state", "
                   "responses", "batch")
 RESULTS = ("ok", "invalid", "restart_required")
 WORKER_RELOAD_TIMEOUT_S = 10.0
+SIBLINGS_POLL_S = 0.005     # how often a worker asked POST /admin/reload looks whether its siblings applied it
 
 
 def declared_endpoints(config: Config) -> list[Endpoint]:
@@ -338,8 +342,13 @@ class Reloader:
         # this worker started (gateway/server/heartbeat.py)
         self.parent_results: Callable[[], dict[str, int]] | None = None
         self.results_base: dict[str, int] = {}
-        # POST /admin/reload in a worker: the ask's number (None: no parent counts them), and its answer
-        self._waiters: list[tuple[int | None, asyncio.Future[ReloadResult]]] = []
+        # set in a --workers worker: note that this worker applied the parent's told reload number n
+        # (or started on its config), and whether every sibling that serves has applied reload n
+        self.mark_applied: Callable[[int], None] | None = None
+        self.siblings_applied: Callable[[int], bool] | None = None
+        # POST /admin/reload in a worker: the ask's number (None: no parent counts them), and its
+        # answer with the number of the parent's told reload it is (None: not one the parent told)
+        self._waiters: list[tuple[int | None, asyncio.Future[tuple[ReloadResult, int | None]]]] = []
 
     def reload(self, trigger: str, config: Config | None = None, parent_generation: int | None = None,
                loader: Callable[[], Config] | None = None) -> ReloadResult:
@@ -433,14 +442,15 @@ class Reloader:
         """This worker's POST /admin/reload requests waiting for the parent's reload: this one, for
         those whose ask the parent's reload ``told`` came after (every one, without ``told``); the
         others wait for the parent's next."""
-        waiting: list[tuple[int | None, asyncio.Future[ReloadResult]]] = []
+        waiting: list[tuple[int | None, asyncio.Future[tuple[ReloadResult, int | None]]]] = []
         for ask, w in self._waiters:
             if w.done():
                 continue
             if told is not None and ask is not None and not told.after(ask):
                 waiting.append((ask, w))
             else:       # the answer to a POST /admin/reload, whatever else the reload answered too
-                w.set_result(result if result.trigger == "admin" else replace(result, trigger="admin"))
+                w.set_result((result if result.trigger == "admin" else replace(result, trigger="admin"),
+                              told.seq if told is not None else None))
         self._waiters = waiting
 
     async def live_handle(self, request: web.Request) -> web.StreamResponse:
@@ -476,7 +486,10 @@ class Reloader:
         self.told_seen = told.seq
         if self.handed is not None and loader is None:
             loader = _not_handed
-        self._answer(self.reload(told.trigger, parent_generation=told.generation, loader=loader), told)
+        result = self.reload(told.trigger, parent_generation=told.generation, loader=loader)
+        if self.mark_applied is not None:       # before any answer: a sibling's may wait for it
+            self.mark_applied(told.seq)
+        self._answer(result, told)
 
     # -- POST /admin/reload --------------------------------------------------------------------
 
@@ -500,17 +513,29 @@ class Reloader:
                            error_class=ErrorClass.ADMIN)
 
     async def _reload_every_worker(self) -> ReloadResult:
-        """Ask the parent to signal every worker, this one included, and wait for this one's."""
+        """Ask the parent to signal every worker, this one included, and wait for this one's
+        reload, then for its siblings to have applied it too."""
         assert self.parent_pid is not None
-        waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WORKER_RELOAD_TIMEOUT_S
+        waiter = loop.create_future()
         ask = self.parent_asked() if self.parent_asked is not None else None
         self._waiters.append((ask, waiter))
         os.kill(self.parent_pid, signal.SIGHUP)
         try:
-            async with asyncio.timeout(WORKER_RELOAD_TIMEOUT_S):
-                return await asyncio.shield(waiter)
+            async with asyncio.timeout_at(deadline):
+                result, seq = await asyncio.shield(waiter)
         except TimeoutError:
             raise GatewayError(504, f"the parent process did not have this worker reload within "
                                     f"{WORKER_RELOAD_TIMEOUT_S:g}s", code="reload_timeout", error_class=ErrorClass.ADMIN) from None
         finally:
             self._waiters = [(a, w) for a, w in self._waiters if w is not waiter]
+        # the siblings got the same reload: the answer goes once they applied it too
+        if seq is not None and self.siblings_applied is not None:
+            while not self.siblings_applied(seq):
+                if loop.time() >= deadline:
+                    log.warning("POST /admin/reload answered before every worker applied the reload",
+                                generation=result.generation, waited_s=WORKER_RELOAD_TIMEOUT_S)
+                    break
+                await asyncio.sleep(SIBLINGS_POLL_S)
+        return result

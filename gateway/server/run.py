@@ -207,6 +207,11 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
             # and counted as the parent counts the gateway's reloads
             reloader.parent_results = worker.heartbeats.results
             reloader.results_base = dict(worker.heartbeats.counted_at_fork)
+            # and a POST /admin/reload answers once every worker applied the reload (its first
+            # tick, below, tells its siblings that this note is this worker's)
+            reloader.mark_applied = functools.partial(worker.heartbeats.applied, worker.index)
+            reloader.mark_applied(reloader.told_seen)
+            reloader.siblings_applied = functools.partial(worker.heartbeats.applied_by_siblings, worker.index)
     with contextlib.suppress(NotImplementedError):
         loop.add_signal_handler(signal.SIGHUP, reloader.on_signal)
     if hup.take():              # one came while the gateway started (gateway/server/hup.py)
