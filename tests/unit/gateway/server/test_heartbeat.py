@@ -124,6 +124,21 @@ def test_restart_counts_by_reason():
         beats.restarted("bored")
 
 
+def test_the_siblings_that_serve_have_applied_a_told_reload_once_each_noted_it_or_a_later_one():
+    beats = Heartbeats(3)
+    for index in range(3):
+        beats.applied(index, 0)             # each worker, at its start: the reloads told before its fork
+    beats.tick(0)
+    beats.tick(1)                           # worker 2 is still starting: left out
+    assert not beats.applied_by_siblings(0, 1)
+    beats.applied(1, 1)
+    assert beats.applied_by_siblings(0, 1) and not beats.applied_by_siblings(1, 1)
+    beats.applied(0, 2)                     # one SIGHUP for two told reloads: the later one covers both
+    assert beats.applied_by_siblings(1, 1)
+    beats.applied(1, (1 << 24) + 3)         # the told number wraps as the slot holds it
+    assert beats.applied_by_siblings(0, 3) and not beats.applied_by_siblings(0, 4)
+
+
 def test_a_forked_child_ticks_where_the_parent_reads():
     beats = Heartbeats(2)
     pid = os.fork()
