@@ -139,6 +139,22 @@ def test_the_siblings_that_serve_have_applied_a_told_reload_once_each_noted_it_o
     assert beats.applied_by_siblings(0, 3) and not beats.applied_by_siblings(0, 4)
 
 
+def test_a_worker_gone_is_not_waited_for_by_its_siblings_until_it_is_started_again():
+    """A worker that exited (or was killed) serves nothing until the parent starts it again, a
+    second or more later, on the config the parent read last: a sibling asked POST /admin/reload
+    does not wait for its note meanwhile."""
+    beats, _clock, dog, _killed, _ = watchdog()
+    for index, pid in ((0, 1000), (1, 1001)):
+        dog.spawning(index)
+        dog.spawned(pid, index)
+        beats.applied(index, 0)
+        beats.tick(index)
+    dog.check()
+    assert not beats.applied_by_siblings(0, 1)
+    assert dog.gone(1001) == ("exited", True)
+    assert beats.applied_by_siblings(0, 1)
+
+
 def test_a_forked_child_ticks_where_the_parent_reads():
     beats = Heartbeats(2)
     pid = os.fork()
