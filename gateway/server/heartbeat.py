@@ -295,6 +295,9 @@ class Watchdog:
             return "exited", True
         ticked = w.beaten or self.heartbeats.ticks(w.index) != 0
         self.served = self.served or ticked
+        # it serves nothing until started again (after a back-off), on the config read last: no
+        # sibling's POST /admin/reload waits for it meanwhile (``Heartbeats.applied_by_siblings``)
+        self.heartbeats.reset(w.index)
         return ("stalled" if w.killed else "exited"), ticked
 
     def end_starting(self, since: float, grace: float) -> None:
