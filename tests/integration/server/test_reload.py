@@ -592,3 +592,24 @@ async def test_a_reload_that_changes_metrics_max_age_s_applies_it_to_the_engine_
         assert reloader.reload("test", msgspec.structs.replace(config, routing=msgspec.structs.replace(
             config.routing, metrics_max_age_s=600.0))).result == "ok"
         assert series(await page(), "switchyard_engine_running_requests")
+
+
+async def test_a_reload_that_removes_the_admin_token_turns_the_admin_api_off_as_if_never_set(sims, gateway):
+    """``The route exists only when auth.admin_token is set (a 404 otherwise)``: a reload that
+    removes the token answers /admin/* as a gateway started without one does, 404 ``unknown
+    path``, and one that sets it again turns them back on. Before, they answered 401 "a valid admin
+    token is required", which no token could meet."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth={"admin_token": TOKEN})
+    reloader = reloader_of(gw)
+    config = reloader.live.config
+    off = msgspec.structs.replace(config, auth=msgspec.structs.replace(config.auth, admin_token=None))
+    assert reloader.reload("test", off).result == "ok"
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as s:
+        for method, path in (("POST", "/admin/reload"), ("GET", "/admin/users")):
+            async with s.request(method, gw.url + path) as r:
+                body = await r.json()
+                assert (r.status, body["error"]["message"]) == (404, f"unknown path {path}"), body
+        assert reloader.reload("test", config).result == "ok"
+        async with s.get(gw.url + "/admin/users") as r:
+            assert r.status == 200
