@@ -79,7 +79,10 @@ def add_tenancy(app: web.Application, tenancy: Tenancy) -> None:
 
 
 def require_admin(request: web.Request, digest: str | None) -> None:
-    """401 unless the request carries the admin token (``digest``: its digest, None when unset)."""
+    """401 unless the request carries the admin token (``digest``: its digest, None when unset).
+    Unset (a reload removed it): the admin API is off, a 404 as on a gateway started without one."""
+    if digest is None:
+        raise web.HTTPNotFound()
     if not admin_token_valid(header_field(request.headers, "Authorization"), digest):
         raise GatewayError(401, "a valid admin token is required ('Authorization: Bearer <token>')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}, error_class=ErrorClass.AUTH)
