@@ -922,3 +922,32 @@ async def test_a_cancel_whose_body_breaks_or_whose_client_leaves_has_one_line_wi
     mine = [(x["status"], x["error_class"]) for x in got if x["path"] == path]
     assert mine == [(400, "http"), (499, "client_cancel")], [x for x in got if x["path"] == path]
     assert [x["request_id"] for x in got if x["path"] == path][0] == rid
+
+
+async def test_gateway_history_refuses_an_input_item_its_history_already_holds(sims, gateway):
+    """A follow-up that sends again an item of its history (the function call it answers, with its
+    id) is OpenAI's 400 naming `input`: kept, the record would list that id twice, and the SDK's
+    auto-pagination of input_items, which goes on after the last id of a page, would go round
+    forever; the engine would be shown the call twice."""
+    sim = await sims("vllm", "m", tool_call_parser="hermes")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": "gateway"})
+    c = openai_client(gw)
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    r = await c.responses.create(model="m", input="Weather in Paris?", tools=tools, max_output_tokens=3)
+    call = r.output[0]
+    answer = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.responses.create(model="m", previous_response_id=r.id, tools=tools, max_output_tokens=3,
+                                 input=[call.model_dump(exclude_none=True), answer])
+    assert ei.value.body["param"] == "input" and call.id in ei.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as ei:        # twice in one input, too
+        await c.responses.create(model="m", tools=tools, max_output_tokens=3,
+                                 input=[{"role": "user", "content": "hi", "id": "msg_1", "type": "message"},
+                                        {"role": "user", "content": "again", "id": "msg_1", "type": "message"}])
+    assert ei.value.body["param"] == "input"
+    n = len(posts(await sim_state(sim.url)))
+    done = await c.responses.create(model="m", previous_response_id=r.id, tools=tools, max_output_tokens=3,
+                                    input=[answer, {"role": "user", "content": "and Rome?"}])
+    assert n == 1 and len(posts(await sim_state(sim.url))) == 2
+    ids = [i.id async for i in c.responses.input_items.list(done.id, limit=1)]
+    assert len(ids) == len(set(ids)) == 4
