@@ -40,7 +40,14 @@ from aiohttp import web
 from prometheus_client import Counter, Gauge
 
 from gateway.apis.base import ApiShape
-from gateway.apis.responses_request import RESPONSES, output_as_input, parse_responses, with_history
+from gateway.apis.responses_request import (
+    RESPONSES,
+    check_unique_ids,
+    input_items,
+    output_as_input,
+    parse_responses,
+    with_history,
+)
 from gateway.apis.responses_state import AskSiblings, MemoryStore, RedisStore, StoreUnavailable, WorkerStore
 from gateway.apis.responses_stream import ResponsesScanner, error_event, failed_after_error, failure
 from gateway.config.schema import Config
@@ -375,6 +382,7 @@ class ResponsesApi(ApiShape):
                 _not_failed(prev, record.get("response"))
                 history = list(record.get("input") or ()) + output_as_input(record.get("output"))
                 self._follow(prev, record, ireq.model, candidates)
+            check_unique_ids(history, input_items(ireq.data["input"]))
             ex.input = with_history(ireq, history)
             return candidates
         if prev is None:

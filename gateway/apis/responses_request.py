@@ -250,6 +250,23 @@ def output_as_input(output: Any) -> list[Any]:
     return out
 
 
+def check_unique_ids(history: list[Any], items: list[Any]) -> None:
+    """A follow-up's new input ``items`` name no id its ``history`` or another of them names, as
+    OpenAI requires: an item sent again (the function call a follow-up answers, already in its
+    history) is a 400 naming ``input``. Kept, its id would be listed twice by ``input_items``, whose
+    ``after`` cursor then goes round, and the engine would be shown the item twice. The history's
+    own ids, the engine's, are not checked: a follow-up cannot change them."""
+    seen = {i.get("id") for i in history if i.__class__ is dict}
+    for item in items:
+        rid = item.get("id") if isinstance(item, dict) else None
+        if not isinstance(rid, str):
+            continue
+        if rid in seen:
+            raise _bad(f"Duplicate item found with id {rid}. Remove duplicate items from your input and try again.",
+                       "input")
+        seen.add(rid)
+
+
 def with_history(ireq: InferenceRequest, history: list[Any]) -> list[Any]:
     """Rewrite ``ireq`` for a gateway-held conversation: ``input`` becomes the stored history plus
     the new input, ``previous_response_id`` goes, and ``store`` is false (the gateway keeps the
