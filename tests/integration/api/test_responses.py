@@ -951,3 +951,20 @@ async def test_gateway_history_refuses_an_input_item_its_history_already_holds(s
     assert n == 1 and len(posts(await sim_state(sim.url))) == 2
     ids = [i.id async for i in c.responses.input_items.list(done.id, limit=1)]
     assert len(ids) == len(set(ids)) == 4
+
+
+async def test_gateway_history_carries_no_instructions_over(sims, gateway):
+    """As OpenAI: a follow-up is prompted with its own instructions only, the earlier turns'
+    are not part of the history the gateway keeps and sends."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": "gateway"})
+    c = openai_client(gw)
+    r = await c.responses.create(model="m", instructions="Answer in French.", input="Hello", max_output_tokens=2)
+    await c.responses.create(model="m", previous_response_id=r.id, input="and then?", max_output_tokens=2)
+    await c.responses.create(model="m", previous_response_id=r.id, instructions="Answer in Latin.", input="so?",
+                             max_output_tokens=2)
+    second, third = [p["body"] for p in posts(await sim_state(sim.url))[1:]]
+    assert "instructions" not in second and third["instructions"] == "Answer in Latin."
+    for body in (second, third):
+        assert [i["role"] for i in body["input"]] == ["user", "assistant", "user"]
+        assert "French" not in orjson.dumps(body).decode()
