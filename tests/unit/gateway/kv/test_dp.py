@@ -114,3 +114,26 @@ def test_clearing_one_rank_keeps_the_others():
     assert not a.emap and not a.owned and len(b.emap) == 2
     feed(b, None, {"type": "AllBlocksCleared"})                 # one publisher: the whole endpoint
     assert not b.emap and not idx._holders
+
+
+def test_a_rank_whose_publisher_port_is_another_ranks_replay_port_is_refused():
+    """Rank r binds port + r and replay_port + r on the engine's host: two ranges that overlap
+    name a port two sockets would bind, which no engine can start with (`Address already in
+    use`), so the config says so rather than subscribe to a publisher that cannot be there."""
+    for block, says in (({"port": 5557, "replay_port": 5558, "data_parallel_size": 2},
+                         "port 5557-5558 and replay_port 5558-5559 overlap"),
+                        ({"port": 6000, "replay_port": 6000}, "port 6000 and replay_port 6000 overlap"),
+                        ({"port": 6003, "replay_port": 6000, "data_parallel_size": 4},
+                         "port 6003-6006 and replay_port 6000-6003 overlap")):
+        with pytest.raises(ConfigError, match=says):
+            one_model({**AT_ONE_ENDPOINT, "kv_events": {"enabled": True, **block}})
+    # side by side is fine, either way round
+    for block in ({"port": 5557, "replay_port": 5559, "data_parallel_size": 2},
+                  {"port": 6004, "replay_port": 6000, "data_parallel_size": 4}):
+        one_model({**AT_ONE_ENDPOINT, "kv_events": {"enabled": True, **block}})
+    # an endpoint's entry laid over the model's block is judged with it, and so is a pod's annotation
+    with pytest.raises(ConfigError, match="endpoint http://127.0.0.1:8000 kv_events: port 5557-5558 and replay_port"):
+        one_model({**AT_ONE_ENDPOINT, "kv_events": {"enabled": True, "replay_port": 5558},
+                   "endpoints": [{"url": "http://127.0.0.1:8000", "kv_events": {"data_parallel_size": 2}}]})
+    with pytest.raises(ValueError, match="overlap"):
+        KVEventsConfig(replay_port=5558).with_annotation({"data_parallel_size": 4})
