@@ -20,6 +20,7 @@ from typing import Any
 
 from gateway.config.schema import KubernetesModelConfig, ModelConfig
 from gateway.endpoints import ENGINES
+from gateway.kv.settings import check_rank_ports
 
 LABEL_MODEL = "model.aibrix.ai/name"
 LABEL_PORT = "model.aibrix.ai/port"
@@ -278,4 +279,8 @@ def parse_kv_events(value: str | None) -> tuple[tuple[str, Any], ...] | None:
     for key in ("port", "replay_port"):
         if key in given and given[key] + given.get("data_parallel_size", 1) - 1 > 65535:
             raise ValueError(f"annotation {ANNO_KV_EVENTS}: {key} + data_parallel_size - 1 is beyond 65535")
+    try:
+        check_rank_ports(given.get("port"), given.get("replay_port"), given.get("data_parallel_size", 1))
+    except ValueError as e:
+        raise ValueError(f"annotation {ANNO_KV_EVENTS}: {e}") from None
     return tuple(out)

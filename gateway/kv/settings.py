@@ -27,7 +27,7 @@ class KVEventsConfig(Block):
     max_blocks_per_endpoint: Annotated[int, Meta(ge=1, description="Index entries kept per endpoint.")] = 262144
     max_request_blocks: Annotated[int, Meta(ge=1, description="Most blocks of one request hashed and looked up.")] = 16384
     # a data-parallel engine behind one endpoint publishes rank r on port + r (replay on replay_port + r)
-    data_parallel_size: Annotated[int, Meta(ge=1, description="Data-parallel ranks behind one endpoint; rank r publishes on port + r (and replays on replay_port + r).")] = 1
+    data_parallel_size: Annotated[int, Meta(ge=1, description="Data-parallel ranks behind one endpoint; rank r publishes on port + r (and replays on replay_port + r), so the two ranges of ports may not overlap.")] = 1
     # pin each request to the rank holding its prefix (``X-data-parallel-rank``) when
     # data_parallel_size > 1; None (the default) means true there; false leaves the rank to the engine
     route_ranks: Annotated[bool | None, Meta(description="Pin each request to the rank holding its prefix (X-data-parallel-rank header) when data_parallel_size > 1; null: true there.")] = None
@@ -75,10 +75,16 @@ class KVEventsConfig(Block):
 
 
 def check_rank_ports(port: int | None, replay_port: int | None, size: int | None) -> None:
-    """Every rank's port (``port + rank``) must be a TCP port."""
+    """Every rank's port (``port + rank``) must be a TCP port, and no rank's publisher port may be
+    a rank's replay port: the engine binds both on its host, and a port bound twice stops it."""
     for name, p in (("port", port), ("replay_port", replay_port)):
         if p is not None and size is not None and p + size - 1 > 65535:
             raise ValueError(f"{name} {p} + data_parallel_size {size} - 1 is beyond 65535")
+    if port is not None and replay_port is not None and size is not None and abs(port - replay_port) < size:
+        def span(p: int) -> str:
+            return f"{p}-{p + size - 1}" if size > 1 else str(p)
+        raise ValueError(f"port {span(port)} and replay_port {span(replay_port)} overlap: rank r binds port + r "
+                         f"and replay_port + r on the engine's host (data_parallel_size {size})")
 
 
 class KVEventsEndpointConfig(Block):

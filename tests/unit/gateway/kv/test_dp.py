@@ -137,3 +137,7 @@ def test_a_rank_whose_publisher_port_is_another_ranks_replay_port_is_refused():
                    "endpoints": [{"url": "http://127.0.0.1:8000", "kv_events": {"data_parallel_size": 2}}]})
     with pytest.raises(ValueError, match="overlap"):
         KVEventsConfig(replay_port=5558).with_annotation({"data_parallel_size": 4})
+    # an annotation that gives both ports is refused by discovery as it reads it, as a bad port is
+    with pytest.raises(ValueError, match="annotation switchyard.io/kv-events: port 5557-5560 and replay_port 5558-5561 overlap"):
+        parse_kv_events('{"port": 5557, "replay_port": 5558, "data_parallel_size": 4}')
+    assert parse_kv_events('{"port": 5557, "replay_port": 5567, "data_parallel_size": 4}')
