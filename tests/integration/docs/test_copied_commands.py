@@ -227,3 +227,19 @@ def test_the_check_config_error_the_readme_quotes_is_the_one_printed(tmp_path, c
     err = capsys.readouterr().err
     assert f"{path}: models[0].endpoints[1].url: must be an http(s):// URL" in err, err
     assert quoted_text.startswith("switchyard.yaml: models[0].endpoints[1].url: must be an http(s):// URL")
+
+
+def test_the_demo_banner_shows_a_continuation_its_lines_run_in_order_can_see():
+    """The banner's lines are run top to bottom. Its breakers section leaves :8102's breaker open
+    (ejected for base_ejection_s, 10 s), so a continuation section after it sends every stream to
+    :8101 and no stream is continued; and streams sent one after the other each find both
+    replicas idle, so least-request may put none of them on the replica that drops them. The
+    continuation comes first, its streams sent at once (least-request spreads them)."""
+    from gateway.demo import BANNER
+
+    migration = BANNER.index("Mid-stream continuation")
+    breakers = BANNER.index("Breakers and retries")
+    assert migration < breakers, "the continuation section runs after the breakers opened :8102's"
+    section = BANNER[migration:BANNER.index("\n\n", migration)]
+    loop = re.search(r"for i in [^;]*; do .*?done", section, re.S)
+    assert loop and re.search(r"& done; wait", loop.group(0)), f"the streams are sent one after another:\n{section}"
