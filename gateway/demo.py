@@ -167,6 +167,15 @@ b = c.batches.create(input_file_id=f.id, endpoint='/v1/chat/completions', comple
 [time.sleep(0.2) for _ in iter(lambda: c.batches.retrieve(b.id).status in ('completed', 'failed'), True)]; \\
 print(c.files.content(c.batches.retrieve(b.id).output_file_id).text)"
 
+Mid-stream continuation (demo-llama has migration_limit 2): make a replica drop every stream after
+4 tokens; of four streams sent at once (least-request puts some on each replica), those it was
+serving finish on the other replica, one stream each to the client:
+  curl -s http://127.0.0.1:8102/_sim/config -d '{{{{"fault":"drop_after=4"}}}}' >/dev/null
+  for i in 1 2 3 4; do (curl -sN http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{{{{"model":"demo-llama","stream":true,"max_tokens":12,"messages":[{{{{"role":"user","content":"Go"}}}}]}}}}' | tail -c 200; echo) & done; wait
+  curl -s http://{host}:{{port}}/metrics | grep '^switchyard_migrations_total'
+  curl -s http://127.0.0.1:8102/_sim/config -d '{{{{"fault":"none"}}}}' >/dev/null
+
 Breakers and retries: make a demo-llama replica sick (its /health stays fine; 70% of its answers a
 500, the rest dropped connections), send traffic, watch its breaker open after 5 faults in a row
 (x-retries shows each fault retried on the other replica), then heal it:
@@ -175,14 +184,6 @@ Breakers and retries: make a demo-llama replica sick (its /health stays fine; 70
        -H 'Content-Type: application/json' -d '{{{{"model":"demo-llama","messages":[{{{{"role":"user","content":"Hi"}}}}]}}}}' \\
        | grep -i -e '^HTTP' -e '^x-retries'; done
   curl -s http://{host}:{{port}}/metrics | grep -e '^switchyard_breaker_state' -e '^switchyard_retries_total'
-  curl -s http://127.0.0.1:8102/_sim/config -d '{{{{"fault":"none"}}}}' >/dev/null
-
-Mid-stream continuation (demo-llama has migration_limit 2): make a replica drop every stream after
-4 tokens; streams it was serving finish on the other replica, one stream to the client:
-  curl -s http://127.0.0.1:8102/_sim/config -d '{{{{"fault":"drop_after=4"}}}}' >/dev/null
-  for i in 1 2; do curl -sN http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \\
-       -d '{{{{"model":"demo-llama","stream":true,"max_tokens":12,"messages":[{{{{"role":"user","content":"Go"}}}}]}}}}' | tail -c 200; echo; done
-  curl -s http://{host}:{{port}}/metrics | grep '^switchyard_migrations_total'
   curl -s http://127.0.0.1:8102/_sim/config -d '{{{{"fault":"none"}}}}' >/dev/null
 
 KV-cache events (demo-kv): the second turn of a conversation lands on the engine that reported
