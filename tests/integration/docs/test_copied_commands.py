@@ -242,3 +242,19 @@ def test_the_demo_banner_shows_a_continuation_its_lines_run_in_order_can_see():
     assert migration < breakers, "the continuation section runs after the breakers opened :8102's"
     section = BANNER[migration:BANNER.index("\n\n", migration)]
     assert re.search(r"for i in [^;]*; do .*?& done; wait", section, re.S), f"the streams are sent one after another:\n{section}"
+
+
+def test_every_flag_of_the_gateway_cli_is_in_the_readme_and_the_manual(capsys):
+    """The other way from the flags check of test_docs_build.py: what `python -m gateway --help`
+    lists, a reader finds in the README and in the manual (a flag added to the parser is written
+    up where a newcomer looks)."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", capsys.readouterr().out)) - {"--help"}
+    assert {"--config", "--check-config", "--workers"} <= flags
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    manual = "".join(p.read_text(encoding="utf-8") for p in sorted((ROOT / "docs").glob("*.md")))
+    unwritten = [f"{flag}: not in {where}" for flag in sorted(flags)
+                 for where, text in (("README.md", readme), ("docs/", manual))
+                 if not re.search(re.escape(flag) + r"(?![\w-])", text)]
+    assert not unwritten, "flags of python -m gateway the README or the manual do not name:\n" + "\n".join(unwritten)
