@@ -258,3 +258,35 @@ def test_every_flag_of_the_gateway_cli_is_in_the_readme_and_the_manual(capsys):
                  for where, text in (("README.md", readme), ("docs/", manual))
                  if not re.search(re.escape(flag) + r"(?![\w-])", text)]
     assert not unwritten, "flags of python -m gateway the README or the manual do not name:\n" + "\n".join(unwritten)
+
+
+def _weighted_lists(text: str) -> list[tuple[int, str]]:
+    """The ``a:N,b:M`` strategy lists a page gives, with their lines."""
+    return [(text.count("\n", 0, m.start()) + 1, m.group(0))
+            for m in re.finditer(r"(?<![\w-])[a-z][a-z-]*:\d+(?:, ?[a-z][a-z-]*(?::\d+)?)+", text)]
+
+
+def test_every_weighted_list_of_the_manual_is_one_the_gateway_takes():
+    """A weighted list shown as an example (a config comment, a benchmark's row, the prose) is one
+    the config and the routing-strategy header take; lists of names that are not strategies (llm-d's
+    ``prefix:3,queue:2,kv:2``, the simulator's engine mix) are another tool's."""
+    from routers.base import RouterContext
+    from routers.registry import StrategyError, default_registry
+
+    registry = default_registry(RouterContext())
+    known = set(registry.names())
+    seen, wrong = 0, []
+    for page in _manual():
+        for line, spec in _weighted_lists(page.read_text(encoding="utf-8")):
+            names = {item.split(":")[0].strip() for item in spec.split(",")}
+            if not names & known:
+                continue
+            seen += 1
+            try:
+                registry.validate(spec)
+            except StrategyError as e:
+                wrong.append(f"{page.relative_to(ROOT)}:{line}: {spec}: {e}")
+    assert seen >= 5
+    assert not wrong, "weighted lists of the manual the gateway refuses:\n" + "\n".join(wrong)
+    assert _weighted_lists('x "least-request:2,random:1" y prefix:3,queue:2') == [(1, "least-request:2,random:1"),
+                                                                                (1, "prefix:3,queue:2")]
