@@ -477,9 +477,14 @@ async def test_a_pd_requests_half_open_decode_whose_prefill_never_handed_over_gi
     await wait_for(lambda: not ep.healthy)
     await sim_config(sick.url, dead=False, fault="none")
     assert await wait_for(lambda: ep.ready, timeout=10)   # half-open, its trials at once
+    # the healthy decode down: the half-open one is the only decode a pair can name (pd picks at
+    # random among equal decodes)
+    other = next(e for e in gw.gw.pool.endpoints("m") if e.url == good.url)
+    await sim_config(good.url, dead=True)
+    assert await wait_for(lambda: not other.healthy, timeout=10)
     fault = "prefill.status=500" if end == "prefill_500" else "prefill.hang=inf"
     sick_name = sick.url.split("//")[1]
-    for _ in range(4):      # round-robin: one of the first two pairs names the half-open decode
+    for _ in range(4):
         if end == "prefill_500":
             st, hdrs, _ = await post(gw.url, body(), headers={"x-sim-fault": fault})
             assert st == 502
@@ -525,6 +530,11 @@ async def test_a_half_open_prefill_whose_client_leaves_while_it_runs_gives_its_t
     await wait_for(lambda: not ep.healthy)
     await sim_config(sick.url, dead=False, fault="none")
     assert await wait_for(lambda: ep.ready, timeout=10)   # half-open, its trials at once
+    # the healthy prefill down: the half-open one is the only prefill a pair can name (pd picks at
+    # random among equal prefills)
+    other = next(e for e in gw.gw.pool.endpoints("m") if e.url == good.url)
+    await sim_config(good.url, dead=True)
+    assert await wait_for(lambda: not other.healthy, timeout=10)
     for _ in range(4):
         seen = await _chats(sick.url) + await _chats(good.url)
         if await _held_then_cancelled(gw, ep, "prefill.hang=inf",
