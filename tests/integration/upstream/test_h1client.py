@@ -537,6 +537,28 @@ async def test_garbage_is_a_protocol_error():
 
 
 @on_both_loops
+async def test_a_switch_of_protocols_nobody_asked_for_is_a_protocol_error(caplog):
+    """A 101 answers a request that asked for an upgrade, which no leg does: the parser stops at
+    it, and that is an engine not speaking HTTP as asked, as garbage is, not a connection that
+    broke (the client would read a reset, and the loop log a fatal error of the transport)."""
+    async def switch(server, req, writer):
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: upgrade\r\n\r\n")
+        await writer.drain()
+
+    async with Engine(switch) as eng:
+        pool = UpstreamPool()
+        with caplog.at_level("ERROR", logger="asyncio"):
+            with pytest.raises(UpstreamProtocolError):
+                await pool.post(eng.url + "/x", b"{}", JSON, GUARD)
+            with pytest.raises(UpstreamFailure) as fi:
+                await open_leg(pool, eng.url + "/x", b"{}", JSON, GUARD)
+        assert fi.value.kind == "protocol"
+        assert not [r for r in caplog.records if r.name == "asyncio"]
+        assert pool.open_connections == 0
+        await pool.close()
+
+
+@on_both_loops
 async def test_no_head_within_the_header_timeout_drops_the_connection():
     async def silent(server, req, writer):
         await req["reader"].read()        # until the client goes away
