@@ -1057,3 +1057,22 @@ async def test_after_a_lull_the_openai_client_is_answered_on_a_connection_the_ga
         assert len(connects) - reopened == 1        # only the first request's leg connected
     finally:
         await client.close()
+
+
+async def test_a_switch_of_protocols_is_a_502_protocol_failure_through_the_gateway(gateway):
+    async def switch(server, req, writer):
+        if req["method"] == "GET":          # its health probes and scrapes
+            writer.write(answer(b"{}"))
+        else:
+            writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: upgrade\r\n\r\n")
+        await writer.drain()
+
+    async with Engine(switch) as eng:
+        gw = await gateway([model_block("m", "vllm", [eng.url])])
+        with gw.gw.request_log.capture() as logs:
+            async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=_chat(False)) as r:
+                status, marker, err = r.status, r.headers.get("x-error-upstream"), (await r.json())["error"]
+            await until(lambda: any(e["event"] == "request" for e in logs), GUARD)
+        assert status == 502 and marker == "protocol" and "switched protocols" in err["message"], err
+        assert [e["error_class"] for e in logs if e["event"] == "request"] == ["upstream_protocol"]
+        assert gw.gw.pool.endpoints("m")[0].in_flight == 0 and gw.gw.upstream.open_connections == 0
