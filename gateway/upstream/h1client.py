@@ -430,6 +430,10 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserError as e:
             self._fail(UpstreamProtocolError(f"invalid HTTP response: {e}"))
             return
+        except httptools.HttpParserUpgrade:
+            # a 101 (the parser stops there): no leg asks for an upgrade, so this is no HTTP answer
+            self._fail(UpstreamProtocolError("the engine switched protocols (101) unasked"))
+            return
         resp = self.resp
         if resp is not None and (sink := resp._sink) is not None and (chunks := resp._chunks):
             # piped: what this read brought goes to the sink in one call, however many body chunks
