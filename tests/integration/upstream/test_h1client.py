@@ -37,6 +37,7 @@ from tests.support.waiting import until
 
 JSON = {"Content-Type": "application/json"}
 GUARD = 10.0    # a bound on waits for the server's side, so a bug fails instead of hanging
+HEAD_BOUND = 64 * 1024      # h1client.MAX_HEAD_BYTES
 
 
 async def open_leg(pool, url, body, headers, header_timeout):
@@ -556,6 +557,44 @@ async def test_a_switch_of_protocols_nobody_asked_for_is_a_protocol_error(caplog
         assert not [r for r in caplog.records if r.name == "asyncio"]
         assert pool.open_connections == 0
         await pool.close()
+
+
+@on_both_loops
+async def test_a_head_that_does_not_end_is_a_protocol_error_once_it_outgrows_the_bound():
+    """An engine (or a proxy before it) that sends header bytes without end: the head is held
+    only up to ``MAX_HEAD_BYTES``, not until the header timeout with all it sent meanwhile."""
+    async def endless(server, req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Big: ")
+        n = 0
+        with contextlib.suppress(ConnectionError):
+            while n < 32 * HEAD_BOUND:      # what the socket buffers take: the header timeout is not met
+                writer.write(b"a" * 16384)
+                await writer.drain()
+                n += 16384
+            await req["reader"].read(1)     # until the gateway drops the connection
+        return False
+
+    async with Engine(endless) as eng:
+        pool = UpstreamPool()
+        with pytest.raises(UpstreamFailure) as fi:
+            await open_leg(pool, eng.url + "/x", b"{}", JSON, 3.0)
+        assert fi.value.kind == "protocol" and "head" in fi.value.message
+        await until(lambda: eng.closed == 1, GUARD)     # the connection was dropped
+        # a head within the bound, in many reads, and a 1xx before it, is read as ever
+        eng.handle = _head_in_pieces
+        resp = await pool.post(eng.url + "/x", b"{}", JSON, GUARD)
+        assert resp.status == 200 and len(resp.headers["x-big"]) == HEAD_BOUND // 2
+        assert await resp.read() == b"{}"
+        await pool.close()
+
+
+async def _head_in_pieces(server, req, writer):
+    writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Big: ")
+    for _ in range(HEAD_BOUND // 2 // 1024):
+        writer.write(b"a" * 1024)
+        await writer.drain()
+    writer.write(b"\r\n\r\n{}")
+    await writer.drain()
 
 
 @on_both_loops
