@@ -42,6 +42,10 @@ log = structlog.get_logger("switchyard.upstream")
 # unread body bytes above which reading from the engine pauses; it resumes when the reader takes
 # them (``readany`` hands out everything buffered, so the buffer is then empty)
 HIGH_WATER = 256 * 1024
+# bytes an answer's head may take, with any 1xx before it (an engine's is a few hundred): an engine,
+# or a proxy before it, that sends header bytes without end fails the leg here, not at the header
+# timeout with all it sent meanwhile held (the parser keeps a header's bytes until its line ends)
+MAX_HEAD_BYTES = 64 * 1024
 # bodies up to this size go out in one buffer with their head (one write); larger ones beside it
 _JOIN_MAX = 64 * 1024
 _FIELD = "%s: %s\r\n"    # one header line of a request head
@@ -328,6 +332,7 @@ class _Conn(asyncio.Protocol):
         self.headers_waiter: asyncio.Future | None = None   # until the head arrives or the exchange fails
         self.sent_waiter: asyncio.Future | None = None      # the same future, kept for ``head``
         self.received = False        # any byte of the current answer
+        self.head_bytes = 0          # bytes of the current answer read before its head was complete
         self.fields: list[tuple[bytes, bytes]] = []   # the head's header fields as they are parsed
         self.keep_alive = False
         self.closed = False
@@ -351,6 +356,7 @@ class _Conn(asyncio.Protocol):
         """Write one request, now (no await: a cancel cannot fall between ``state`` and the write)."""
         self.resp = UpstreamResponse(self)
         self.received = self.keep_alive = False
+        self.head_bytes = 0
         self.headers_waiter = self.sent_waiter = self.loop.create_future()
         if state is not None:
             state.sent = True
@@ -434,6 +440,11 @@ class _Conn(asyncio.Protocol):
             # a 101 (the parser stops there): no leg asks for an upgrade, so this is no HTTP answer
             self._fail(UpstreamProtocolError("the engine switched protocols (101) unasked"))
             return
+        if self.headers_waiter is not None:     # the head is not complete: all read so far is head
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD_BYTES:
+                self._fail(UpstreamProtocolError(f"the answer's head is larger than {MAX_HEAD_BYTES} bytes"))
+                return
         resp = self.resp
         if resp is not None and (sink := resp._sink) is not None and (chunks := resp._chunks):
             # piped: what this read brought goes to the sink in one call, however many body chunks
