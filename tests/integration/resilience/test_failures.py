@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from functools import partial
 
 import aiohttp
@@ -96,6 +98,38 @@ async def test_all_endpoints_refusing_is_502(gateway):
     assert st == 502
     assert hdrs["x-error-upstream"] == "connect"
     assert "cannot connect" in orjson.loads(raw)["error"]["message"]
+
+
+async def test_a_connect_timeout_is_retried_elsewhere_and_does_not_open_the_breaker_at_once(sims, gateway):
+    """An engine whose listen queue is full (a burst it has not accepted yet) lets connects time
+    out: the request is tried on another endpoint, and the fault is counted as any other, not as
+    a refused connection (which with ``health.passive`` opens the breaker at once)."""
+    good = await sims("vllm", "m")
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)
+    fillers = []
+    try:
+        for _ in range(4):      # the queue takes one; the SYNs of the others, and the gateway's, are dropped
+            c = socket.socket()
+            c.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                c.connect(full.getsockname())
+            fillers.append(c)
+        url = f"http://127.0.0.1:{full.getsockname()[1]}"
+        gw = await gateway([model_block("m", "vllm", [url, good.url])], upstream={"connect_timeout_s": 0.3},
+                           health={"interval_s": 60}, routing={"strategy": "round-robin"})
+        st, hdrs, _ = await post(gw.url, body())
+        assert st == 200 and hdrs["target-pod"] == good.url.split("//")[1]
+        text = await gw.metrics_text()
+        assert metric(text, "switchyard_retries_total", model="m") == 1
+        assert metric(text, "switchyard_upstream_errors_total", error_class="connect") == 1
+        slow = [ep for ep in gw.gw.pool.endpoints() if ep.url == url][0]
+        assert slow.ready and gw.gw.upstream.breakers.state(slow) == "closed"
+    finally:
+        for c in fillers:
+            c.close()
+        full.close()
 
 
 @pytest.mark.parametrize("fault", ["slow_headers=5", "stall_before_first=10"])
