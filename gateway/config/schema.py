@@ -222,7 +222,7 @@ class HealthConfig(Block):
     timeout_s: Annotated[Positive, Meta(description="Longest wait for one probe's answer, in seconds.")] = 2.0
     unhealthy_threshold: Annotated[Count, Meta(description="Failed probes in a row before an endpoint counts as not ready.")] = 2
     healthy_threshold: Annotated[Count, Meta(description="Successful probes in a row before a not-ready endpoint is ready again.")] = 1
-    passive: Annotated[bool, Meta(description="A refused connection to an endpoint opens its circuit breaker at once, without waiting for the probes.")] = True
+    passive: Annotated[bool, Meta(description="A refused connection to an endpoint (nothing listens on its port) opens its circuit breaker at once, without waiting for the probes; a connect that times out or finds no route is a fault as any other (an engine whose listen queue is full is alive).")] = True
 
 
 class ScrapeConfig(Block):

@@ -57,7 +57,13 @@ class UpstreamError(Exception):
 
 
 class UpstreamConnectError(UpstreamError):
-    """No connection could be opened (refused, unreachable, DNS, connect timeout): nothing was sent."""
+    """No connection could be opened (refused, unreachable, DNS, connect timeout): nothing was sent.
+    ``refused``: the engine's host answered that nothing listens on the port (``ECONNREFUSED``), where
+    a connect timeout may be an engine alive but slow to accept (its listen queue full)."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class UpstreamLocalError(UpstreamConnectError):
@@ -873,7 +879,7 @@ class UpstreamPool:
             if isinstance(e, OSError):
                 if e.errno in LOCAL_ERRNOS:
                     raise UpstreamLocalError(e.strerror or str(e)) from None
-                raise UpstreamConnectError(e.strerror or str(e)) from None
+                raise UpstreamConnectError(e.strerror or str(e), isinstance(e, ConnectionRefusedError)) from None
             raise
         self._connecting -= 1
         if self._closed:

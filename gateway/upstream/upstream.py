@@ -87,14 +87,18 @@ class UpstreamFailure(Exception):
     ``retryable`` is true when no byte came back, so no engine produced output for the client.
     ``local``: a connect that failed in this process (no file descriptor or socket buffer to make
     the socket with): no engine was asked, none is at fault, and another would fail the same way.
+    ``cause``: what the endpoint's breaker is told, the kind but for a connect that failed other
+    than refused (timed out, unreachable): ``connect_failed``, a fault as any other, where a refused
+    one opens the breaker at once with ``health.passive``.
     """
 
-    def __init__(self, kind: str, message: str, retryable: bool, local: bool = False) -> None:
+    def __init__(self, kind: str, message: str, retryable: bool, local: bool = False, cause: str = "") -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.retryable = retryable
         self.local = local
+        self.cause = cause or kind
 
 
 def classify(e: UpstreamError, url: str) -> UpstreamFailure:
@@ -104,7 +108,8 @@ def classify(e: UpstreamError, url: str) -> UpstreamFailure:
     if isinstance(e, UpstreamTimeout):
         return UpstreamFailure("timeout", f"no response from {url} within {e.seconds:g}s", retryable=False)
     if isinstance(e, UpstreamConnectError):
-        return UpstreamFailure("connect", f"cannot connect to {url}: {e}", retryable=True)
+        return UpstreamFailure("connect", f"cannot connect to {url}: {e}", retryable=True,
+                               cause="connect" if e.refused else "connect_failed")
     if isinstance(e, UpstreamDisconnected):
         return UpstreamFailure("reset", f"{url}: {e}", retryable=not e.received)
     return UpstreamFailure("protocol", f"bad answer from {url}: {e}", retryable=False)
@@ -231,11 +236,12 @@ class Upstream:
         if self.breakers is not None:
             self.breakers.record(ep, outcome, cause)
 
-    def failed(self, ep: Endpoint, model: str, kind: str, report: bool = True) -> None:
-        """Count a failure of a leg to ``ep`` before its answer's status; its breaker hears a fault."""
+    def failed(self, ep: Endpoint, model: str, kind: str, report: bool = True, cause: str = "") -> None:
+        """Count a failure of a leg to ``ep`` before its answer's status; its breaker hears a fault
+        (``cause``, else ``kind``: see ``UpstreamFailure.cause``)."""
         self.metrics.child(self.metrics.upstream_errors, model, ep.name, kind).inc()
         if report:
-            self.record(ep, of_failure(kind), kind)
+            self.record(ep, of_failure(kind), cause or kind)
 
     async def open(self, ep: Endpoint, path: str, body: bytes, headers: dict[str, str],
                    header_timeout: float | None, model: str, state: SendState | None = None) -> UpstreamResponse:
@@ -248,7 +254,7 @@ class Upstream:
         except UpstreamError as e:
             f = classify(e, url)
             if not f.local:
-                self.failed(ep, model, f.kind)
+                self.failed(ep, model, f.kind, cause=f.cause)
             raise f from None
 
     async def fetch(self, ep: Endpoint, path: str, body: bytes, headers: dict[str, str],
@@ -283,7 +289,7 @@ class Upstream:
         except UpstreamError as e:
             f = classify(e, x.url)
             if not f.local:
-                self.failed(ep, model, f.kind)
+                self.failed(ep, model, f.kind, cause=f.cause)
             raise f from None
 
     async def answer(self, ep: Endpoint, x: Exchange, model: str, timeout: float | None = None,
@@ -304,7 +310,7 @@ class Upstream:
         except UpstreamError as e:
             f = classify(e, x.url)
             if not f.local:
-                self.failed(ep, model, f.kind, report)
+                self.failed(ep, model, f.kind, report, f.cause)
             raise f from None
 
 
