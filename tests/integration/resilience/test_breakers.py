@@ -518,11 +518,11 @@ async def test_a_half_open_prefill_whose_client_leaves_while_it_runs_gives_its_t
     d = await sims("vllm", "m", role="decode")
     rs = {"name": "rs-1", "prefill": [sick.url, good.url], "decode": [d.url]}
     gw = await gateway([{"name": "m", "engine": "vllm", "rolesets": [rs]}], health={"interval_s": 0.1},
-                       routing={"strategy": "round-robin"},
+                       routing={"strategy": "round-robin"}, pd={"prefill_score_policy": "least_request"},
                        breaker={**FAST_BREAKER, "consecutive_faults": 1, "base_ejection_s": 60})
     ep = next(e for e in gw.gw.pool.endpoints("m") if e.url == sick.url)
-    for _ in range(4):                  # the sick prefill's 500 (not retried) ejects it
-        await post(gw.url, body())
+    for _ in range(40):     # the sick prefill's 500 (not retried) ejects it: pd picks at random
+        await post(gw.url, body())      # between the idle prefills (least_request: no prefix affinity)
         if not ep.ready:
             break
     assert not ep.ready
@@ -530,8 +530,7 @@ async def test_a_half_open_prefill_whose_client_leaves_while_it_runs_gives_its_t
     await wait_for(lambda: not ep.healthy)
     await sim_config(sick.url, dead=False, fault="none")
     assert await wait_for(lambda: ep.ready, timeout=10)   # half-open, its trials at once
-    # the healthy prefill down: the half-open one is the only prefill a pair can name (pd picks at
-    # random among equal prefills)
+    # the healthy prefill down: the half-open one is the only prefill a pair can name
     other = next(e for e in gw.gw.pool.endpoints("m") if e.url == good.url)
     await sim_config(good.url, dead=True)
     assert await wait_for(lambda: not other.healthy, timeout=10)
