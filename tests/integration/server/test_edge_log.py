@@ -253,3 +253,44 @@ async def test_with_cors_on_the_edge_s_answer_to_a_page_s_request_says_its_cors_
                     assert ex.first.status == status, (headers, ex.first)
                     mine = await _line_of(lines, ex.first.headers["request-id"])
                     assert [(x["status"], x.get("cors")) for x in mine] == [(status, cors)], (headers, mine)
+
+
+SECRET = "sk-SECRET4d1f"
+# heads and bodies the parser refuses at a byte that sits on a line carrying a secret: (case, parts, what the
+# answer may still name)
+LEAKY = [
+    ("bad_char_in_authorization", [b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                                   + SECRET.encode() + b"\x01\r\n\r\n"], "Authorization"),
+    ("nul_in_api_key", [b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nx-api-key: " + SECRET.encode()
+                        + b"\x00\r\nContent-Length: 2\r\n\r\n{}"], "x-api-key"),
+    ("authorization_without_colon", [b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization Bearer "
+                                     + SECRET.encode() + b"\r\n\r\n"], None),
+    ("bare_lf_after_authorization", [b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                                     + SECRET.encode() + b"\nX-A: b\r\n\r\n"], "Authorization"),
+    ("del_in_cookie", [b"GET /v1/models HTTP/1.1\r\nHost: x\r\nCookie: session=" + SECRET.encode()
+                       + b"\x7f\r\n\r\n"], "Cookie"),
+    ("bad_char_in_query", [b"GET /v1/models?token=" + SECRET.encode() + b"\x01 HTTP/1.1\r\nHost: x\r\n\r\n"], None),
+    ("bad_method_before_query", [b"GE\x01T /v1/models?token=" + SECRET.encode() + b" HTTP/1.1\r\nHost: x\r\n\r\n"], None),
+    ("chunk_data_overruns", [H + b"Transfer-Encoding: chunked\r\n\r\n", b"5\r\n" + SECRET.encode() + b"\r\n0\r\n\r\n"],
+     None),
+    ("chunk_data_overruns_in_one_write", [H + b"Transfer-Encoding: chunked\r\n\r\n5\r\n" + SECRET.encode()
+                                          + b"\r\n0\r\n\r\n"], None),
+]
+
+
+async def test_a_refused_head_or_body_s_answer_and_line_carry_none_of_its_bytes():
+    """The parser's message quotes the line it stopped on: a header field's value (an API key, a
+    cookie), a request target's query (a token), a chunked body's data. None of it reaches the 400's
+    message or its request log line; a header field's name still says where the head broke."""
+    async with edge_gateway(**SERVER) as gw:
+        with _lines(gw) as lines:
+            for case, parts, named in LEAKY:
+                ex = await exchange(gw.port, *parts, wait=8.0)
+                assert ex.first.status == 400, (case, ex.first)
+                message = ex.first.json()["error"]["message"]
+                mine = await _line_of(lines, ex.first.headers["request-id"])
+                assert len(mine) == 1 and mine[0]["error"] == message, (case, mine)
+                assert SECRET not in message and SECRET not in orjson.dumps(mine[0]).decode(), (case, message)
+                assert message.startswith(("malformed HTTP request: ", "malformed request body: ")), (case, message)
+                if named is not None:
+                    assert f"'{named}'" in message, (case, message)
