@@ -7,6 +7,7 @@ and a status that says what happened. ``type`` follows what OpenAI clients expec
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -165,6 +166,27 @@ def printable(text: str) -> str:
         return text
     except UnicodeEncodeError:
         return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+# the line an HTTP parser's message quotes (``b'...'`` or ``'...'``), a caret under its byte after it
+_QUOTED_LINE = re.compile(r"""\n\s*\n\s*b?(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")(?:\s*\n\s*\^?)?""", re.S)
+_BYTES_LITERAL = re.compile(r"""b?(?:'(?:[^'\\]|\\.){16,}'|"(?:[^"\\]|\\.){16,}")""", re.S)
+# a header field's name at the start of that line, as far as the colon after it
+_FIELD = re.compile(r"""\n\s*\n\s*b?['"]([!#$%&*+.^_`|~0-9A-Za-z-]{1,64})[ \t]*:""")
+
+
+def parser_message(text: str) -> str:
+    """An HTTP parser's message about a head or a body it refused, without the bytes it quotes.
+    aiohttp's parser quotes the line it stopped on (``Invalid header value char:\\n\\n  b'Authorization:
+    Bearer sk-...'\\n  ^``): a header field's value (an API key, a cookie), a request target's query
+    (a token) or a chunked body's data, which neither the answer nor the request log line may
+    carry. What is left is what went wrong, and, on a header field's line, the field's name."""
+    field = _FIELD.search(text)
+    what, quoted = _QUOTED_LINE.split(text, maxsplit=1)[0], _QUOTED_LINE.search(text) is not None
+    what = " ".join(_BYTES_LITERAL.sub("(...)", what).split()).rstrip(":")
+    if field is not None:
+        return f"{what} (header field '{field.group(1)}')"
+    return what if what or not quoted else "unreadable bytes"
 
 
 def error_body(status: int, message: str, *, type_: str | None = None, param: str | None = None,

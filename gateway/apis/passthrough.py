@@ -36,7 +36,7 @@ from gateway.apis.paths import (
     TOKENIZE,
 )
 from gateway.apis.serving import EngineSpecificApi
-from gateway.errors import ErrorClass, GatewayError, error_body
+from gateway.errors import ErrorClass, GatewayError, error_body, parser_message
 from gateway.pipeline.sse import SSEScanner
 from gateway.request import (
     CHARS_PER_TOKEN,
@@ -317,7 +317,7 @@ class AudioApi(PassthroughApi):
                                    error_class=ErrorClass.VALIDATION)
                 chunks.append(chunk)
         except web.RequestPayloadError as e:
-            raise GatewayError(400, f"the request body could not be read: {e}", code="bad_body",
+            raise GatewayError(400, f"the request body could not be read: {parser_message(str(e))}", code="bad_body",
                                error_class=ErrorClass.VALIDATION) from None
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from gateway.config.schema import SLOConfig, WatchdogConfig
 from gateway.endpoints import Endpoint
-from gateway.errors import ErrorClass, GatewayError
+from gateway.errors import ErrorClass, GatewayError, parser_message
 from gateway.kv import dp_rank
 from gateway.pd.decide import WHOLE_ROLES
 from gateway.pd.orchestrator import PairFailed
@@ -185,7 +185,7 @@ class Pipeline:
                 raise GatewayError(413, f"request body exceeds {limit} bytes", code="body_too_large",
                                    error_class=ErrorClass.VALIDATION) from None
             except web.RequestPayloadError as e:     # broken chunking, an undecodable Content-Encoding
-                raise GatewayError(400, f"the request body could not be read: {e}", code="bad_body",
+                raise GatewayError(400, f"the request body could not be read: {parser_message(str(e))}", code="bad_body",
                                    error_class=ErrorClass.VALIDATION) from None
         try:
             ctx.ireq = (api.parse if api is not None else parse)(request.path, body, request.headers, ctx.rec.request_id)

@@ -101,7 +101,7 @@ from prometheus_client.registry import Collector
 from gateway.apis.anthropic import anthropic_error
 from gateway.apis.anthropic_models import asks_anthropic
 from gateway.apis.paths import AUDIO_PATHS, on_messages
-from gateway.errors import ErrorClass, error_body, error_response
+from gateway.errors import ErrorClass, error_body, error_response, parser_message
 from gateway.observability.logs import RequestLog
 from gateway.observability.metrics import Counter as RequestCounter
 from gateway.pipeline.context import EDGE_ANSWER, RequestRecord, log_answer, safe_header_value
@@ -332,7 +332,7 @@ class Edge:
             return 431, f"more than {lim.max_headers} header fields (server.max_headers)", "too_many_headers"
         if isinstance(exc, HttpProcessingError):
             code = exc.code if 400 <= exc.code < 500 else 400
-            return code, f"malformed HTTP request: {_short(exc.message or message)}", "bad_request"
+            return code, f"malformed HTTP request: {_short(parser_message(exc.message or message or ''))}", "bad_request"
         if isinstance(exc, web.RequestPayloadError | ConnectionResetError):
             return 400, f"malformed request body: {_cause_text(exc)}", "bad_body"
         if status == 504:
@@ -376,7 +376,7 @@ def _cause_text(exc: BaseException | None) -> str:
     while exc is not None:
         msg = getattr(exc, "message", None)
         if isinstance(msg, str) and msg:
-            return _short(msg.strip())
+            return _short(parser_message(msg.strip()))
         exc = exc.__cause__
     return "undecodable"
 
