@@ -274,6 +274,26 @@ async def test_a_request_refused_by_its_users_limit_names_the_user_in_its_log_li
         assert sorted((x["status"], x["user"]) for x in lines) == [(200, "alice"), (429, "alice")]
 
 
+async def test_a_request_refused_after_its_key_was_checked_names_the_keys_user_in_its_log_line(sims, gateway):
+    """With auth on, the key says who sent a request before its body is read: a request refused after
+    that (an unknown model, a bad field, an unknown strategy, a stored response not found) is that
+    user's in its log line as a served one is, so the operator can tell whose requests fail."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS)
+    c = openai_client(gw, ALICE)
+    with gw.gw.request_log.capture() as lines:
+        assert await outcomes([
+            c.chat.completions.create(model="nope", messages=CHAT),
+            c.chat.completions.create(model="m", messages=CHAT, max_tokens=-1),
+            c.chat.completions.create(model="m", messages=CHAT, extra_headers={"routing-strategy": "nope"}),
+            c.responses.retrieve("resp_nope")]) == ["BadRequestError", "BadRequestError", "NotFoundError",
+                                                    "NotFoundError"]
+        await wait_for(lambda: len(lines) == 4, timeout=5.0, interval=0.01)
+    assert sorted((x["status"], x["path"], x["user"]) for x in lines) == [
+        (400, "/v1/chat/completions", "alice"), (400, "/v1/chat/completions", "alice"),
+        (404, "/v1/chat/completions", "alice"), (404, "/v1/responses/resp_nope", "alice")], lines
+
+
 async def test_per_user_metrics_name_only_users_the_gateway_knows(sims, gateway):
     """Without auth anyone can put anything in `user`: only configured users get their own series."""
     sim = await sims("vllm", "m")
