@@ -309,6 +309,8 @@ class Tenancy:
         owner = getattr(request, "acting_for", None)
         if owner is not None:           # the gateway's own request for the user who made the batch
             t.user, t.key_id = owner, "batch"
+            if rec is not None:
+                rec.user = owner
             return t
         try:
             token = presented_key(request.headers)
@@ -327,6 +329,8 @@ class Tenancy:
             self.m.auth_failures.labels("invalid").inc()
             raise _auth_error("Incorrect API key provided.")
         t.user, t.key_id = key.user, key.id
+        if rec is not None:             # the key says who sent it: a line refused from here on names them
+            rec.user = key.user
         return t
 
     async def _lookup_remote(self, digest: str) -> KeyRecord | None:
