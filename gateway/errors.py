@@ -170,7 +170,7 @@ def printable(text: str) -> str:
 
 # the line an HTTP parser's message quotes (``b'...'`` or ``'...'``), a caret under its byte after it
 _QUOTED_LINE = re.compile(r"""\n\s*\n\s*b?(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")(?:\s*\n\s*\^?)?""", re.S)
-_BYTES_LITERAL = re.compile(r"""b?(?:'(?:[^'\\]|\\.){16,}'|"(?:[^"\\]|\\.){16,}")""", re.S)
+_BYTES_LITERAL = re.compile(r"""(?<!\w)b?(?:'(?:[^'\\]|\\.){16,}'|"(?:[^"\\]|\\.){16,}")""", re.S)
 # a header field's name at the start of that line, as far as the colon after it
 _FIELD = re.compile(r"""\n\s*\n\s*b?['"]([!#$%&*+.^_`|~0-9A-Za-z-]{1,64})[ \t]*:""")
 

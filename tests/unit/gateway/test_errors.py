@@ -3,7 +3,7 @@
 import orjson
 import pytest
 
-from gateway.errors import ErrorClass, GatewayError, normalize_upstream_error
+from gateway.errors import ErrorClass, GatewayError, normalize_upstream_error, parser_message
 
 
 @pytest.mark.parametrize("status,body,message,type_,code", [
@@ -73,3 +73,26 @@ def test_a_client_error_of_any_4xx_status_is_an_invalid_request_error(status):
     assert GatewayError(status, "x").body()["error"]["type"] == "invalid_request_error"
     assert normalize_upstream_error(status, b'{"detail": "nope"}')[1]["error"]["type"] == "invalid_request_error"
     assert GatewayError(502, "x").body()["error"]["type"] == "api_error"
+
+
+@pytest.mark.parametrize("text,said", [
+    # the C parser's: the line it stopped on, then a caret under the byte
+    ("Invalid header value char:\n\n  b'Authorization: Bearer sk-SECRET\\x01'\n      ^",
+     "Invalid header value char (header field 'Authorization')"),
+    ("Invalid header token:\n\n  b'x-api-key : sk-SECRET'\n             ^", "Invalid header token (header field 'x-api-key')"),
+    ("Invalid header token:\n\n  b'Authorization Bearer sk-SECRET'\n                 ^", "Invalid header token"),
+    ("Bad status line:\n  Expected HTTP/, RTSP/ or ICE/:\n\n  b'GET /v1/models?token=sk-SECRET HTTX/1.1'\n     ^",
+     "Bad status line: Expected HTTP/, RTSP/ or ICE/"),
+    ("Expected LF after chunk data:\n\n  b'sk-SECRET-in-a-body'\n         ^", "Expected LF after chunk data"),
+    ("Content-Length can't be present with Transfer-Encoding:\n\n  b'Content-Length: 3'\n                   ^",
+     "Content-Length can't be present with Transfer-Encoding (header field 'Content-Length')"),
+    # the pure-Python parser's: the line as a literal in the sentence
+    ("Invalid HTTP header: b'Authorization: Bearer sk-SECRET'", "Invalid HTTP header: (...)"),
+    ("Bad status line 'GET /v1/models?token=sk-SECRET HTTP/1.1'", "Bad status line (...)"),
+    # nothing quoted: as it was
+    ("Duplicate 'Host' header found.", "Duplicate 'Host' header found."),
+    ("Not enough data to satisfy content length header.", "Not enough data to satisfy content length header."),
+])
+def test_a_parser_message_keeps_what_went_wrong_and_no_byte_it_quoted(text, said):
+    assert parser_message(text) == said
+    assert "SECRET" not in parser_message(text)
