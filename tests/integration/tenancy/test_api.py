@@ -294,6 +294,24 @@ async def test_a_request_refused_after_its_key_was_checked_names_the_keys_user_i
         (404, "/v1/chat/completions", "alice"), (404, "/v1/responses/resp_nope", "alice")], lines
 
 
+async def test_without_auth_a_refused_request_names_the_user_it_claimed_in_its_log_line(sims, gateway):
+    """Without keys, the `user` header (else the body's `user`) names the user of a served request's
+    line; a request refused once its body was read (an unknown model, an unknown strategy) names it
+    the same way."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    c = openai_client(gw)
+    with gw.gw.request_log.capture() as lines:
+        assert await outcomes([
+            c.chat.completions.create(model="nope", messages=CHAT, user="bob"),
+            c.chat.completions.create(model="m", messages=CHAT, extra_headers={"user": "carol",
+                                                                               "routing-strategy": "nope"}),
+            c.chat.completions.create(model="m", messages=CHAT, max_tokens=1, user="dan")]) == [
+            200, "BadRequestError", "NotFoundError"]
+        await wait_for(lambda: len(lines) == 3, timeout=5.0, interval=0.01)
+    assert sorted((x["status"], x["user"]) for x in lines) == [(200, "dan"), (400, "carol"), (404, "bob")], lines
+
+
 async def test_per_user_metrics_name_only_users_the_gateway_knows(sims, gateway):
     """Without auth anyone can put anything in `user`: only configured users get their own series."""
     sim = await sims("vllm", "m")
