@@ -197,6 +197,8 @@ class Pipeline:
         self.lora.resolve(ctx)
         ireq = ctx.ireq
         ctx.rec.model, ctx.rec.stream = ireq.model, ireq.stream
+        if ctx.rec.user is None:            # without auth, who the request says it is (with auth, the key's)
+            ctx.rec.user = ireq.user
         return ireq
 
     def _enter(self, model: str) -> str:
