@@ -573,3 +573,64 @@ async def test_an_engine_that_ends_inside_an_event_leaves_the_client_a_clean_err
                     got.append(chunk)
             assert "upstream_incomplete" in repr(e.value.body) or "engine" in str(e.value), e.value
             assert [c.choices[0].delta.content for c in got] == ["wagon"], usage
+
+
+def _event(obj: dict, name: str | None = None) -> bytes:
+    return (b"event: " + name.encode() + b"\n" if name else b"") + b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+_WAGON = HALF_OF
+_ENGINE_ERROR = _event({"error": {"message": "the engine ran out of KV cache", "type": "internal_error", "code": 500}})
+_RESPONSE = {"id": "resp_1", "object": "response", "model": "m", "status": "completed",
+             "output": [{"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+                         "content": [{"type": "output_text", "text": "wagon", "annotations": []}]}],
+             "usage": {"input_tokens": 5, "output_tokens": 1, "total_tokens": 6}}
+_RESPONSES_STREAM = [
+    _event({"type": "response.created", "sequence_number": 0,
+            "response": {**_RESPONSE, "status": "in_progress", "output": [], "usage": None}}, "response.created"),
+    _event({"type": "response.output_text.delta", "sequence_number": 1, "item_id": "msg_1", "output_index": 0,
+            "content_index": 0, "delta": "wagon"}, "response.output_text.delta"),
+    _event({"type": "response.completed", "sequence_number": 2, "response": _RESPONSE}, "response.completed"),
+]
+
+
+@pytest.mark.parametrize("last", ["done", "engine_error", "done_crlf"])
+async def test_a_last_event_without_its_blank_line_reaches_the_client_whole(gateway, last):
+    """An engine whose stream ends in its last event without the blank line after it ([DONE], its
+    own error event): the client gets that event ended by its blank line, as an SSE client
+    dispatches an event at its blank line only and drops one its stream ends in. The engine's
+    error event then reaches the openai SDK, which raises it, and a Responses stream's
+    response.completed reaches the SDK."""
+    tail = {"done": b"data: [DONE]", "engine_error": _ENGINE_ERROR[:-2],
+            "done_crlf": b"data: [DONE]\r\n"}[last]
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        if request.path == "/v1/responses":
+            await out.write(b"".join(_RESPONSES_STREAM)[:-2])
+        else:
+            await out.write(_WAGON + tail)
+        await out.write_eof()
+        return out
+
+    async with fake_engine(chat, paths=("/v1/chat/completions", "/v1/responses")) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        for usage in (True, False):
+            extra = {"stream_options": {"include_usage": True}} if usage else {}
+            st, _, raw = await post(gw.url, body(stream=True, **extra))
+            assert st == 200 and raw.endswith(tail.rstrip(b"\r\n") + b"\n\n"), raw[-120:]
+        client = openai_client(gw)
+        stream = await client.chat.completions.create(**body(stream=True))
+        got = []
+        if last == "engine_error":
+            with pytest.raises(openai.APIError, match="ran out of KV cache"):
+                async for chunk in stream:
+                    got.append(chunk)
+        else:
+            got = [c async for c in stream]
+        assert [c.choices[0].delta.content for c in got] == ["wagon"]
+        if last == "done":
+            events = [e async for e in await client.responses.create(model="m", input="hi", stream=True)]
+            assert [e.type for e in events] == ["response.created", "response.output_text.delta", "response.completed"]
