@@ -48,6 +48,14 @@ def error_event(status: int, message: str, code: str | int | None = None, type_:
     return b"data: " + orjson.dumps(error_body(status, message, code=code, type_=type_)) + b"\n\n"
 
 
+def ended_event(tail: bytes) -> bytes:
+    """The bytes a stream ends in, its last event ended by a blank line when it lacked one (its
+    trailing line ends, LF, CRLF or bare CR, are then one blank line's LFs)."""
+    if tail.endswith((b"\n\n", b"\r\r", b"\n\r\n")) or not tail.strip(b"\r\n"):
+        return tail
+    return tail.rstrip(b"\r\n") + b"\n\n"
+
+
 class WatchdogFired(Exception):
     def __init__(self, phase: str, seconds: float) -> None:
         super().__init__(phase)
@@ -651,11 +659,12 @@ class Relay:
             if api is not None and scanner.done:    # its state is kept before its last event goes out
                 await api.finish(ctx)
             # an event the engine's stream ended in without its blank line: passed on when the
-            # stream ends well (a last ``[DONE]`` or error event), dropped when it ends in the
-            # gateway's error event, which would be glued onto it (as an SSE client drops the event
-            # a stream ends in); a translated stream's tail is its API's own whole events
+            # stream ends well (a last ``[DONE]`` or error event), ended by the blank line it lacked
+            # (an SSE client dispatches an event at its blank line only, and drops one its stream
+            # ends in), dropped when it ends in the gateway's error event, which would be glued onto
+            # it; a translated stream's tail is its API's own whole events
             if tail and (api is not None or scanner.done or scanner.error is not None):
-                await write(tail)
+                await write(ended_event(tail))
             if not scanner.done and scanner.error is None:
                 rec.error_class, rec.error = failure = of_leg(ctx, EOF_FAILURE)
             elif scanner.done:
