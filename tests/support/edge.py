@@ -72,9 +72,11 @@ class EdgeGateway:
 
 
 @contextlib.asynccontextmanager
-async def edge_gateway(sim: dict[str, Any] | None = None, **server: Any) -> AsyncIterator[EdgeGateway]:
-    """A gateway with ``server:`` settings in front of one vLLM engine serving model ``m``; on the
-    way out, no request may still be in flight (every handler ended, however its client behaved)."""
+async def edge_gateway(sim: dict[str, Any] | None = None, endpoint: str | None = None,
+                       **server: Any) -> AsyncIterator[EdgeGateway]:
+    """A gateway with ``server:`` settings in front of one vLLM engine serving model ``m`` (the
+    simulated one, or the engine at ``endpoint``); on the way out, no request may still be in
+    flight (every handler ended, however its client behaved)."""
     engine = await start_sim(SimConfig(engine="vllm", model="m", port=0, host="127.0.0.1",
                                        **{**FAST_SIM, **(sim or {})}))
     runner = None
@@ -82,7 +84,7 @@ async def edge_gateway(sim: dict[str, Any] | None = None, **server: Any) -> Asyn
         cfg = config_from_dict({"listen": {"host": "127.0.0.1", "port": 0},
                                 "health": {"interval_s": 0.2, "timeout_s": 1.0}, "scrape": {"interval_s": 0.2},
                                 "server": {"shutdown_grace_s": 2.0, **server},
-                                "models": [{"name": "m", "engine": "vllm", "endpoints": [engine.url]}]})
+                                "models": [{"name": "m", "engine": "vllm", "endpoints": [endpoint or engine.url]}]})
         runner, app, port = await start(cfg)
         gw = EdgeGateway(port=port, app=app, sim=engine, runner=runner)
         yield gw

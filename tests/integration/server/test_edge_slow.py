@@ -10,6 +10,7 @@ import contextlib
 import socket
 
 import orjson
+from aiohttp import web
 
 from gateway.server.app import GATEWAY_KEY
 from tests.support.edge import (
@@ -19,6 +20,7 @@ from tests.support.edge import (
     parse_responses,
     request,
 )
+from tests.support.fake_engine import fake_engine
 from tests.support.http import openai_client
 from tests.support.loops import on_both_loops
 from tests.support.waiting import wait_for
@@ -206,6 +208,54 @@ async def test_a_streaming_client_that_pauses_holds_the_engine_back_and_then_get
         events = parse_chunked(rest).split(b"\n\n")
         assert events[-2:] == [b"data: [DONE]", b""]
         assert sum(1 for e in events if b'"content":"' in e) >= tokens - 1
+
+
+# a chat chunk of 900 characters: an engine that writes 16 of them at a time writes MBs at once
+_BIG_EVENT = b"data: " + orjson.dumps({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                       "choices": [{"index": 0, "delta": {"content": "x" * 900},
+                                                    "finish_reason": None}]}) + b"\n\n"
+
+
+@on_both_loops
+async def test_a_streaming_client_that_reads_slowly_is_not_cut():
+    """A client that keeps reading, slower than the engine writes, is no stalled client: the
+    gateway's write buffer stays full (the engine is held back), but the client takes bytes out of
+    it within every write_stall_timeout_s, so its stream runs to the end."""
+    blocks = 400                    # about 6 MB: more than the sockets' buffers hold
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for _ in range(blocks):
+            await out.write(_BIG_EVENT * 16)
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    async with fake_engine(chat) as url, edge_gateway(endpoint=url, write_stall_timeout_s=0.5) as gw:
+        body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+        s = socket.socket()
+        s.setblocking(False)
+        loop = asyncio.get_running_loop()
+        got = bytearray()
+        try:
+            await loop.sock_connect(s, ("127.0.0.1", gw.port))
+            await loop.sock_sendall(s, request("POST", CHAT, body, close=True))
+            for _ in range(25):         # 16 KiB every 50 ms for 1.25 s: a read in every part of each bound
+                chunk = await loop.sock_recv(s, 16384)
+                assert chunk, "the gateway cut a client that was reading"
+                got += chunk
+                await asyncio.sleep(0.05)
+            while chunk := await loop.sock_recv(s, 1 << 16):
+                got += chunk
+        finally:
+            s.close()
+        head, _, rest = bytes(got).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        events = parse_chunked(rest).split(b"\n\n")
+        assert events[-2:] == [b"data: [DONE]", b""] and len(events) == blocks * 16 + 2
+        assert gw.timeouts("write_stall") == 0
 
 
 def parse_chunked(raw: bytes) -> bytes:
