@@ -15,7 +15,8 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   connections (a 408 there would race with the client's next request).
 - **Clients that stop reading.** ``pause_writing``/``resume_writing`` (asyncio's flow control,
   which is what makes aiohttp's ``StreamResponse.write`` block in ``drain``) arm and cancel a
-  ``write_stall_timeout_s`` timer; when it fires the transport is aborted, which cancels the
+  ``write_stall_timeout_s`` timer; when it fires and the client took no byte meanwhile (its TCP
+  acknowledgements, ``_taken``: one that reads, however slowly, is given the bound again) the transport is aborted, which cancels the
   handler exactly as a client disconnect does, so the upstream leg is closed or aborted. A
   client that keeps up never pauses the transport and pays nothing per chunk.
 - **The connection cap.** Over ``max_connections`` a new connection is closed at once, before
@@ -73,6 +74,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
+import socket
 import sys
 import time
 from collections.abc import Iterable
@@ -125,6 +127,25 @@ log = structlog.get_logger("switchyard.edge")
 TIMEOUT_REASONS = ("header", "body", "body_total", "keepalive", "write_stall")
 
 # connection phases (ints: compared on every data_received)
+# Linux's TCP_INFO: its tcpi_bytes_acked (bytes 120 to 128, since Linux 4.1) counts the bytes of a
+# connection its peer took (acknowledged); None where there is none
+_TCP_INFO: int | None = getattr(socket, "TCP_INFO", None)
+
+
+def _taken(transport: asyncio.BaseTransport | None) -> int:
+    """How many bytes the client took of what was written to it (its TCP acknowledgements: once its
+    receive buffer is full, a byte is taken only as the client reads one); -1 when not known (not
+    TCP, not Linux)."""
+    sock = transport.get_extra_info("socket") if transport is not None and _TCP_INFO is not None else None
+    if sock is None:
+        return -1
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 128)
+    except (OSError, ValueError):
+        return -1
+    return int.from_bytes(info[120:128], sys.byteorder) if len(info) >= 128 else -1
+
+
 _HEAD = 0      # waiting for a request head, the clock runs (fresh connection, or bytes of a next one)
 _IDLE = 1      # kept-alive, no byte of a next request yet
 _READY = 2     # a complete head is queued, the handler is about to start
@@ -389,7 +410,7 @@ def _short(text: str | None, limit: int = 200) -> str:
 class EdgeProtocol(web.RequestHandler):
     """aiohttp's HTTP/1.1 server protocol, with the edge's clocks, cap and error shape."""
 
-    __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_timer_at", "_e_stall", "_e_rx_head",
+    __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_timer_at", "_e_stall", "_e_taken", "_e_rx_head",
                  "_e_pipelined", "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
                  "_e_read_paused", "_e_loop", "_e_line", "_e_heads", "_e_unparsed", "_e_head_at", "_lane", "_lane_held", "_lane_server",
                  "_lane_part", "_lane_task", "_lane_next", "_lane_wake", "_lane_parse", "_lane_request")
@@ -404,6 +425,7 @@ class EdgeProtocol(web.RequestHandler):
         self._e_timer_at = 0.0          # when ``_e_timer`` fires (uvloop's handle for a delay under
                                         # half a millisecond is a plain ``Handle``, without ``when()``)
         self._e_stall: asyncio.TimerHandle | None = None
+        self._e_taken = -1              # the bytes the client had taken when the stall bound was set (-1: not known)
         self._e_rx_head = False         # a byte of the awaited head arrived
         self._e_pipelined = False       # bytes of a next request arrived while the handler ran
         self._e_started = 0             # requests handed to the handler
@@ -1086,6 +1108,7 @@ class EdgeProtocol(web.RequestHandler):
         super().pause_writing()
         stall = self._edge.limits.write_stall_timeout_s
         if stall and self._e_stall is None:
+            self._e_taken = _taken(self.transport)
             self._e_stall = self._e_loop.call_later(stall, self._e_stalled)
 
     def resume_writing(self) -> None:
@@ -1098,6 +1121,13 @@ class EdgeProtocol(web.RequestHandler):
         self._e_stall = None
         transport = self.transport
         if transport is None or not self.writing_paused:
+            return
+        taken = _taken(transport)
+        if taken > self._e_taken >= 0:
+            # the client took bytes within the bound: it reads, slower than its answer is written,
+            # and is given the bound again
+            self._e_taken = taken
+            self._e_stall = self._e_loop.call_later(self._edge.limits.write_stall_timeout_s, self._e_stalled)
             return
         self._edge.metrics.timeout("write_stall")
         log.info("client timeout", reason="write_stall", peer=_peer(transport), answered=False)
