@@ -469,3 +469,21 @@ async def test_a_rerank_usage_of_total_tokens_alone_is_counted_and_charged(gatew
 async def _charged(state, user):
     used = await state.usage(user)
     return used if used["tokens"] else None
+
+
+async def test_an_sglang_rerank_counts_the_prompt_tokens_its_items_report(sims, gateway):
+    """SGLang's ``/v1/rerank`` answers a JSON list, each item's ``meta_info`` with the prompt
+    tokens of its query-document pair: their sum is the prompt tokens counted (metric) and charged
+    to the user's TPM, as vLLM's rerank usage is, not the gateway's estimate."""
+    s = await sims("sglang", "qwen")
+    key = "sk-alice-0123456789"
+    gw = await gateway([model_block("qwen", "sglang", [s.url])], auth={"api_keys": [{"key": key, "user": "alice"}]},
+                       limits={"users": {"alice": {"tpm": 100000}}})
+    docs = ["green pear " * 40, "a red apple pie recipe", "trains"]
+    status, got, _ = await post_json(gw, "/v1/rerank", {"model": "qwen", "query": "red apple pie", "documents": docs},
+                                     {"Authorization": f"Bearer {key}"})
+    assert status == 200 and len(got) == 3, got
+    reported = sum(item["meta_info"]["prompt_tokens"] for item in got)
+    assert f'switchyard_prompt_tokens_total{{model="qwen"}} {float(reported)}' in await gw.metrics_text()
+    state = gw.gw.tenancy.state
+    assert (await wait_for(lambda: _charged(state, "alice")))["tokens"] == reported
