@@ -106,6 +106,10 @@ class ApiShape:
         usage = data.get("usage")
         return usage if isinstance(usage, dict) else None
 
+    def list_usage(self, ctx: Any, data: list[Any]) -> dict | None:
+        """Usage of a non-streaming answer that is a JSON list; default none."""
+        return None
+
     async def prepare(self, ctx: Any, candidates: list) -> list:
         """Before routing, after validation and admission: the candidates this request may use."""
         return candidates

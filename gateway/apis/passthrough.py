@@ -8,7 +8,8 @@ body reaches the engine byte for byte; the gateway only reads what routing and a
   will encode, for the prefix key and the token estimate: a rerank's ``query`` and
   ``documents``, a score's ``text_1``/``text_2`` (vLLM), ``queries``/``documents`` or
   ``query``/``items`` (SGLang), a tokenize ``prompt`` or ``messages``; a detokenize's token count.
-  Usage in the answer (vLLM's rerank and score report ``prompt_tokens``) is counted like chat's.
+  Usage in the answer (vLLM's rerank and score report ``prompt_tokens``; SGLang's rerank, a list,
+  each item's in its ``meta_info``) is counted like chat's.
 - **Audio (multipart/form-data).** The body is read once into one buffer, chunk by chunk against
   ``server.max_body_bytes`` (413 above it), and the form is not parsed into parts: the ``model``
   and ``stream`` fields are found by scanning that buffer for the part boundaries, and the same
@@ -129,6 +130,19 @@ class PassthroughApi(EngineSpecificApi):
                 and isinstance(total, int) and not isinstance(total, bool)):
             return {"prompt_tokens": total}
         return usage
+
+    def list_usage(self, ctx: Any, data: list[Any]) -> dict | None:
+        """SGLang's rerank answers a list, one item per document, each with the ``meta_info`` of
+        the query-document pair it encoded: the items' ``prompt_tokens`` added up are the request's
+        prompt tokens. None when an item lacks them (the estimate stands)."""
+        total = 0
+        for item in data:
+            meta = item.get("meta_info") if isinstance(item, dict) else None
+            n = meta.get("prompt_tokens") if isinstance(meta, dict) else None
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                return None
+            total += n
+        return {"prompt_tokens": total} if data else None
 
     def parse(self, path: str, body: bytes, headers: Mapping[str, str], request_id: str) -> InferenceRequest:
         data = load_object(body)

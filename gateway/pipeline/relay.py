@@ -841,6 +841,8 @@ class Relay:
         if isinstance(data, dict):
             self.account_usage(ctx.rec, ctx.api.body_usage(ctx, data))
             await ctx.api.finish(ctx)
+        elif isinstance(data, list):        # SGLang's rerank: its usage is in the items
+            self.account_usage(ctx.rec, ctx.api.list_usage(ctx, data))
 
     def account_usage(self, rec: RequestRecord, usage: dict | None) -> None:
         if not usage:
