@@ -487,3 +487,57 @@ async def test_an_sglang_rerank_counts_the_prompt_tokens_its_items_report(sims, 
     assert f'switchyard_prompt_tokens_total{{model="qwen"}} {float(reported)}' in await gw.metrics_text()
     state = gw.gw.tenancy.state
     assert (await wait_for(lambda: _charged(state, "alice")))["tokens"] == reported
+
+
+# the pooling paths vLLM serves beside rerank and score (its classify, pooling and Cohere embed
+# routers), and SGLang's OpenAI-style classify; each answer reports the prompt tokens it encoded
+POOLING_CALLS = [
+    ("llama", "/classify", {"input": ["red apple pie", "trains"]}),
+    ("llama", "/pooling", {"input": "red apple pie"}),
+    ("llama", "/v2/embed", {"texts": ["red apple pie", "trains"], "input_type": "search_document",
+                            "embedding_types": ["float"]}),
+    ("qwen", "/v1/classify", {"input": ["red apple pie", "trains"]}),
+]
+
+
+async def test_the_pooling_paths_reach_the_engines_that_serve_them(sims, gateway):
+    """``/classify``, ``/pooling`` and ``/v2/embed`` (vLLM) and ``/v1/classify`` (SGLang) are
+    routed by their ``model`` like ``/v1/score``: the engine gets the body as it came, the answer
+    comes back as the engine gave it, the prompt tokens it reports are counted and charged; an
+    engine without the path is a 404 ``unsupported_path``, a missing model a 400."""
+    v = await sims("vllm", "llama")
+    s = await sims("sglang", "qwen")
+    key = "sk-alice-0123456789"
+    gw = await gateway([model_block("llama", "vllm", [v.url]), model_block("qwen", "sglang", [s.url])],
+                       auth={"api_keys": [{"key": key, "user": "alice"}]}, limits={"users": {"alice": {"tpm": 100000}}})
+    auth = {"Authorization": f"Bearer {key}"}
+    counted = 0
+    for model, path, body in POOLING_CALLS:
+        status, got, headers = await post_json(gw, path, {"model": model, **body}, auth)
+        assert status == 200, (path, got)
+        sim = v if model == "llama" else s
+        assert headers["target-pod"] == sim.url.removeprefix("http://")
+        assert [r for r in (await sim_state(sim.url))["received"] if r["method"] == "POST"][-1]["path"] == path
+        if path == "/v2/embed":
+            assert len(got["embeddings"]["float"]) == 2
+            counted += got["meta"]["tokens"]["input_tokens"]
+        else:
+            assert got["object"] == "list" and got["usage"]["prompt_tokens"] > 0
+            counted += got["usage"]["prompt_tokens"]
+        if "classify" in path:
+            assert [d["index"] for d in got["data"]] == [0, 1] and all("label" in d for d in got["data"])
+    text = await gw.metrics_text()
+    for path in ("/classify", "/pooling", "/v2/embed", "/v1/classify"):
+        assert f'switchyard_path_requests_total{{path="{path}",status="200"}} 1.0' in text
+    prompt = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith("switchyard_prompt_tokens_total{"))
+    assert prompt == counted
+    state = gw.gw.tenancy.state
+    assert (await wait_for(lambda: _charged(state, "alice")))["tokens"] == counted
+    # where the engine has no such route: the gateway's 404, the engine never asked
+    for model, path in (("qwen", "/classify"), ("qwen", "/pooling"), ("qwen", "/v2/embed"), ("llama", "/v1/classify")):
+        status, got, headers = await post_json(gw, path, {"model": model, "input": "x"}, auth)
+        assert status == 404 and got["error"]["code"] == "unsupported_path", (path, got)
+        assert headers["x-error-unsupported-path"] == path
+    status, got, _ = await post_json(gw, "/pooling", {"input": "x"}, auth)
+    assert status == 400 and got["error"]["param"] == "model"
