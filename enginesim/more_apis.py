@@ -1,8 +1,9 @@
 """The engines' surface beyond chat, completions and embeddings, by engine.
 
-vLLM: the Anthropic Messages API (``messages_api``), rerank and score (``pooling_api``; its
-tokenize and detokenize live in ``vllm_api``), speech to text (``audio_api``). SGLang: its own
-dialect of the Messages API (``messages_api``), rerank, score, tokenize and detokenize.
+vLLM: the Anthropic Messages API (``messages_api``), rerank, score, classify, pooling and Cohere
+embed (``pooling_api``; its tokenize and detokenize live in ``vllm_api``), speech to text
+(``audio_api``). SGLang: its own dialect of the Messages API (``messages_api``), rerank, score,
+classify (``/v1/classify``), tokenize and detokenize.
 """
 
 from __future__ import annotations

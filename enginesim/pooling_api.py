@@ -1,4 +1,5 @@
-"""Rerank, score and (SGLang) tokenize/detokenize: the pooling-style endpoints of both engines.
+"""Rerank, score, classify, (vLLM) pooling and Cohere embed, (SGLang) tokenize/detokenize: the
+pooling-style endpoints of both engines.
 
 Scores are deterministic and plausible, not learned: the overlap of the two texts' lower-cased
 words (cosine over word sets), so a document that shares words with the query ranks above one
@@ -11,25 +12,34 @@ vLLM (its ``RerankResponse`` and ``ScoreResponse`` protocol models), at ``/reran
   (one to one, one to many, or many to many of equal length); answer ``{"id": "score-…",
   "object": "list", "created", "model", "data": [{"index", "object": "score", "score"}],
   "usage": {"prompt_tokens", "total_tokens", "completion_tokens": 0, "prompt_tokens_details": null}}``.
-  An unknown model is vLLM's 404.
+  An unknown model is vLLM's 404. At ``/classify`` and ``/pooling``: ``{model, input}`` (a
+  string, strings, token ids); answers ``{"id": "classify-…"|"pool-…", "object": "list",
+  "created", "model", "data": [{"index", "label", "probs", "num_classes"}] | [{"index",
+  "object": "pooling", "data": [floats]}], "usage"}`` (score's usage). At ``/v2/embed`` (Cohere's
+  embed API): ``{model, texts, input_type, embedding_types}``; answer ``{"id": "embd-…",
+  "embeddings": {"float": [...], "base64": [...]}, "texts", "meta": {"api_version": {"version":
+  "2"}, "tokens": {"input_tokens"}}}``, no ``usage``.
 
 SGLang (``python/sglang/srt/entrypoints/openai/serving_rerank.py``, ``serving_score.py``,
 ``serving_tokenize.py``), which never checks ``model``:
   ``/v1/rerank`` ``{query, documents}`` → a JSON *list* ``[{"score", "document", "index",
   "meta_info"}]``, best first. ``/v1/score`` ``{query, items, label_token_ids, apply_softmax,
   model}`` → ``{"scores": [[p per label token] per item], "model", "usage": null, "object":
-  "scoring"}``. ``/v1/tokenize`` and ``/tokenize`` ``{prompt: str | [str]}`` → ``{"tokens",
+  "scoring"}``. ``/v1/classify`` ``{model, input}`` → vLLM's classify answer, ``usage`` the
+  items' prompt tokens added up. ``/v1/tokenize`` and ``/tokenize`` ``{prompt: str | [str]}`` → ``{"tokens",
   "count", "max_model_len"}``; ``/v1/detokenize`` and ``/detokenize`` ``{tokens}`` → ``{"text"}``.
   Errors in SGLang's flat envelope.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import math
 import re
 import time
 import uuid
+from array import array
 from typing import Any
 
 from aiohttp import web
@@ -37,10 +47,12 @@ from aiohttp import web
 from enginesim.engine import Engine
 from enginesim.errors import ApiError, ErrorStyle
 from enginesim.protocol import token_id_list
+from enginesim.vllm_api import embed, embedding_inputs
 from enginesim.wire import json_response, read_json
 
 _WORD = re.compile(r"\w+")
 _BAD = "Bad Request"
+_LABELS = ("negative", "positive")      # a sequence classifier's id2label
 
 
 def relevance(a: str, b: str) -> float:
@@ -81,7 +93,85 @@ class PoolingApi:
 
     def vllm_routes(self) -> list[web.RouteDef]:
         return [*(web.post(p, self.vllm_rerank) for p in ("/rerank", "/v1/rerank", "/v2/rerank")),
-                *(web.post(p, self.vllm_score) for p in ("/score", "/v1/score"))]
+                *(web.post(p, self.vllm_score) for p in ("/score", "/v1/score")),
+                web.post("/classify", self.vllm_classify), web.post("/pooling", self.vllm_pooling),
+                web.post("/v2/embed", self.vllm_cohere_embed)]
+
+    def _ids(self, item: str | list[int]) -> list[int]:
+        return item if isinstance(item, list) else self.engine.tokenizer.encode(item)
+
+    def _classified(self, inputs: list[str | list[int]]) -> tuple[list[dict[str, Any]], int]:
+        data, total = [], 0
+        for i, item in enumerate(inputs):
+            ids = self._ids(item)
+            total += len(ids)
+            logits = embed(ids, len(_LABELS), self.cfg.seed)
+            exp = [math.exp(x) for x in logits]
+            probs = [e / sum(exp) for e in exp]
+            data.append({"index": i, "label": _LABELS[probs.index(max(probs))], "probs": probs,
+                         "num_classes": len(probs)})
+        return data, total
+
+    def _usage(self, tokens: int) -> dict[str, Any]:
+        return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
+
+    async def vllm_classify(self, request: web.Request) -> web.Response:
+        """vLLM's ``/classify`` (``ClassificationRequest``: ``model``, ``input``): a label and the
+        class probabilities per input, and the usage of what it encoded."""
+        try:
+            body = await read_json(request, require_json=True)
+            self._vllm_model(body)
+            inputs = embedding_inputs(body.get("input"))
+        except ApiError as exc:
+            return exc.response(ErrorStyle.VLLM)
+        data, tokens = self._classified(inputs)
+        return json_response({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                              "model": self.cfg.served_name, "data": data, "usage": self._usage(tokens)})
+
+    async def vllm_pooling(self, request: web.Request) -> web.Response:
+        """vLLM's ``/pooling`` (``PoolingRequest``: ``model``, ``input``): the pooled output per
+        input (here the embedding vector), and the usage."""
+        try:
+            body = await read_json(request, require_json=True)
+            self._vllm_model(body)
+            inputs = embedding_inputs(body.get("input"))
+        except ApiError as exc:
+            return exc.response(ErrorStyle.VLLM)
+        data, tokens = [], 0
+        for i, item in enumerate(inputs):
+            ids = self._ids(item)
+            tokens += len(ids)
+            data.append({"index": i, "object": "pooling", "data": embed(ids, self.cfg.embedding_dim, self.cfg.seed)})
+        return json_response({"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                              "model": self.cfg.served_name, "data": data, "usage": self._usage(tokens)})
+
+    async def vllm_cohere_embed(self, request: web.Request) -> web.Response:
+        """vLLM's ``/v2/embed`` (Cohere's embed API: ``model``, ``texts``, ``input_type``,
+        ``embedding_types``): the vectors by type, and the tokens it encoded in
+        ``meta.tokens.input_tokens`` (no ``usage``)."""
+        try:
+            body = await read_json(request, require_json=True)
+            if not isinstance(body.get("model"), str):
+                raise ApiError(400, "1 validation error:\n  model: Field required", type_=_BAD, param="model")
+            self._vllm_model(body)
+            texts = body.get("texts")
+            if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+                raise ApiError(400, "1 validation error:\n  texts: Input should be a valid list of strings",
+                               type_=_BAD, param="texts")
+            types = body.get("embedding_types") or ["float"]
+            if not isinstance(types, list) or any(t not in ("float", "base64") for t in types):
+                raise ApiError(400, "1 validation error:\n  embedding_types: Input should be 'float', 'binary', "
+                               "'ubinary' or 'base64'", type_=_BAD, param="embedding_types")
+        except ApiError as exc:
+            return exc.response(ErrorStyle.VLLM)
+        vectors = [embed(self._ids(t), self.cfg.embedding_dim, self.cfg.seed) for t in texts]
+        tokens = sum(len(self._ids(t)) for t in texts)
+        embeddings: dict[str, Any] = {}
+        for t in types:
+            embeddings[t] = (vectors if t == "float"
+                             else [base64.b64encode(array("f", v).tobytes()).decode() for v in vectors])
+        return json_response({"id": f"embd-{uuid.uuid4().hex}", "embeddings": embeddings, "texts": texts,
+                              "meta": {"api_version": {"version": "2"}, "tokens": {"input_tokens": tokens}}})
 
     def _vllm_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
@@ -132,7 +222,7 @@ class PoolingApi:
 
     def sglang_routes(self) -> list[web.RouteDef]:
         return [web.post("/v1/rerank", self.sglang_rerank), web.put("/v1/rerank", self.sglang_rerank),
-                web.post("/v1/score", self.sglang_score),
+                web.post("/v1/score", self.sglang_score), web.post("/v1/classify", self.sglang_classify),
                 web.post("/v1/tokenize", self.sglang_tokenize), web.post("/tokenize", self.sglang_tokenize),
                 web.post("/v1/detokenize", self.sglang_detokenize), web.post("/detokenize", self.sglang_detokenize)]
 
@@ -156,6 +246,24 @@ class PoolingApi:
                for i, d in enumerate(docs)]
         out.sort(key=lambda r: -r["score"])
         return json_response(out)
+
+    async def sglang_classify(self, request: web.Request) -> web.Response:
+        """SGLang's ``/v1/classify`` (``ClassifyRequest``: ``model``, ``input``): vLLM's answer
+        shape, the prompt tokens its items' ``meta_info`` report added up in ``usage``."""
+        try:
+            body = await read_json(request, require_json=True)
+            value = body.get("input")
+            if not value or (isinstance(value, str) and not value.strip()):
+                raise ApiError(400, "Input cannot be empty", type_="BadRequest")
+            try:
+                inputs = embedding_inputs(value)
+            except ApiError:
+                raise ApiError(400, "All items in input list must be strings", type_="BadRequest") from None
+        except ApiError as exc:
+            return exc.response(ErrorStyle.SGLANG_OPENAI)
+        data, tokens = self._classified(inputs)
+        return json_response({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                              "model": self.cfg.served_name, "data": data, "usage": self._usage(tokens)})
 
     async def sglang_score(self, request: web.Request) -> web.Response:
         try:

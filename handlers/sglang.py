@@ -18,7 +18,7 @@ from typing import Annotated, Any, Protocol
 import msgspec
 import orjson
 
-from gateway.apis.paths import ANTHROPIC_PATHS, DETOKENIZE, TOKENIZE, TRANSCRIPTIONS
+from gateway.apis.paths import ANTHROPIC_PATHS, DETOKENIZE, SGLANG_CLASSIFY, TOKENIZE, TRANSCRIPTIONS
 from gateway.endpoints import Endpoint
 from gateway.request import CHAT, InferenceRequest, body_bytes, usage_stream_options
 from handlers.base import OPENAI_PATHS, AbortSpec, PDPlan, engine_message, openai_usage
@@ -34,11 +34,13 @@ class SGLangPDSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     abort_retry_delay_s: Annotated[float, msgspec.Meta(ge=0, description="Send a second abort after this delay, in seconds (0: only one).")] = 2.0
 
 
-# SGLang's HTTP server (python/sglang/srt/entrypoints/http_server.py) has rerank and score under
-# /v1 only, tokenize and detokenize under both spellings, transcription; no Anthropic Messages
-# (a 404), no /rerank, /v2/rerank, /score or audio translation
+# SGLang's HTTP server (python/sglang/srt/entrypoints/http_server.py) has rerank, score and its
+# OpenAI-style classify under /v1 only, tokenize and detokenize under both spellings,
+# transcription; no /rerank, /v2/rerank, /score, audio translation, /pooling or /v2/embed, and its
+# /classify is its native one (text or input_ids, no model field: not vLLM's)
 # its Anthropic handler (sglang/srt/entrypoints/anthropic/) serves the Messages API and count_tokens
-PATHS = OPENAI_PATHS | frozenset({"/v1/rerank", "/v1/score", TOKENIZE, DETOKENIZE, TRANSCRIPTIONS, *ANTHROPIC_PATHS})
+PATHS = OPENAI_PATHS | frozenset({"/v1/rerank", "/v1/score", SGLANG_CLASSIFY, TOKENIZE, DETOKENIZE, TRANSCRIPTIONS,
+                                  *ANTHROPIC_PATHS})
 
 # keys the gateway writes into both bodies
 BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "rid")

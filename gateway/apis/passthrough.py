@@ -1,4 +1,5 @@
-"""The pass-through endpoints: rerank, score, tokenize, detokenize (JSON) and audio (multipart).
+"""The pass-through endpoints: rerank, score, tokenize, detokenize, classify, pooling, Cohere
+embed (JSON) and audio (multipart).
 
 They are routed by their ``model`` like chat and go through the same pipeline (auth, limits,
 strategy, leases, watchdog, one log line, the request metrics), with OpenAI-shaped errors. The
@@ -7,9 +8,11 @@ body reaches the engine byte for byte; the gateway only reads what routing and a
 - **JSON bodies.** ``model`` (required: it is what routes the request), and the texts the engine
   will encode, for the prefix key and the token estimate: a rerank's ``query`` and
   ``documents``, a score's ``text_1``/``text_2`` (vLLM), ``queries``/``documents`` or
-  ``query``/``items`` (SGLang), a tokenize ``prompt`` or ``messages``; a detokenize's token count.
-  Usage in the answer (vLLM's rerank and score report ``prompt_tokens``; SGLang's rerank, a list,
-  each item's in its ``meta_info``) is counted like chat's.
+  ``query``/``items`` (SGLang), a tokenize ``prompt`` or ``messages``, a classify's or a pooling's
+  ``input`` (or ``messages``), a Cohere embed's ``texts`` and ``inputs``; a detokenize's token count.
+  Usage in the answer (vLLM's rerank, score, classify and pooling report ``prompt_tokens``, its
+  Cohere embed ``meta.tokens.input_tokens``; SGLang's classify ``prompt_tokens``, its rerank, a
+  list, each item's in its ``meta_info``) is counted like chat's.
 - **Audio (multipart/form-data).** The body is read once into one buffer, chunk by chunk against
   ``server.max_body_bytes`` (413 above it), and the form is not parsed into parts: the ``model``
   and ``stream`` fields are found by scanning that buffer for the part boundaries, and the same
@@ -30,8 +33,11 @@ from aiohttp import web
 from gateway.apis.base import StreamScanner
 from gateway.apis.paths import (
     AUDIO_PATHS,
+    CLASSIFY_PATHS,
+    COHERE_EMBED,
     DETOKENIZE,
     JSON_PASSTHROUGH_PATHS,
+    POOLING,
     RERANK_PATHS,
     SCORE_PATHS,
     TOKENIZE,
@@ -53,6 +59,9 @@ _TEXT_KEYS: dict[str, tuple[str, ...]] = {
     **{p: ("query", "documents", "instruction") for p in RERANK_PATHS},
     **{p: ("text_1", "text_2", "queries", "documents", "query", "items", "data_1", "data_2") for p in SCORE_PATHS},
     TOKENIZE: ("prompt", "messages"),
+    **{p: ("input",) for p in CLASSIFY_PATHS},
+    POOLING: ("input", "messages"),
+    COHERE_EMBED: ("texts", "inputs"),
 }
 _MAX_DEPTH = 4
 
@@ -106,7 +115,7 @@ def _request(path: str, body: bytes, data: dict[str, Any], model: str, stream: b
 
 
 class PassthroughApi(EngineSpecificApi):
-    """JSON pass-through: rerank, score, tokenize, detokenize. Errors are OpenAI's (the default
+    """JSON pass-through: rerank, score, tokenize, detokenize, classify, pooling, Cohere embed. Errors are OpenAI's (the default
     ``error_body``); an answer that streams (a transcription with ``stream=true``) is watched like
     chat's."""
 
@@ -121,10 +130,14 @@ class PassthroughApi(EngineSpecificApi):
 
     def body_usage(self, ctx: Any, data: dict[str, Any]) -> dict | None:
         """The answer's usage; a ``total_tokens`` alone (vLLM's rerank before ``prompt_tokens`` was
-        added to it) is what the engine encoded: its prompt tokens."""
+        added to it) is what the engine encoded: its prompt tokens. A Cohere embed answer has no
+        ``usage``: its ``meta.tokens.input_tokens`` are the prompt tokens."""
         usage = data.get("usage")
         if not isinstance(usage, dict):
-            return None
+            meta = data.get("meta")
+            tokens = meta.get("tokens") if isinstance(meta, dict) else None
+            n = tokens.get("input_tokens") if isinstance(tokens, dict) else None
+            return {"prompt_tokens": n} if isinstance(n, int) and not isinstance(n, bool) else None
         total = usage.get("total_tokens")
         if ("prompt_tokens" not in usage and "completion_tokens" not in usage
                 and isinstance(total, int) and not isinstance(total, bool)):

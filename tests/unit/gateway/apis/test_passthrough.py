@@ -56,6 +56,23 @@ def test_passthrough_parse_estimates_what_the_engine_encodes():
     with pytest.raises(GatewayError) as ei:
         PASSTHROUGH.parse("/tokenize", b'{"prompt":"x"}', {}, "r")
     assert ei.value.status == 400 and ei.value.param == "model"
+    for path, body in (("/classify", {"input": ["a" * 40, "b" * 40]}), ("/v1/classify", {"input": "a" * 80}),
+                       ("/pooling", {"input": "a" * 80}),
+                       ("/v2/embed", {"texts": ["a" * 40], "inputs": [{"content": [{"type": "text", "text": "b" * 40}]}]})):
+        ireq = PASSTHROUGH.parse(path, orjson.dumps({"model": "m", **body}), {}, "r")
+        assert ireq.prompt_tokens_est == 80 // 4, path
+
+
+def test_passthrough_reads_the_usage_each_engine_reports():
+    assert PASSTHROUGH.body_usage(None, {"usage": {"total_tokens": 7}}) == {"prompt_tokens": 7}
+    # Cohere's embed answer: no usage, its tokens in meta
+    assert PASSTHROUGH.body_usage(None, {"meta": {"tokens": {"input_tokens": 9}}}) == {"prompt_tokens": 9}
+    assert PASSTHROUGH.body_usage(None, {"meta": {"tokens": {"input_tokens": True}}}) is None
+    # SGLang's rerank: a list, each item's prompt tokens in its meta_info
+    items = [{"score": 0.5, "meta_info": {"prompt_tokens": 4}}, {"score": 0.1, "meta_info": {"prompt_tokens": 6}}]
+    assert PASSTHROUGH.list_usage(None, items) == {"prompt_tokens": 10}
+    assert PASSTHROUGH.list_usage(None, [*items, {"score": 0.0}]) is None
+    assert PASSTHROUGH.list_usage(None, []) is None
 
 
 class _Content:

@@ -18,8 +18,9 @@ from handlers import ADAPTERS
 
 def test_engines_declare_their_surface():
     vllm, sglang = ADAPTERS["vllm"], ADAPTERS["sglang"]
-    for path in ("/rerank", "/v2/rerank", "/score", "/v1/audio/translations"):
+    for path in ("/rerank", "/v2/rerank", "/score", "/v1/audio/translations", "/classify", "/pooling", "/v2/embed"):
         assert vllm.serves(path) and not sglang.serves(path)
+    assert sglang.serves("/v1/classify") and not vllm.serves("/v1/classify")
     for path in ("/v1/chat/completions", "/v1/responses", "/v1/rerank", "/v1/score", "/tokenize", "/detokenize",
                  "/v1/audio/transcriptions", "/v1/messages", "/v1/messages/count_tokens"):
         assert vllm.serves(path) and sglang.serves(path)
@@ -31,7 +32,7 @@ def test_every_path_gets_its_api():
     apis = build_app(cfg)[GATEWAY_KEY].apis
     assert type(apis["/v1/messages"]) is AnthropicApi and apis["/v1/messages/count_tokens"] is apis["/v1/messages"]
     assert {type(apis[p]) for p in ("/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score", "/tokenize",
-                                    "/detokenize")} == {PassthroughApi}
+                                    "/detokenize", "/classify", "/v1/classify", "/pooling", "/v2/embed")} == {PassthroughApi}
     assert type(apis["/v1/audio/transcriptions"]) is AudioApi and "/v1/chat/completions" not in apis
 
 
