@@ -7,6 +7,7 @@ and, around routing, what it must do with state or which endpoints may serve it.
 chat/completions/embeddings paths keep their own code (``ctx.api`` is ``None``).
 
 The APIs: the Responses API (``responses``), the Anthropic Messages API (``anthropic``), the
-pass-through endpoints (``passthrough``: rerank, score, tokenize, detokenize, audio); the paths
+pass-through endpoints (``passthrough``: rerank, score, tokenize, detokenize, classify, pooling,
+Cohere embed, audio); the paths
 only some engines serve go through ``serving.EngineSpecificApi``.
 """
