@@ -473,17 +473,20 @@ async def _charged(state, user):
 
 async def test_an_sglang_rerank_counts_the_prompt_tokens_its_items_report(sims, gateway):
     """SGLang's ``/v1/rerank`` answers a JSON list, each item's ``meta_info`` with the prompt
-    tokens of its query-document pair: their sum is the prompt tokens counted (metric) and charged
+    tokens of its query-document pair: their sum is the prompt tokens counted (metric, log line) and charged
     to the user's TPM, as vLLM's rerank usage is, not the gateway's estimate."""
     s = await sims("sglang", "qwen")
     key = "sk-alice-0123456789"
     gw = await gateway([model_block("qwen", "sglang", [s.url])], auth={"api_keys": [{"key": key, "user": "alice"}]},
                        limits={"users": {"alice": {"tpm": 100000}}})
     docs = ["green pear " * 40, "a red apple pie recipe", "trains"]
-    status, got, _ = await post_json(gw, "/v1/rerank", {"model": "qwen", "query": "red apple pie", "documents": docs},
-                                     {"Authorization": f"Bearer {key}"})
+    with gw.gw.request_log.capture() as logs:
+        status, got, _ = await post_json(gw, "/v1/rerank", {"model": "qwen", "query": "red apple pie",
+                                                            "documents": docs}, {"Authorization": f"Bearer {key}"})
     assert status == 200 and len(got) == 3, got
     reported = sum(item["meta_info"]["prompt_tokens"] for item in got)
+    [line] = [e for e in logs if e["event"] == "request"]
+    assert line["prompt_tokens"] == reported, line
     assert f'switchyard_prompt_tokens_total{{model="qwen"}} {float(reported)}' in await gw.metrics_text()
     state = gw.gw.tenancy.state
     assert (await wait_for(lambda: _charged(state, "alice")))["tokens"] == reported
