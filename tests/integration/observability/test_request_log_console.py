@@ -1,11 +1,15 @@
 """The request line in the console format, written by a gateway process to its stderr, cannot be
 broken or forged by what a client sends: a model name, a body's ``user``, the error message that
 quotes them. Their control characters (a line break, a carriage return, a terminal's escape
-sequence) are written escaped, so every request is one line and the terminal shows what was sent."""
+sequence) are written escaped, so every request is one line and the terminal shows what was sent.
+A value with a space, an ``=``, a quote or a backslash in it, or none at all, is written quoted
+(logfmt's way, ``"`` and ``\\`` escaped inside), so every field a reader sees in a line is the
+gateway's: a model name ``x status=200 user=admin`` is the line's model, not three fields."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import sys
 
@@ -17,6 +21,24 @@ from tests.support.ports import listen_port
 
 FORGED = "2020-01-01 00:00:00 [info     ] request                        model=m status=200 user=admin"
 MESSAGES = [{"role": "user", "content": "hi"}]
+HEAD = "[info     ] request                        "
+# a field: a key, then a bare value (no space, quote, `=` or backslash) or a quoted one
+FIELD = re.compile(r'([a-z_]+)=([^ "=\\]+|"(?:[^"\\]|\\.)*")(?: |$)')
+
+
+def fields(line: str) -> dict[str, str]:
+    """The fields of a console request line as a logfmt reader splits them, each value as written;
+    asserts that each field is read once and that nothing in the line is left out of a field."""
+    rest = line.split(HEAD, 1)[1]
+    out: dict[str, str] = {}
+    pos = 0
+    while pos < len(rest):
+        m = FIELD.match(rest, pos)
+        assert m is not None, (rest[pos:], line)
+        assert m[1] not in out, (m[1], line)
+        out[m[1]] = m[2]
+        pos = m.end()
+    return out
 
 
 async def ready(port: int) -> None:
@@ -52,6 +74,12 @@ async def test_a_clients_control_characters_are_escaped_in_the_console_line(sims
         # a served request: the body's user is the line's user
         await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1, user=f"u\r\n{FORGED}\x07",
                                              extra_headers={"x-request-id": "served"})
+        # fields written inside a value, without a control character: a model, a user with a quote
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(model="x status=200 user=admin", messages=MESSAGES, max_tokens=1,
+                                                 extra_headers={"x-request-id": "spaced"})
+        await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1,
+                                             user='a" status=500 path=\\" x=', extra_headers={"x-request-id": "quoted"})
         proc.send_signal(signal.SIGTERM)        # the request lines are flushed at exit
         async with asyncio.timeout(30):
             assert await proc.wait() == 0
@@ -64,9 +92,12 @@ async def test_a_clients_control_characters_are_escaped_in_the_console_line(sims
     assert b"\x1b" not in raw and b"\r" not in raw and b"\x07" not in raw, raw
     lines = raw.decode().splitlines()
     assert not [x for x in lines if x.startswith("2020-01-01")], lines       # no line forged
-    unknown = [x for x in lines if "request_id=unknown-model" in x]
-    served = [x for x in lines if "request_id=served" in x]
-    assert len(unknown) == 1 and len(served) == 1, lines
-    assert f"model=m\\n{FORGED}\\x1b[2J\\r " in unknown[0], unknown
-    assert "status=404" in unknown[0] and "error=The model `m\\n2020-01-01" in unknown[0], unknown
-    assert served[0].endswith(f" user=u\\r\\n{FORGED}\\x07") and "status=200" in served[0], served
+    requests = {f["request_id"]: f for f in map(fields, (x for x in lines if HEAD in x))}
+    unknown, served, spaced, quoted = (requests[k] for k in ("unknown-model", "served", "spaced", "quoted"))
+    assert unknown["model"] == f'"m\\n{FORGED}\\x1b[2J\\r"', unknown
+    assert unknown["status"] == "404" and unknown["error"].startswith('"The model `m\\n2020-01-01'), unknown
+    assert served["user"] == f'"u\\r\\n{FORGED}\\x07"' and served["status"] == "200", served
+    assert spaced["model"] == '"x status=200 user=admin"' and spaced["status"] == "404", spaced
+    assert "user" not in spaced or spaced["user"] == "None", spaced
+    assert quoted["user"] == '"a\\" status=500 path=\\\\\\" x="' and quoted["status"] == "200", quoted
+    assert quoted["path"] == "/v1/chat/completions" and quoted["model"] == "m", quoted    # plain: bare
