@@ -256,6 +256,22 @@ def _console_text(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in printable(text))
 
 
+# a console value written quoted: one a reader would not take whole as written bare (logfmt's rule)
+_QUOTED = re.compile(r'[\s="\\]')
+
+
+def _console_value(v: Any) -> str:
+    """A field's value as the console line writes it: bare when it is plain (``200``, ``m``,
+    ``/v1/chat/completions``, ``None``), else quoted as logfmt quotes it, ``"`` and ``\\`` escaped
+    inside: one that is empty or holds a space, an ``=``, a quote, a backslash or a character that
+    does not print (escaped later, see ``_console_text``). So a client's model name
+    ``x status=200 user=admin`` stays one value of its own line, never fields of its own."""
+    s = v if isinstance(v, str) else str(v)
+    if s and s.isprintable() and _QUOTED.search(s) is None:
+        return s
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def _printable(v: Any) -> Any:
     """``v`` with every string as UTF-8 can carry it (gateway.errors.printable), at any depth."""
     if isinstance(v, str):
@@ -397,7 +413,7 @@ class RequestLog:
 
     def _console(self, fields: dict[str, Any]) -> bytes:
         _, stamp = self._clock.stamps()
-        text = " ".join([f"{k}={v}" for k, v in sorted(fields.items())])
+        text = " ".join([f"{k}={_console_value(v)}" for k, v in sorted(fields.items())])
         if not text.isprintable():      # a client's control character (a newline in its `user`, its path)
             text = _console_text(text)
         return f"{stamp} [info     ] request                        {text}\n".encode("utf-8", "replace")

@@ -496,7 +496,8 @@ async def test_at_log_level_warning_a_preflight_writes_no_line(sims, tmp_path):
 async def test_a_console_request_line_is_one_line_whatever_the_client_wrote(sims, tmp_path):
     """The console format (``server.log_format: console``, for a terminal) writes each request's
     fields as ``key=value``: a control character a client put in a field it chose (a preflight's
-    path, a body's ``user``) is written escaped, so no client can cut a line in two, or forge one."""
+    path, a body's ``user``) is written escaped, and the value quoted, so no client can cut a line in
+    two, or forge one."""
     sim = await sims("vllm", "m")
     out = tmp_path / "lines"
     cfg = config_from_dict({"listen": {"host": "127.0.0.1", "port": 0},
@@ -521,5 +522,5 @@ async def test_a_console_request_line_is_one_line_whatever_the_client_wrote(sims
     assert len(lines) == 2 and all(line.endswith("\n") for line in lines), lines
     assert not any(c in text for c in "\r\x1b\x00\u2028"), text
     preflight, chat = sorted(lines, key=lambda line: "method=OPTIONS" not in line)
-    assert "path=/v1/x\\n2026-01-01 00:00:00 forged\\r\\x1b[2J" in preflight, preflight
-    assert "user=eve\\nforged=1\\u2028\\x00" in chat, chat
+    assert ' path="/v1/x\\n2026-01-01 00:00:00 forged\\r\\x1b[2J" ' in preflight, preflight
+    assert ' user="eve\\nforged=1\\u2028\\x00"' in chat, chat
