@@ -1143,3 +1143,30 @@ async def test_a_process_starting_on_the_dir_leaves_an_upload_under_way_alone(si
     f = resp.json()
     assert (await openai_client(gw).files.content(f["id"])).content == data
     assert os.listdir(temp) == []
+
+
+async def test_without_batch_the_files_and_batches_paths_say_the_api_is_off_and_which_key_turns_it_on(sims, gateway):
+    """A gateway without ``batch.enabled`` answers the Files and Batches paths 404, as paths it does
+    not serve, with a message that names the Batch API as off and the key that turns it on, so a
+    user trying the SDK's calls learns why; another path nothing serves is still an unknown path."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    c = openai_client(gw)
+    calls = {"batches.list": lambda: c.batches.list(),
+             "files.list": lambda: c.files.list(),
+             "files.create": lambda: c.files.create(file=("in.jsonl", jsonl(lines("/v1/embeddings", 1))),
+                                                    purpose="batch"),
+             "files.content": lambda: c.files.content("file-abc"),
+             "batches.create": lambda: c.batches.create(input_file_id="file-abc", endpoint="/v1/chat/completions",
+                                                        completion_window="24h"),
+             "batches.cancel": lambda: c.batches.cancel("batch_abc")}
+    for name, call in calls.items():
+        with pytest.raises(openai.NotFoundError) as e:
+            await call()
+        assert e.value.status_code == 404, name
+        message = e.value.body["message"]
+        assert "Batch API" in message and "batch.enabled" in message and "off" in message, (name, message)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.url + "/v1/filesystem") as r:
+            body = await r.json()
+            assert (r.status, body["error"]["message"]) == (404, "unknown path /v1/filesystem"), body
