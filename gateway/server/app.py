@@ -97,13 +97,26 @@ def _json(status: int, payload, headers: dict[str, str] | None = None) -> web.Re
     return web.Response(status=status, body=orjson.dumps(payload), headers=headers, content_type="application/json")
 
 
-def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_log: RequestLog | None = None):
+# the Files and Batches API's paths (gateway/batch): without batch.enabled, their 404 says so
+_BATCH_PATHS = ("/v1/files", "/v1/batches")
+_BATCH_OFF = ("the Batch API (/v1/files, /v1/batches) is off on this gateway: "
+             "the configuration's batch.enabled: true turns it on")
+
+
+def _on_batch_path(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in _BATCH_PATHS)
+
+
+def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_log: RequestLog | None = None,
+                   batch_enabled: bool = True):
     """The answer to an exception a handler let out: every answer is JSON in its path's API shape
     (OpenAI's, Anthropic's on /v1/messages), aiohttp's own 404/405/413 and any bug included. A 404
     or 405 for a method the gateway knows on no path (gateway/server/edge.py ``STANDARD_METHODS``, and
     those its routes serve) is RFC 9110 §9.1's 501. The 404, 405 and 501 made here, the answers to a
     path or method nothing serves, and a 413 (aiohttp's own past ``client_max_size``, or an API's to a
     body found too large as it came), are written to ``request_log`` (no API handler logs them).
+    Without ``batch_enabled``, the 404 of a Files or Batches path says the Batch API is off and
+    which key turns it on, where another path's says it is unknown.
     Returns None for what must propagate (a redirect, a cancellation)."""
     anthropic = apis.get(MESSAGES)
     known: frozenset[str] | None = None     # STANDARD_METHODS and the routes' (the router is frozen by then)
@@ -144,6 +157,8 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_l
                 if e.status == 413:             # request.read() past client_max_size: the edge's answer to a told length
                     msg, code = (f"request body exceeds {request.client_max_size} bytes (server.max_body_bytes)",
                                  "body_too_large")
+                elif e.status == 404 and not batch_enabled and _on_batch_path(request.path):
+                    msg = _BATCH_OFF
                 else:
                     msg = {404: f"unknown path {request.path}",
                            405: f"method {request.method} not allowed on {request.path}"}.get(e.status, e.reason)
@@ -274,7 +289,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     started_at = int(time.time() if worker is None or worker.started_at is None else worker.started_at)
 
     # the trace middleware is outermost, so the request span sees the status the client gets
-    answer = _error_answers(metrics, s.apis, s.request_log)
+    answer = _error_answers(metrics, s.apis, s.request_log, config.batch.enabled)
     middlewares = ([tracing.middleware] if tracing is not None else []) + [_error_middleware(answer)]
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_body_bytes)
     app.on_response_prepare.append(_identified)
