@@ -320,3 +320,19 @@ def test_a_target_that_never_answers_is_ended_when_its_wait_gives_up(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_the_report_script_has_a_help_and_renders_a_saved_report(tmp_path):
+    """``overhead_report.py --help`` prints its usage and touches nothing; given a saved report's
+    path it prints the report's Markdown; a path that is no file is a usage error, not a traceback."""
+    script = str(REPO / "bench" / "overhead_report.py")
+    run = dict(cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    got = subprocess.run([sys.executable, script, "--help"], **run)
+    assert got.returncode == 0 and got.stdout.startswith("usage:") and "REPORT" in got.stdout, got
+    assert list(tmp_path.iterdir()) == []
+    report = _fake_report()
+    (tmp_path / "overhead-latest.json").write_bytes(orjson.dumps(report))
+    got = subprocess.run([sys.executable, script, "overhead-latest.json"], **run)
+    assert got.returncode == 0 and got.stdout == render(report) + "\n", got.stderr
+    got = subprocess.run([sys.executable, script, "no-such.json"], **run)
+    assert got.returncode == 2 and "Traceback" not in got.stderr and "no-such.json" in got.stderr, got
