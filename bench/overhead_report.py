@@ -6,6 +6,7 @@ again: ``python bench/overhead_report.py bench/out/overhead-latest.json``.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -562,11 +563,21 @@ def goals(report: dict) -> list[dict]:
     return out
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python bench/overhead_report.py REPORT.json", file=sys.stderr)
-        return 2
-    print(render(orjson.loads(Path(argv[0]).read_bytes())))
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python bench/overhead_report.py",
+                                description="Render a saved overhead report (bench/overhead.py's JSON) as "
+                                            "Markdown, with its goal checks, on stdout.")
+    p.add_argument("report", metavar="REPORT", type=Path,
+                   help="a report bench/overhead.py saved, such as bench/out/overhead-latest.json")
+    args = p.parse_args(argv)
+    if not args.report.is_file():
+        p.error(f"{args.report}: no such file")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print(render(orjson.loads(args.report.read_bytes())))
     return 0
 
 
