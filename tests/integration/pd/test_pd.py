@@ -749,19 +749,26 @@ async def test_the_openai_sdk_with_its_own_retries_off_gets_every_answer_while_a
     bad = await sims(engine, "m", role="decode", fault="status=500")
     d = await sims(engine, "m", role="decode")
     rs = {**roleset(engine, p, d, name="rs"), "decode": [bad.url, d.url]}
-    gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60})
+    # decodes scored by least_request: pd picks at random between the two idle ones, so within
+    # forty requests the failing decode is picked (by load_balancing the one that served may keep
+    # the better score, and the failing one may never be tried)
+    gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60},
+                       pd={"decode_score_policy": "least_request"})
     client = openai_client(gw)
     client = client.with_options(max_retries=0)      # every answer whole, by the gateway's retries alone
-    for i in range(8):
+    retried = 'switchyard_retry_causes_total{cause="decode_status_500",model="m"}'
+    for i in range(40):
         if i % 2:
             stream = await client.chat.completions.create(model="m", messages=MSG, max_tokens=4, stream=True)
             assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         else:
             raw = await client.chat.completions.with_raw_response.create(model="m", messages=MSG, max_tokens=4)
             assert raw.parse().usage.completion_tokens == 4
+        if i >= 7 and retried in await gw.metrics_text():
+            break
     await client.close()
     assert (await sim_state(bad.url))["counts"].get("completed", 0) == 0
-    assert 'switchyard_retry_causes_total{cause="decode_status_500",model="m"}' in await gw.metrics_text()
+    assert retried in await gw.metrics_text()
 
 
 async def test_a_kv_pull_that_fails_on_every_decode_is_retried_within_max_retries_and_then_answered_502(
