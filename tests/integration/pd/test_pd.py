@@ -273,6 +273,13 @@ async def test_prefill_refused(sims, gateway, engine):
     assert await wait_for(lambda: quiet(d.url), timeout=5)
 
 
+# prefills and decodes scored by least_request: pd picks at random between idle ones, so a test that
+# waits for a pair to name its failing engine meets it within its tries (by load_balancing the decode
+# that served keeps the better score once its throughput is scraped, by prefix_cache the prefill
+# that served keeps the prompt's match, and the failing one may never be tried)
+EVEN_PICKS = {"decode_score_policy": "least_request", "prefill_score_policy": "least_request"}
+
+
 async def _until_retried(gw, p, d, stream: bool, cause: str) -> dict[str, str]:
     """Requests until one is retried (a pair named the dead engine; its breaker, if on, then opens
     it): every answer whole, the retried one once, on the live pair; the engines left with nothing
@@ -304,7 +311,7 @@ async def test_a_decode_that_refuses_the_leg_hands_it_to_another_decode_of_the_r
     the client gets its whole answer."""
     p, d = await pd_pair(sims, engine)
     rs = {**roleset(engine, p, d, name="rs"), "decode": ["http://127.0.0.1:9", d.url]}
-    gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60})
+    gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60}, pd=EVEN_PICKS)
     await _until_retried(gw, p, d, stream, "connect")
 
 
@@ -318,7 +325,7 @@ async def test_a_prefill_that_refuses_the_leg_is_left_out_and_the_pair_chosen_ag
     rs = roleset(engine, p, d, name="rs")
     dead = {"url": "http://127.0.0.1:9", "bootstrap_port": 9} if engine == "sglang" else "http://127.0.0.1:9"
     rs["prefill"] = [dead, *rs["prefill"]]
-    gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60})
+    gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60}, pd=EVEN_PICKS)
     await _until_retried(gw, p, d, stream, "prefill_connect")
 
 
@@ -345,7 +352,7 @@ async def test_a_decode_that_hangs_up_before_answering_has_the_pair_chosen_again
     p, d = await pd_pair(sims, engine)
     async with _hangs_up() as dead:
         rs = {**roleset(engine, p, d, name="rs"), "decode": [dead, d.url]}
-        gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60},
+        gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60}, pd=EVEN_PICKS,
                            breaker={"consecutive_faults": 100, "fault_rate": 0})
         await _until_retried(gw, p, d, True, "decode_reset")
 
@@ -629,7 +636,7 @@ async def test_a_vllm_decode_whose_kv_pull_fails_before_its_first_token_has_the_
     bad = await sims("vllm", "m", role="decode", fault="kv_pull_fail=1")
     d = await sims("vllm", "m", role="decode")
     rs = {"name": "rs", "prefill": [p.url], "decode": [bad.url, d.url]}
-    gw = await gateway([pd_model("vllm", [rs])], health={"interval_s": 60})
+    gw = await gateway([pd_model("vllm", [rs])], health={"interval_s": 60}, pd=EVEN_PICKS)
     await _until_retried(gw, p, d, True, "decode_error")
     assert await wait_for(lambda: quiet(bad.url), timeout=5)
 
@@ -643,7 +650,7 @@ async def test_a_vllm_decodes_501_event_before_its_first_token_reaches_the_clien
     lacking = await sims("vllm", "m", role="decode", fault="error_after=0;error_code=501")
     d = await sims("vllm", "m", role="decode")
     rs = {"name": "rs", "prefill": [p.url], "decode": [lacking.url, d.url]}
-    gw = await gateway([pd_model("vllm", [rs])], health={"interval_s": 60},
+    gw = await gateway([pd_model("vllm", [rs])], health={"interval_s": 60}, pd=EVEN_PICKS,
                        breaker={"consecutive_faults": 1, "max_ejection_percent": 100})
     addr = lacking.url.split("//")[1]
     refused = 0
@@ -675,7 +682,7 @@ async def test_a_vllm_decode_that_dies_after_its_head_and_before_its_first_token
     bad = await sims("vllm", "m", role="decode", fault="drop_after=0")
     d = await sims("vllm", "m", role="decode")
     rs = {"name": "rs", "prefill": [p.url], "decode": [bad.url, d.url]}
-    gw = await gateway([pd_model("vllm", [rs])], health={"interval_s": 60})
+    gw = await gateway([pd_model("vllm", [rs])], health={"interval_s": 60}, pd=EVEN_PICKS)
     hdrs = await _until_retried(gw, p, d, True, "decode_broken")
     assert hdrs["content-type"].startswith("text/event-stream")
 
@@ -687,7 +694,7 @@ async def test_a_kv_pull_failure_runs_again_on_another_prefill_as_well_when_ther
     bad = await sims("vllm", "m", role="decode", fault="kv_pull_fail=1")
     d = await sims("vllm", "m", role="decode")
     rs = {"name": "rs", "prefill": [p1.url, p2.url], "decode": [bad.url, d.url]}
-    gw = await gateway([pd_model("vllm", [rs])], health={"interval_s": 60})
+    gw = await gateway([pd_model("vllm", [rs])], health={"interval_s": 60}, pd=EVEN_PICKS)
 
     async def prefilled() -> list[int]:
         return [(await sim_state(p.url))["counts"]["completed"] for p in (p1, p2)]
@@ -712,7 +719,7 @@ async def test_a_decode_that_answers_500_has_the_pair_chosen_again(sims, gateway
     bad = await sims(engine, "m", role="decode", fault="status=500")
     d = await sims(engine, "m", role="decode")
     rs = {**roleset(engine, p, d, name="rs"), "decode": [bad.url, d.url]}
-    gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60})
+    gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60}, pd=EVEN_PICKS)
     await _until_retried(gw, p, d, stream, "decode_status_500")
 
 
@@ -749,11 +756,7 @@ async def test_the_openai_sdk_with_its_own_retries_off_gets_every_answer_while_a
     bad = await sims(engine, "m", role="decode", fault="status=500")
     d = await sims(engine, "m", role="decode")
     rs = {**roleset(engine, p, d, name="rs"), "decode": [bad.url, d.url]}
-    # decodes scored by least_request: pd picks at random between the two idle ones, so within
-    # forty requests the failing decode is picked (by load_balancing the one that served may keep
-    # the better score, and the failing one may never be tried)
-    gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60},
-                       pd={"decode_score_policy": "least_request"})
+    gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60}, pd=EVEN_PICKS)
     client = openai_client(gw)
     client = client.with_options(max_retries=0)      # every answer whole, by the gateway's retries alone
     retried = 'switchyard_retry_causes_total{cause="decode_status_500",model="m"}'
