@@ -6,6 +6,7 @@ naming an old block is harmless, and once drained the index is the one cleared a
 
 from __future__ import annotations
 
+import msgspec
 import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -199,6 +200,33 @@ def test_a_clear_of_the_endpoint_or_of_the_rank_again_while_one_is_under_way():
         pass
     assert not a.emap and not a.owned and not a.rank_keys and not idx._holders
     assert not idx._children and not idx._parent_of and not idx.retiring
+
+
+def test_a_rank_holding_a_block_under_two_hashes_keeps_it_when_one_goes():
+    """A rank can hold one block under two engine hashes (it restarted with another hash seed and
+    stored the block again); removing one leaves the block held by the rank, as by the endpoint,
+    and a clear of another rank under way does not hide it."""
+    for at_once in (True, False):
+        idx, eps, _ = _index(at_once)
+        a = idx.states[eps[0]]
+        _store(idx, a, 0, 0, 1)                                   # hash 1...
+        _store(idx, a, 0, 0, 1, seed=50)                          # ...and hash 51: the same block
+        idx.apply(a, Batch(0.0, [BlockRemoved([1])], 0), 0)       # hash 1 evicted: 51 still holds it
+        assert _depths(idx, eps, 0, 1, "r")[:1] == ((BS, None),)
+        assert _depths(idx, eps, 0, 1, "s")[1][0] == (BS, 0, 0)
+        idx.apply(a, Batch(0.0, [AllBlocksCleared()], 1), 1)      # rank 1 (holding nothing) cleared
+        assert _depths(idx, eps, 0, 1, "t") == ((BS, None), ((BS, 0, 0), ()))
+        while idx.drain(1):
+            pass
+        assert _depths(idx, eps, 0, 1, "u") == ((BS, None), ((BS, 0, 0), ()))
+        a.settings = msgspec.structs.replace(a.settings, max_blocks_per_endpoint=2)
+        _store(idx, a, 0, 0, 1)                                   # hash 1 again, then 51 dropped by the bound:
+        _store(idx, a, 0, 2, 1)                                   # 1 still holds the block
+        assert 51 not in a.emap
+        assert _depths(idx, eps, 0, 1, "v") == ((BS, None), ((BS, 0, 0), ()))
+        idx.apply(a, Batch(0.0, [BlockRemoved([1])], 0), 0)       # the last of the rank's hashes for it
+        assert _depths(idx, eps, 0, 1, "w") == ((0, None), ((0, 0, 0), ()))
+        assert len(a.rank_keys) == 1 and not a.rank_again
 
 
 _ops = st.lists(st.tuples(st.sampled_from(["store", "store", "stretches", "remove", "clear_rank", "clear_rank", "clear",
