@@ -147,6 +147,9 @@ class EndpointState:
     # a data-parallel engine whose rank the gateway picks (``KVEventsConfig.ranked``): our key →
     # bitmask of the ranks holding it, kept beside ``owned`` (so bounded with it); None otherwise
     rank_keys: dict[int, int] | None = None
+    # (our key, rank) → the rank's engine hashes keyed so past its first (it stored the block again
+    # under another hash, e.g. restarted with another hash seed), so its bit goes with its last one
+    rank_again: dict[tuple[int, int], int] = field(default_factory=dict)
     ranks: int = 1
     rank_in_flight: list[int] = field(default_factory=list)   # this gateway's requests pinned per rank
     # a pinned request's new blocks, held speculatively on its rank until ``speculative_ttl_s`` passes
@@ -300,7 +303,7 @@ class EventIndex:
                         continue
                     del media[bh]               # the last medium gone: _drop, inline
                     key = emap.pop(bh)
-                    if ranked is not None:
+                    if ranked is not None and not (st.rank_again and self._again_less(st, key, rank or 0)):
                         m = ranked.get(key, 0) & not_rank
                         if m:
                             ranked[key] = m
@@ -427,6 +430,7 @@ class EventIndex:
         emap, media = st.emap, st.media
         owned, holders, sbit, pending = st.owned, self._holders, st.bit, self._pending
         get, owned_get, holders_get, pending_get = emap.get, owned.get, holders.get, pending.get
+        ranked = st.rank_keys
         for bh, block, x in zip(hashes, blocks, folds, strict=False):
             if x is not None:                 # cache_salt, multimodal features: see fold_extras
                 h = hash((h, x))
@@ -442,6 +446,11 @@ class EventIndex:
             media[bh] = bit
             k = owned_get(h, 0)
             owned[h] = k + 1
+            if k and ranked is not None:      # the block's rank holds it under another hash already?
+                r = bh[0] if bh.__class__ is tuple else 0     # (rank_of)
+                if ranked.get(h, 0) >> r & 1:
+                    again = st.rank_again
+                    again[(h, r)] = again.get((h, r), 0) + 1
             if not k:
                 mask = holders_get(h, 0)
                 holders[h] = mask | sbit
@@ -608,7 +617,9 @@ class EventIndex:
         ranked = st.rank_keys
         if ranked is not None:
             r = rank_of(bh)
-            m = ranked.get(key, 0) & ~(1 << r)
+            m = ranked.get(key, 0)
+            if not (st.rank_again and self._again_less(st, key, r)):
+                m &= ~(1 << r)
             if st.rank_clearing:
                 old = st.rank_clearing.get(r)
                 if old is not None:           # the rank was cleared: its new entries' keys keep its bit
@@ -638,6 +649,20 @@ class EventIndex:
             self._holders.pop(key, None)
             if key not in self._pending:
                 self._leave(key)
+
+    @staticmethod
+    def _again_less(st: EndpointState, key: int, rank: int) -> bool:
+        """One of ``rank``'s engine hashes keyed ``key`` goes: whether the rank holds the key under
+        another still (``rank_again``), one fewer now."""
+        again = st.rank_again
+        n = again.get((key, rank))
+        if n is None:
+            return False
+        if n > 1:
+            again[(key, rank)] = n - 1
+        else:
+            del again[(key, rank)]
+        return True
 
     def clear(self, st: EndpointState) -> None:
         """Forget everything ``st``'s engine holds (AllBlocksCleared, a restart, a gap, an overflow),
@@ -680,8 +705,8 @@ class EventIndex:
             self._clearing.discard(st)
         maps: list[Any] = [st.owned, st.emap, st.media]
         if st.rank_keys is not None:
-            maps += [st.rank_keys, st.rank_pending, st.rank_pending_q]
-            st.rank_keys, st.rank_pending, st.rank_pending_q = {}, {}, deque()
+            maps += [st.rank_keys, st.rank_again, st.rank_pending, st.rank_pending_q]
+            st.rank_keys, st.rank_again, st.rank_pending, st.rank_pending_q = {}, {}, {}, deque()
         self._retired.append(_Retired(st.slot, iter(st.owned), maps))    # owned changes no more
         st.emap, st.media, st.owned = {}, {}, {}
         self._walked = (None, {})          # depths by slot bit: the slot may be another's soon

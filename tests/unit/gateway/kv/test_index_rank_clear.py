@@ -16,7 +16,7 @@ from gateway.endpoints import Endpoint
 from gateway.kv.index import EventIndex
 from gateway.kv.settings import KVEventsConfig
 from gateway.kv.tokenization import ModelTokenizer
-from gateway.kv.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored
+from gateway.kv.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored, rank_of
 from gateway.request import parse
 
 BS = 16
@@ -284,6 +284,13 @@ def test_a_rank_clear_in_stretches_routes_as_a_rank_clear_at_once(ops):
     for ep, wep in zip(eps, weps, strict=True):
         s, w = cut.states[ep], whole.states[wep]
         assert list(s.emap.items()) == list(w.emap.items()) and s.media == w.media and s.owned == w.owned
-        assert s.rank_keys == w.rank_keys and s.rank_pending == w.rank_pending
+        assert s.rank_keys == w.rank_keys and s.rank_again == w.rank_again and s.rank_pending == w.rank_pending
+        held: dict[tuple[int, int], int] = {}                   # the ranks' bitmasks are those the entries make
+        for bh, key in s.emap.items():
+            held[(key, rank_of(bh))] = held.get((key, rank_of(bh)), 0) + 1
+        ranks: dict[int, int] = {}
+        for key, r in held:
+            ranks[key] = ranks.get(key, 0) | 1 << r
+        assert s.rank_keys == ranks and s.rank_again == {kr: n - 1 for kr, n in held.items() if n > 1}
     assert _named(cut, eps) == _named(whole, weps)
     assert len(cut._free) + len(cut._by_slot) == cut._slots
