@@ -229,6 +229,29 @@ def test_a_rank_holding_a_block_under_two_hashes_keeps_it_when_one_goes():
         assert len(a.rank_keys) == 1 and not a.rank_again
 
 
+def test_a_block_reported_stored_while_another_ranks_clear_is_under_way_ends_its_hold():
+    """A block held speculatively for a routed request ends its hold once the engine reports it
+    stored, even while another rank's old entry of the same block is left for ``drain``: its
+    BlockRemoved then ends the match, as on an index that cleared the rank at once."""
+    for at_once in (True, False):
+        idx, eps, _ = _index(at_once)
+        a = idx.states[eps[0]]
+        _store(idx, a, 0, 0, 1)
+        _store(idx, a, 2, 0, 1)                                   # rank 2 holds the block too
+        idx.apply(a, Batch(0.0, [BlockRemoved([1])], 0), 0)
+        idx.clear_rank(a, 2)                                      # its old entry left for drain
+        req = _req(0, 1, "r")
+        idx.match(req, eps)
+        idx.routed(req, eps[0])                                   # held for the request...
+        assert _depths(idx, eps, 0, 1, "s")[0] == (BS, None)
+        _store(idx, a, 0, 0, 1)                                   # ...until rank 0 reports it stored...
+        idx.apply(a, Batch(0.0, [BlockRemoved([1])], 0), 0)       # ...and evicted
+        assert _depths(idx, eps, 0, 1, "t")[0] == (0, None)
+        while idx.drain(1):
+            pass
+        assert _depths(idx, eps, 0, 1, "u")[0] == (0, None) and not idx._pending
+
+
 _ops = st.lists(st.tuples(st.sampled_from(["store", "store", "stretches", "remove", "clear_rank", "clear_rank", "clear",
                                            "route", "expire", "forget"]),
                           st.integers(0, 1), st.integers(0, 2), st.integers(1, 6), st.integers(0, 9),
