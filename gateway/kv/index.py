@@ -459,6 +459,8 @@ class EventIndex:
                     self._unpend(h, st.slot)  # so its BlockRemoved is the end of the match
                 elif not mask and not spec:
                     self._enter(h, p)
+            elif pending_get(h, 0) & sbit:    # held under another hash (a cleared rank's old entry
+                self._unpend(h, st.slot)      # left for drain): the report ends the hold all the same
         return h
 
     def _trim(self, st: EndpointState) -> None:
