@@ -408,3 +408,54 @@ async def test_vllm_refuses_what_its_request_models_refuse(sims):
                 got = await r.json()
             assert r.status == status, (dims, got)
         assert len(got["data"][0]["embedding"]) == 3
+
+
+async def test_sglang_logprobs_ride_each_choice_and_chunk(sims):
+    """SGLang answers ``logprobs`` in OpenAI's shape: a chat's flag with ``top_logprobs`` gives
+    ``logprobs.content``, one entry per generated token (``token``, ``bytes``, ``logprob``,
+    ``top_logprobs`` of the count asked, none without one); a completion's count gives ``tokens``,
+    ``token_logprobs``, ``text_offset`` (-1: SGLang does not compute them) and ``top_logprobs`` of
+    that many per token. A stream's chunks carry their own tokens' entries, the same as the whole
+    answer's, and each of several choices carries its own."""
+    g = await sims("sglang", "qwen")
+    async with aiohttp.ClientSession() as s:
+        body = {"model": "qwen", "messages": MSGS, "max_tokens": 4, "logprobs": True, "top_logprobs": 2}
+        async with s.post(g.url + "/v1/chat/completions", json=body) as r:
+            whole = await r.json()
+            assert r.status == 200, whole
+        content = whole["choices"][0]["logprobs"]["content"]
+        assert "".join(e["token"] for e in content) == whole["choices"][0]["message"]["content"]
+        assert len(content) == 4 and all(e["logprob"] <= 0 and bytes(e["bytes"]) == e["token"].encode()
+                                         for e in content)
+        assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["token"] == e["token"] for e in content)
+        async with s.post(g.url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+            raw = await r.read()
+        chunks = [d for _, d in sse_frames(raw[:-len(b"data: [DONE]\n\n")])]
+        streamed = [e for d in chunks for e in (d["choices"][0]["logprobs"] or {}).get("content", [])]
+        assert streamed == content
+        async with s.post(g.url + "/v1/chat/completions", json={**body, "top_logprobs": None}) as r:
+            bare = await r.json()
+        assert [e["top_logprobs"] for e in bare["choices"][0]["logprobs"]["content"]] == [[]] * 4
+        async with s.post(g.url + "/v1/chat/completions", json={**body, "logprobs": False}) as r:
+            assert (await r.json())["choices"][0]["logprobs"] is None
+        async with s.post(g.url + "/v1/chat/completions", json={**body, "n": 2}) as r:
+            two = await r.json()
+        assert [len(c["logprobs"]["content"]) for c in two["choices"]] == [4, 4]
+
+        cbody = {"model": "qwen", "prompt": "Once upon a time", "max_tokens": 3, "logprobs": 2}
+        async with s.post(g.url + "/v1/completions", json=cbody) as r:
+            comp = await r.json()
+            assert r.status == 200, comp
+        lp, text = comp["choices"][0]["logprobs"], comp["choices"][0]["text"]
+        assert "".join(lp["tokens"]) == text and len(lp["token_logprobs"]) == 3
+        assert lp["text_offset"] == [-1] * 3
+        assert all(len(top) == 2 and list(top)[0] == t for top, t in zip(lp["top_logprobs"], lp["tokens"], strict=True))
+        async with s.post(g.url + "/v1/completions", json={**cbody, "stream": True}) as r:
+            raw = await r.read()
+        chunks = [d for _, d in sse_frames(raw[:-len(b"data: [DONE]\n\n")])]
+        tokens = [t for d in chunks if d["choices"] and d["choices"][0]["logprobs"]
+                  for t in d["choices"][0]["logprobs"]["tokens"]]
+        assert tokens == lp["tokens"]
+        async with s.post(g.url + "/v1/completions", json={**cbody, "logprobs": 0}) as r:
+            zero = (await r.json())["choices"][0]["logprobs"]
+        assert len(zero["tokens"]) == 3 and zero["top_logprobs"] == []
