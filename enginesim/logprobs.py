@@ -110,3 +110,46 @@ def completion_logprobs(tokenizer: Any, seed: int, ids: list[int] | tuple[int, .
         out["top_logprobs"].append({tokenizer.piece(c): lp for c, lp in cands})
         offset += len(token)
     return out
+
+
+def sglang_requested(body: dict[str, Any], kind: str) -> int | None:
+    """The top logprobs an SGLang request asks for (0: the sampled token's only), None for none:
+    a chat's ``logprobs`` flag with its ``top_logprobs``, a completion's ``logprobs`` count."""
+    if kind == "chat":
+        if not bool_field(body, "logprobs", False):
+            return None
+        top = body.get("top_logprobs")
+    else:
+        top = body.get("logprobs")
+        if top is None:
+            return None
+    try:
+        return max(0, lax_int(top)) if top is not None else 0
+    except ValueError as e:
+        param = "top_logprobs" if kind == "chat" else "logprobs"
+        raise ApiError(400, f"1 validation error:\n  {param}: {e}", type_="Bad Request", param=param) from None
+
+
+def sglang_logprobs(tokenizer: Any, seed: int, ids: list[int] | tuple[int, ...], start: int, top: int,
+                    kind: str) -> dict[str, Any]:
+    """A choice's ``logprobs`` as SGLang's OpenAI server writes them: a chat's ``content`` (no
+    ``refusal``), a completion's lists with ``text_offset`` -1 (SGLang does not compute it) and
+    ``top_logprobs`` of ``top`` entries per token (an empty list when ``top`` is 0)."""
+    if kind == "chat":
+        content = []
+        for pos, tid in enumerate(ids, start):
+            cands = _candidates(tokenizer, seed, tid, pos, max(top, 1))
+            token = tokenizer.piece(tid)
+            content.append({"token": token, "bytes": list(token.encode()), "logprob": cands[0][1],
+                            "top_logprobs": [{"token": (t := tokenizer.piece(c)), "bytes": list(t.encode()),
+                                              "logprob": lp} for c, lp in cands[:top]]})
+        return {"content": content}
+    out: dict[str, Any] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    for pos, tid in enumerate(ids, start):
+        cands = _candidates(tokenizer, seed, tid, pos, max(top, 1))
+        out["text_offset"].append(-1)
+        out["token_logprobs"].append(cands[0][1])
+        out["tokens"].append(tokenizer.piece(tid))
+        if top:
+            out["top_logprobs"].append({tokenizer.piece(c): lp for c, lp in cands[:top]})
+    return out

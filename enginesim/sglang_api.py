@@ -11,6 +11,7 @@ by rid prefix and the stream ends with ``finish_reason: "abort"``; ``/health`` i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from contextlib import aclosing
@@ -34,6 +35,7 @@ from enginesim.frontend import (
     request_fault,
     slow_headers,
 )
+from enginesim.logprobs import sglang_logprobs, sglang_requested
 from enginesim.lora import LoraError, LoraFull
 from enginesim.protocol import OpenAIRequest, parse_openai, parse_stop, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
@@ -177,6 +179,7 @@ class SglangApi:
             body = await read_json(request, require_json=False)
             req = parse_openai(body, kind, self.engine.tokenizer, vllm=False,
                                several=self.engine.role.name == "aggregated")
+            req = dataclasses.replace(req, logprobs=sglang_requested(body, kind))
             model = req.model if req.model is not None else "default"
             self._check_total(len(req.prompt_ids), req.max_tokens)
             max_tokens = req.max_tokens or self.cfg.max_tokens_default(kind)
@@ -212,6 +215,13 @@ class SglangApi:
             for s in seqs:
                 self.engine.client_gone(s)
 
+    def _logprobs(self, req: OpenAIRequest, ids: list[int] | tuple[int, ...], start: int) -> dict[str, Any] | None:
+        """The ``logprobs`` of a choice's tokens ``ids`` (from position ``start``), None when the
+        request asks for none."""
+        if req.logprobs is None or not ids:
+            return None
+        return sglang_logprobs(self.engine.tokenizer, self.cfg.seed, ids, start, req.logprobs, req.kind)
+
     def _usage_of(self, seqs: list[Sequence]) -> dict[str, Any]:
         """The usage of several choices of one prompt: the prompt once, every choice's tokens."""
         usage = self._usage(seqs[0])
@@ -237,7 +247,8 @@ class SglangApi:
                                      "tool_calls": None}
             else:
                 choice["text"] = (req.echo or "") + result.text
-            choice.update({"logprobs": None, "finish_reason": seq.finish_reason,
+            choice.update({"logprobs": self._logprobs(req, seq.output_ids, 0) if req.logprobs is not None else None,
+                           "finish_reason": seq.finish_reason,
                            "matched_stop": self._matched_stop(seq)})
             if req.kind == "chat":
                 choice["hidden_states"] = None
@@ -269,6 +280,15 @@ class SglangApi:
         came, pumps = merged_outputs(self.engine, request, seqs)
         try:
             left = len(seqs)
+            pending: list[list[int]] = [[] for _ in range(len(seqs))]
+            done = [0] * len(seqs)
+
+            def take(k: int) -> dict[str, Any] | None:
+                """The logprobs of choice k's tokens not yet sent (SGLang's go with the step's chunk)."""
+                ids, pending[k] = pending[k], []
+                start, done[k] = done[k], done[k] + len(ids)
+                return self._logprobs(req, ids, start)
+
             first = [True] * len(seqs)
             echo = [None if chat else req.echo] * len(seqs)
             while left:
@@ -286,6 +306,7 @@ class SglangApi:
                 finishing = out.finish_reason is not None
                 left -= finishing
                 s = seqs[i]
+                pending[i].extend(out.token_ids)
                 if chat:
                     if first[i]:
                         await writer.send(chunk({"index": i, "delta": {"reasoning_content": None,
@@ -294,13 +315,13 @@ class SglangApi:
                     if out.text:
                         await writer.send(chunk({"index": i, "delta": {"reasoning_content": None,
                                                                        "content": out.text},
-                                                 "logprobs": None, "finish_reason": None, "matched_stop": None}))
+                                                 "logprobs": take(i), "finish_reason": None, "matched_stop": None}))
                     if finishing:
                         await writer.send(chunk({"index": i, "delta": {"reasoning_content": None},
-                                                 "logprobs": None, "finish_reason": out.finish_reason,
+                                                 "logprobs": take(i), "finish_reason": out.finish_reason,
                                                  "matched_stop": self._matched_stop(s)}))
                 elif out.text or finishing or echo[i] is not None:
-                    await writer.send(chunk({"index": i, "text": (echo[i] or "") + out.text, "logprobs": None,
+                    await writer.send(chunk({"index": i, "text": (echo[i] or "") + out.text, "logprobs": take(i),
                                              "finish_reason": out.finish_reason,
                                              "matched_stop": self._matched_stop(s) if finishing else None}))
                     echo[i] = None
@@ -334,7 +355,8 @@ class SglangApi:
                 {"id": calls.ids[i], "index": i, "type": "function",
                  "function": {"name": name, "arguments": calls.arguments(i, result.text)}}
                 for i, name in enumerate(calls.names)]
-        choice.update({"logprobs": None, "finish_reason": "tool_calls" if calls is not None else seq.finish_reason,
+        logprobs = None if calls is not None else self._logprobs(req, seq.output_ids, 0)
+        choice.update({"logprobs": logprobs, "finish_reason": "tool_calls" if calls is not None else seq.finish_reason,
                        "matched_stop": None if calls is not None else self._matched_stop(seq)})
         if req.kind == "chat":
             choice["hidden_states"] = None
@@ -361,6 +383,15 @@ class SglangApi:
                 out["usage"] = _drop_none(self._usage(seq)) if not chat else self._usage(seq)
             return out
 
+        pending: list[list[int]] = [[] for _ in range(1)]
+        done = [0] * 1
+
+        def take(k: int) -> dict[str, Any] | None:
+            """The logprobs of choice k's tokens not yet sent (SGLang's go with the step's chunk)."""
+            ids, pending[k] = pending[k], []
+            start, done[k] = done[k], done[k] + len(ids)
+            return self._logprobs(req, ids, start)
+
         first = True
         # echo: the prompt's text begins the first chunk of a completion (SGLang: the prompt is
         # prepended to the first chunk's text; usage counts the generated tokens only)
@@ -378,6 +409,7 @@ class SglangApi:
                     # SGLang returns the StreamingResponse only once the first chunk exists.
                     await slow_headers(self.engine, seq.fault)
                 finishing = out.finish_reason is not None
+                pending[0].extend(out.token_ids)
                 if chat:
                     if first:
                         await writer.send(chunk({"index": 0, "delta": {"reasoning_content": None,
@@ -395,14 +427,14 @@ class SglangApi:
                     elif out.text:
                         await writer.send(chunk({"index": 0, "delta": {"reasoning_content": None,
                                                                        "content": out.text},
-                                                 "logprobs": None, "finish_reason": None,
+                                                 "logprobs": take(0), "finish_reason": None,
                                                  "matched_stop": None}))
                     if finishing and seq.tool_calls is None:
                         await writer.send(chunk({"index": 0, "delta": {"reasoning_content": None},
-                                                 "logprobs": None, "finish_reason": out.finish_reason,
+                                                 "logprobs": take(0), "finish_reason": out.finish_reason,
                                                  "matched_stop": self._matched_stop(seq)}))
                 elif out.text or finishing or echo is not None:
-                    await writer.send(chunk({"index": 0, "text": (echo or "") + out.text, "logprobs": None,
+                    await writer.send(chunk({"index": 0, "text": (echo or "") + out.text, "logprobs": take(0),
                                              "finish_reason": out.finish_reason,
                                              "matched_stop": self._matched_stop(seq) if finishing else None}))
                     echo = None
