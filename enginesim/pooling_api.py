@@ -100,7 +100,9 @@ class PoolingApi:
     def _ids(self, item: str | list[int]) -> list[int]:
         return item if isinstance(item, list) else self.engine.tokenizer.encode(item)
 
-    def _classified(self, inputs: list[str | list[int]]) -> tuple[list[dict[str, Any]], int]:
+    def _classify_answer(self, inputs: list[str | list[int]]) -> web.Response:
+        """A classify answer (vLLM's and SGLang's share it): each input's class probabilities, and
+        the usage of what it encoded."""
         data, total = [], 0
         for i, item in enumerate(inputs):
             ids = self._ids(item)
@@ -110,7 +112,8 @@ class PoolingApi:
             probs = [e / sum(exp) for e in exp]
             data.append({"index": i, "label": _LABELS[probs.index(max(probs))], "probs": probs,
                          "num_classes": len(probs)})
-        return data, total
+        return json_response({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                              "model": self.cfg.served_name, "data": data, "usage": self._usage(total)})
 
     def _usage(self, tokens: int) -> dict[str, Any]:
         return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
@@ -124,9 +127,7 @@ class PoolingApi:
             inputs = embedding_inputs(body.get("input"))
         except ApiError as exc:
             return exc.response(ErrorStyle.VLLM)
-        data, tokens = self._classified(inputs)
-        return json_response({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                              "model": self.cfg.served_name, "data": data, "usage": self._usage(tokens)})
+        return self._classify_answer(inputs)
 
     async def vllm_pooling(self, request: web.Request) -> web.Response:
         """vLLM's ``/pooling`` (``PoolingRequest``: ``model``, ``input``): the pooled output per
@@ -261,9 +262,7 @@ class PoolingApi:
                 raise ApiError(400, "All items in input list must be strings", type_="BadRequest") from None
         except ApiError as exc:
             return exc.response(ErrorStyle.SGLANG_OPENAI)
-        data, tokens = self._classified(inputs)
-        return json_response({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                              "model": self.cfg.served_name, "data": data, "usage": self._usage(tokens)})
+        return self._classify_answer(inputs)
 
     async def sglang_score(self, request: web.Request) -> web.Response:
         try:
