@@ -165,6 +165,9 @@ class NoAliases:
     def targets_of(self, name: str) -> tuple[str, ...] | None:
         return None
 
+    def target_for(self, name: str, user: str | None, address: str | None) -> str | None:
+        return None
+
     def resolve(self, ctx: RequestContext, api_user: str | None) -> None:
         pass
 
@@ -193,6 +196,16 @@ class Aliases:
         """The models alias ``name`` may send a request to; None when ``name`` is no alias."""
         alias = self.by_name.get(name)
         return alias.models if alias is not None else None
+
+    def target_for(self, name: str, user: str | None, address: str | None) -> str | None:
+        """The model alias ``name`` would send a caller's request to (``user``: the API key's, if
+        known; ``address``: the client's), as ``resolve`` chooses it but without counting it; None
+        when ``name`` is no alias. A request refused before its alias was resolved is counted
+        under it."""
+        alias = self.by_name.get(name)
+        if alias is None:
+            return None
+        return self.choose(alias, caller_key(alias.sticky, user, None, address))
 
     def choose(self, alias: Alias, key: str | None) -> str:
         u = self.rng.random() if key is None else hash_point(alias.name, key)

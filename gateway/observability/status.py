@@ -140,7 +140,7 @@ class StatusBoard:
     # -- observers (request path) --------------------------------------------------------------
 
     def on_request(self, rec: RequestRecord, duration: float) -> None:
-        model = rec.model
+        model = rec.label_as or rec.model     # a refused alias's or adapter's: the model it stands for
         w = self.windows.get(model)
         if w is None:
             if not self._known(model):   # client-chosen names must not grow the table

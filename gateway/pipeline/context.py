@@ -86,6 +86,9 @@ class RequestRecord:
     # the model exists (the pipeline checked it): only then is ``model`` a metric label, so a
     # client's arbitrary names are logged but never grow /metrics
     model_known: bool = False
+    # a request refused before its alias or adapter was resolved: the served model its name stands
+    # for (an alias's target, an adapter's base model), its metric label while ``model`` keeps the name
+    label_as: str | None = None
     user: str | None = None
     endpoint: str = ""
     prefill_endpoint: str | None = None
@@ -123,7 +126,9 @@ class RequestRecord:
     @property
     def label_model(self) -> str:
         """The model as a metric label: "-" until the model is known to exist."""
-        return self.model if self.model_known else "-"
+        if self.model_known:
+            return self.model
+        return self.label_as or "-"
 
     @property
     def label_path(self) -> str:

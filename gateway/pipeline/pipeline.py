@@ -191,15 +191,35 @@ class Pipeline:
             ctx.ireq = (api.parse if api is not None else parse)(request.path, body, request.headers, ctx.rec.request_id)
         except GatewayError as e:
             if e.model is not None:         # refused after the body named its model: the log line says which
-                ctx.rec.model = e.model
+                self._refused_named(ctx, e.model, user)
             raise
         self.aliases.resolve(ctx, user)
-        self.lora.resolve(ctx)
+        try:
+            self.lora.resolve(ctx)
+        except GatewayError:                # an adapter the request's path cannot carry
+            self._refused_named(ctx, ctx.ireq.lora or ctx.ireq.model, user)
+            raise
         ireq = ctx.ireq
         ctx.rec.model, ctx.rec.stream = ireq.model, ireq.stream
         if ctx.rec.user is None:            # without auth, who the request says it is (with auth, the key's)
             ctx.rec.user = ireq.user
         return ireq
+
+    def _refused_named(self, ctx: RequestContext, name: str, user: str | None) -> None:
+        """A request refused after its body named ``name``: its log line names it, and its metrics
+        count it under the served model it stands for (the model itself, the target its alias
+        would choose, an adapter's base model), as they would have counted it served; a name the
+        gateway does not serve stays under ``-``."""
+        rec = ctx.rec
+        rec.model = name
+        if self.pool.has_model(name) or self.config.model(name) is not None:
+            rec.model_known = True
+            return
+        target = self.aliases.target_for(name, user, ctx.http.remote) if name in self.aliases else None
+        if target is None:
+            target = self.lora.base_of(name)
+        if target is not None and (self.pool.has_model(target) or self.config.model(target) is not None):
+            rec.label_as = target
 
     def _enter(self, model: str) -> str:
         """The model must exist (404; 503 while the pods are not listed yet); it counts one more
