@@ -46,6 +46,7 @@ import contextlib
 import copy
 import itertools
 import json
+import ssl
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
@@ -107,17 +108,18 @@ class KubeEmulator:
 
     # -- server ------------------------------------------------------------------------------
 
-    async def start(self, port: int = 0) -> str:
+    async def start(self, port: int = 0, ssl_context: ssl.SSLContext | None = None) -> str:
+        """Serve on loopback (``ssl_context``: over TLS, at an ``https://`` URL); returns the URL."""
         app = web.Application()
         app.router.add_get("/api/v1/pods", self._collection)
         app.router.add_get("/api/v1/namespaces/{ns}/pods", self._collection)
         app.router.add_get("/api/v1/namespaces/{ns}/pods/{name}", self._get)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", port)
+        site = web.TCPSite(self._runner, "127.0.0.1", port, ssl_context=ssl_context)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"{'https' if ssl_context is not None else 'http'}://127.0.0.1:{port}"
         return self.url
 
     async def close(self) -> None:
@@ -125,11 +127,15 @@ class KubeEmulator:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    def kubeconfig(self, token: str | None = None, namespace: str = "default") -> str:
-        """A kubeconfig (YAML text) pointing at this emulator with a bearer token."""
+    def kubeconfig(self, token: str | None = None, namespace: str = "default", ca: str | None = None) -> str:
+        """A kubeconfig (YAML text) pointing at this emulator with a bearer token; ``ca``: the
+        certificate-authority file its client trusts (served over TLS)."""
+        cluster: dict[str, Any] = {"server": self.url}
+        if ca is not None:
+            cluster["certificate-authority"] = ca
         return json.dumps({
             "apiVersion": "v1", "kind": "Config", "current-context": "emu",
-            "clusters": [{"name": "emu", "cluster": {"server": self.url}}],
+            "clusters": [{"name": "emu", "cluster": cluster}],
             "users": [{"name": "emu", "user": {"token": token or self.token}}],
             "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu", "namespace": namespace}}],
         })

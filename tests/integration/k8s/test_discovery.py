@@ -753,3 +753,36 @@ async def test_a_pod_changed_in_place_is_the_same_engine_to_routing(emu, discove
     (new,) = pool.endpoints("llama")
     assert new.url == old.url and new.extra["routing_strategy"] == "least-request"
     assert told == [(old, new)] and new.in_flight == 2
+
+
+async def test_an_api_server_whose_certificate_is_not_trusted_counts_tls_and_says_so(discover, tmp_path):
+    """An API server over TLS whose certificate the kubeconfig's certificate-authority did not sign
+    (a cluster's CA rotated, the wrong kubeconfig): its lists count ``tls``, not ``connect`` (which
+    says refused, no route, DNS), and the log line says the certificate failed verification, naming
+    the server; with the CA that signed it the same server is listed."""
+    import structlog
+
+    from tests.support.kube_emulator import KubeEmulator
+    from tests.support.tls import CertificateAuthority
+
+    cluster_ca, other_ca = CertificateAuthority(tmp_path, "cluster CA"), CertificateAuthority(tmp_path, "other CA")
+    api = KubeEmulator(bookmark_interval=0.1)
+    await api.start(ssl_context=cluster_ca.issue().server_context())
+    try:
+        reg = CollectorRegistry()
+        with structlog.testing.capture_logs() as logs:
+            d, _ = await discover(registry=reg, sync=False, kubeconfig=api.kubeconfig(ca=str(other_ca.cert)))
+            requests = lambda: samples(reg, "switchyard_kubernetes_requests_total")     # noqa: E731
+            assert await until(lambda: any(v for (r, verb), v in requests().items() if verb == "list" and r != "ok"))
+            await until(lambda: d.status()["watches"][0]["last_error"] is not None)
+        failures = {k: v for k, v in requests().items() if v}
+        assert set(failures) == {("tls", "list")}, failures
+        assert d.status()["watches"][0]["last_error"]["result"] == "tls"
+        failed = [e for e in logs if e["log_level"] == "warning" and "kubernetes" in e["event"]]
+        assert failed and "certificate" in failed[0]["event"] and failed[0]["server"] == api.url, failed
+
+        api.create_pod("llm", "a", {M: "llama"})
+        _, pool = await discover(kubeconfig=api.kubeconfig(ca=str(cluster_ca.cert)))   # the CA that signed it
+        assert names(pool, "llama") == {"a"}
+    finally:
+        await api.close()
