@@ -45,6 +45,7 @@ import json
 import math
 import os
 import random
+import ssl
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -362,6 +363,9 @@ class KubernetesDiscovery:
                 if gone:
                     log.info("kubernetes resourceVersion expired; relisting", namespace=scope or "*",
                              retry_in_s=round(delay, 2))
+                elif result == "tls":
+                    log.warning(_tls_failure(e), namespace=scope or "*", server=self._api_client.configuration.host,
+                                error=f"{type(e).__name__}: {e}".strip(), retry_in_s=round(delay, 2))
                 else:
                     log.warning("kubernetes list/watch failed; relisting", namespace=scope or "*",
                                 error=f"{type(e).__name__}: {e}".strip(), retry_in_s=round(delay, 2))
@@ -685,6 +689,14 @@ def _names_a_pod(obj: Any) -> bool:
     md = obj.get("metadata") if isinstance(obj, dict) else None
     return (isinstance(md, dict) and isinstance(md.get("name"), str) and isinstance(md.get("namespace"), str)
             and bool(md["name"]) and bool(md["namespace"]))
+
+
+def _tls_failure(e: BaseException) -> str:
+    """The warning of a list or watch whose TLS handshake with the API server failed."""
+    if isinstance(e, aiohttp.ClientConnectorCertificateError | ssl.SSLCertVerificationError):
+        return ("kubernetes API server's certificate failed verification (the kubeconfig's certificate-authority, "
+                "or the service account's ca.crt, did not sign it); relisting")
+    return "kubernetes API server's TLS handshake failed (does the server speak TLS at this address?); relisting"
 
 
 def _error_text(e: BaseException) -> str:

@@ -22,6 +22,7 @@ of the pods (as every per-model series is).
 
 from __future__ import annotations
 
+import ssl
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -33,7 +34,7 @@ from prometheus_client.core import GaugeMetricFamily
 from gateway.observability.metrics import Counter
 
 RESULTS = ("ok", "idle", "gone", "unauthorized", "forbidden", "throttled", "client_error", "server_error",
-           "connect", "timeout", "disconnected", "error")
+           "connect", "tls", "timeout", "disconnected", "error")
 
 
 def status_result(status: int) -> str:
@@ -54,8 +55,12 @@ def status_result(status: int) -> str:
 
 
 def transport_result(e: BaseException) -> str:
-    """The ``result`` of a request that got no answer: ``connect`` (refused, no route, DNS),
-    ``timeout``, ``disconnected`` (the connection broke while the answer came), else ``error``."""
+    """The ``result`` of a request that got no answer: ``tls`` (the TLS handshake failed: a
+    certificate the client does not trust, a server that speaks no TLS), ``connect`` (refused, no
+    route, DNS), ``timeout``, ``disconnected`` (the connection broke while the answer came), else
+    ``error``."""
+    if isinstance(e, aiohttp.ClientSSLError | ssl.SSLError):
+        return "tls"
     if isinstance(e, aiohttp.ClientConnectorError):
         return "connect"
     if isinstance(e, TimeoutError):
@@ -73,7 +78,7 @@ class DiscoveryMetrics:
                                 "List and watch requests of Kubernetes discovery to the API server, by verb (list, "
                                 "watch) and how they ended (ok; idle: a watch silent for watch_idle_timeout_s; gone: "
                                 "410; unauthorized, forbidden, throttled, client_error, server_error: the API's "
-                                "answer; connect, timeout, disconnected: no answer; error: anything else)",
+                                "answer; connect, tls, timeout, disconnected: no answer; error: anything else)",
                                 ["verb", "result"], registry=registry)
         self.skipped_events = Counter("switchyard_kubernetes_watch_events_skipped",
                                       "Watch events whose object names no pod (no metadata, no name or namespace, "

@@ -684,7 +684,7 @@ async def test_list_and_watch_requests_are_counted_by_how_they_ended(emu, discov
     d, _ = await discover(namespaces=["llm"], registry=reg, watch_timeout_s=1)
     requests = lambda: samples(reg, "switchyard_kubernetes_requests_total")     # noqa: E731
     got = requests()
-    assert len(got) == 2 * 12 and {k: v for k, v in got.items() if v} == {
+    assert len(got) == 2 * 13 and {k: v for k, v in got.items() if v} == {
         ("server_error", "list"): 1, ("forbidden", "list"): 1, ("throttled", "list"): 1, ("ok", "list"): 1}
     await until(lambda: requests()[("ok", "watch")] >= 1, timeout=5)          # the watch's server-side end
     await until(lambda: len(emu.watchers) == 1)
@@ -755,7 +755,7 @@ async def test_a_pod_changed_in_place_is_the_same_engine_to_routing(emu, discove
     assert told == [(old, new)] and new.in_flight == 2
 
 
-async def test_an_api_server_whose_certificate_is_not_trusted_counts_tls_and_says_so(discover, tmp_path):
+async def test_an_api_server_whose_certificate_is_not_trusted_counts_tls_and_says_so(emu, discover, tmp_path):
     """An API server over TLS whose certificate the kubeconfig's certificate-authority did not sign
     (a cluster's CA rotated, the wrong kubeconfig): its lists count ``tls``, not ``connect`` (which
     says refused, no route, DNS), and the log line says the certificate failed verification, naming
@@ -784,5 +784,14 @@ async def test_an_api_server_whose_certificate_is_not_trusted_counts_tls_and_say
         api.create_pod("llm", "a", {M: "llama"})
         _, pool = await discover(kubeconfig=api.kubeconfig(ca=str(cluster_ca.cert)))   # the CA that signed it
         assert names(pool, "llama") == {"a"}
+
+        # https:// to a server that speaks no TLS: a failed handshake, also tls
+        reg = CollectorRegistry()
+        plain = emu.kubeconfig(ca=str(cluster_ca.cert)).replace(emu.url, emu.url.replace("http:", "https:"))
+        with structlog.testing.capture_logs() as logs:
+            await discover(registry=reg, sync=False, kubeconfig=plain)
+            assert await until(lambda: samples(reg, "switchyard_kubernetes_requests_total")[("tls", "list")] >= 1)
+        failed = [e for e in logs if e["log_level"] == "warning" and "kubernetes" in e["event"]]
+        assert failed and "TLS handshake" in failed[0]["event"], failed
     finally:
         await api.close()

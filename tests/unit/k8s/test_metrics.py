@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ssl
+
 import aiohttp
 from aiohttp.client_reqrep import ConnectionKey
 
@@ -19,6 +21,9 @@ def test_requests_without_an_answer_are_named_by_what_went_wrong():
     key = ConnectionKey("api", 443, True, True, None, None, None)
     refused = aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "refused"))
     assert transport_result(refused) == "connect"
+    untrusted = aiohttp.ClientConnectorCertificateError(key, ssl.SSLCertVerificationError(1, "unable to get issuer"))
+    assert transport_result(untrusted) == "tls"
+    assert transport_result(aiohttp.ClientConnectorSSLError(key, ssl.SSLError(1, "wrong version number"))) == "tls"
     assert transport_result(aiohttp.ServerTimeoutError("read")) == "timeout"
     assert transport_result(TimeoutError()) == "timeout"
     assert transport_result(aiohttp.ServerDisconnectedError()) == "disconnected"
