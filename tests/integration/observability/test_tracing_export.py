@@ -142,6 +142,44 @@ async def test_a_collector_whose_certificate_the_ca_does_not_sign_gets_nothing_a
         await rx.close()
 
 
+@pytest.mark.parametrize("collector", ["closed", "plain"])
+async def test_a_collector_out_of_reach_over_http_is_named_with_its_cause_in_one_line(sims, gateway, caplog,
+                                                                                     collector):
+    """Over HTTP, a collector's closed port (connection refused) or an https:// endpoint at a
+    collector that speaks plain HTTP: each failed batch is counted, and the gateway says once, not
+    at every batch, which endpoint failed and why; the SDK's own last line says only "timeout, max
+    retries or shutdown"."""
+    rx = None
+    if collector == "closed":
+        endpoint = f"http://127.0.0.1:{listen_port()}/v1/traces"
+        cause = "connection refused"
+    else:
+        rx = await OTLPReceiver().start()
+        endpoint = rx.url.replace("http://", "https://")
+        cause = "tls handshake failed"
+    try:
+        sim = await sims("vllm", "m")
+        gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}],
+                           tracing=tracing(endpoint, export_timeout_s=0.3))
+        caplog.set_level(logging.WARNING)
+        for i in range(2):
+            status, _, body = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2})
+            assert status == 200 and body
+            # each request's spans in a batch of their own, once the first failed
+            assert await wait_for(lambda n=i + 1: _failed_batches(caplog) >= n, timeout=10)
+        assert sample(await gw.metrics_text(), "switchyard_trace_export_failures_total") >= 2
+        ours = [r.getMessage() for r in caplog.records if r.name.startswith("switchyard")]
+        assert len(ours) == 1, ours
+        assert endpoint in ours[0] and cause in ours[0].lower(), ours
+    finally:
+        if rx is not None:
+            await rx.close()
+
+
+def _failed_batches(caplog) -> int:
+    return sum(1 for r in caplog.records if r.name.startswith("opentelemetry") and r.levelno >= logging.ERROR)
+
+
 @pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
 async def test_mutual_tls_with_the_client_certificate_and_key_from_the_environment(sims, gateway, ca,
                                                                                   monkeypatch, protocol):
