@@ -22,7 +22,8 @@ path costs a few no-op method calls per request.
 Spans go through the SDK's batch processor (a queue and one exporter thread; a full queue drops
 spans, never blocks a request) to an OTLP exporter: HTTP/protobuf by default, gRPC with the
 ``grpc`` extra. Export failures are counted (``switchyard_trace_export_failures_total``) as well as
-logged by the SDK, and so are the spans a full queue drops (``switchyard_trace_spans_total``). The
+logged by the SDK (over HTTP, the gateway names the endpoint and the cause of one that got no
+answer, at most once a minute: ``CountingExporter``), and so are the spans a full queue drops (``switchyard_trace_spans_total``). The
 provider belongs to the app (no global tracer provider) and is shut down, flushing what is queued,
 when the app stops.
 
@@ -572,12 +573,25 @@ class RequestTrace(Trace):
 # -- the exporter and the app-wide object --------------------------------------------------------
 
 
-class CountingExporter(SpanExporter):
-    """The OTLP exporter, with its failures counted (it retries and logs them itself)."""
+FAILURE_LINE_EVERY_S = 60.0     # the gateway's line of failed exports, at most once in this long
 
-    def __init__(self, inner: SpanExporter, metrics: GatewayMetrics) -> None:
+
+class CountingExporter(SpanExporter):
+    """The OTLP exporter, with its failures counted (it retries and logs them itself). Over HTTP,
+    where the SDK's last line of a batch whose requests got no answer says only that it failed
+    "due to timeout, max retries or shutdown", the gateway says which endpoint and why (the
+    exporter's ``switchyard_failure``, ``make_exporter``): at the first failure, then at most once
+    every ``FAILURE_LINE_EVERY_S`` while they go on, with the batches failed since."""
+
+    def __init__(self, inner: SpanExporter, metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
         self.inner = inner
         self.metrics = metrics
+        self._failure: Callable[[], str | None] | None = getattr(inner, "switchyard_failure", None)
+        self._endpoint = str(getattr(inner, "_endpoint", "") or "")
+        self._clock = clock
+        self._told_at: float | None = None
+        self._untold = 0            # batches failed since the last line
 
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
         try:
@@ -591,7 +605,22 @@ class CountingExporter(SpanExporter):
         else:
             m.trace_export_failures.inc()
             m.child(m.trace_spans, "failed").inc(len(spans))
+            if self._failure is not None:
+                self._tell(self._failure())
         return result
+
+    def _tell(self, cause: str | None) -> None:
+        """The line of a failed export whose cause is known (not an answer's status: the SDK's line says it)."""
+        self._untold += 1
+        if cause is None:
+            return
+        now = self._clock()
+        if self._told_at is not None and now - self._told_at < FAILURE_LINE_EVERY_S:
+            return
+        _log.warning("tracing: spans could not be exported to %s: %s (%d span batch(es) failed since the last "
+                     "such line; switchyard_trace_export_failures_total counts them)",
+                     self._endpoint, cause, self._untold)
+        self._told_at, self._untold = now, 0
 
     def shutdown(self) -> None:
         self.inner.shutdown()
@@ -683,8 +712,12 @@ def make_exporter(s: TracingSettings) -> SpanExporter:
     from opentelemetry.exporter.otlp.proto.http import Compression
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     compression = {"gzip": Compression.Gzip, "deflate": Compression.Deflate}.get(s.compression, Compression.NoCompression)
-    return OTLPSpanExporter(endpoint=s.endpoint, timeout=s.export_timeout_s, compression=compression,
-                            session=_http_session())
+    session = _http_session()
+    exporter = OTLPSpanExporter(endpoint=s.endpoint, timeout=s.export_timeout_s, compression=compression,
+                                session=session)
+    if session is not None:     # what the last export's failure was, for the gateway's line (``CountingExporter``)
+        exporter.switchyard_failure = lambda: session.failed
+    return exporter
 
 
 # the SDK's variables naming a requests.Session of a plugin's, which a session given here would replace
@@ -707,6 +740,8 @@ def _http_session() -> Any:
     import requests
 
     class Session(requests.Session):
+        failed: str | None = None       # why the last request got no answer (``_unanswered``); None once one did
+
         def merge_environment_settings(self, url, proxies, stream, verify, cert):
             merged = super().merge_environment_settings(url, proxies, stream, verify, cert)
             if verify is None and isinstance(self.verify, str):     # a CA file, given to the exporter
@@ -715,17 +750,56 @@ def _http_session() -> Any:
 
         def send(self, request, **kwargs):
             try:
-                return super().send(request, **kwargs)
+                response = super().send(request, **kwargs)
             except requests.exceptions.SSLError as e:
                 cause = _cert_verification(e)
                 if cause is None:           # a handshake cut short: transient, retried as before
+                    self.failed = _unanswered(e)
                     raise
                 verify = kwargs.get("verify")
                 ca = verify if isinstance(verify, str) else "the system's CA bundle"
-                raise CollectorNotTrusted(f"the collector's certificate is not trusted ({ca}): "
-                                          f"certificate verify failed: {cause}") from e
+                self.failed = (f"the collector's certificate is not trusted ({ca}): "
+                               f"certificate verify failed: {cause}")
+                raise CollectorNotTrusted(self.failed) from e
+            except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as e:
+                self.failed = _unanswered(e)
+                raise
+            self.failed = None
+            return response
 
     return Session()
+
+
+def _unanswered(error: BaseException) -> str:
+    """Why an export request got no answer, in a few words and what the socket said: connection
+    refused, a TLS handshake that failed (an https:// endpoint at a plain-text collector), a name
+    not resolved, no answer in time."""
+    import socket
+    import ssl
+
+    import requests
+    found: list[BaseException] = []
+
+    def walk(e: BaseException, depth: int) -> None:
+        found.append(e)
+        if depth < 6:
+            for inner in (*getattr(e, "args", ()), getattr(e, "reason", None), e.__cause__, e.__context__):
+                if isinstance(inner, BaseException) and inner not in found:
+                    walk(inner, depth + 1)
+
+    walk(error, 0)
+    for e in found:
+        if isinstance(e, ssl.SSLError):
+            return (f"the TLS handshake failed ({e.reason or e}): does the collector speak TLS at this "
+                    "address, or plain HTTP (an http:// endpoint)?")
+        if isinstance(e, ConnectionRefusedError):
+            return "connection refused: is the collector listening at this address?"
+        if isinstance(e, socket.gaierror):
+            return f"the collector's host name was not resolved ({e})"
+    if isinstance(error, requests.exceptions.Timeout):
+        return "no answer within the export timeout"
+    last = found[-1]
+    return f"{type(last).__name__}: {last}"
 
 
 class CollectorNotTrusted(Exception):
