@@ -974,3 +974,33 @@ async def test_a_request_of_several_choices_is_reserved_every_choices_output(sim
     assert [st for st, _, _ in results] == [200] * 3
     assert served == ["b1", "b2", "a2"]
     await cancel(tasks[0])
+
+
+async def test_a_model_a_reload_removed_leaves_the_admission_gauges(sims, gateway):
+    """A reload that removes a model whose queue is empty takes its admission gauges off /metrics
+    (queue depth, bytes and drain rate: a drain rate that still read 1 request/s said the gone model
+    was served); the model kept has its own, and its counters stay as every model's do."""
+    import msgspec
+
+    from gateway.server.app import RELOAD_KEY
+
+    kept, gone = await sims("vllm", "m"), await sims("vllm", "gone")
+    gw = await gateway([model_block("m", "vllm", [kept.url]), model_block("gone", "vllm", [gone.url])],
+                       admission={"enabled": True, "max_in_flight_per_endpoint": 4})
+    client = openai_client(gw)
+    for model in ("m", "gone"):
+        await client.chat.completions.create(**body(model=model))
+    gauges = ("switchyard_admission_queue_depth", "switchyard_admission_queue_bytes", "switchyard_admission_drain_rate")
+
+    def series(page: str, model: str) -> list[str]:
+        return [line for line in page.splitlines() if line.startswith(gauges) and f'model="{model}"' in line]
+
+    assert series(await gw.metrics_text(), "gone")
+    reloader = gw.runner.app[RELOAD_KEY]
+    config = reloader.live.config
+    assert reloader.reload("test", msgspec.structs.replace(
+        config, models=[m for m in config.models if m.name == "m"])).result == "ok"
+    page = await gw.metrics_text()
+    assert series(page, "gone") == [] and len(series(page, "m")) == 5
+    assert 'switchyard_requests_total{model="gone",status="200"' in page
+    await client.close()
