@@ -162,12 +162,18 @@ class Admission:
 
     def tracked(self) -> list[str]:
         """The models the gauges cover: every one admission is on for (the config's and the pool's,
-        discovered ones included), served here yet or not, and those that had a queue here since
-        (a reload may have turned admission off or removed the model while requests waited). With
+        discovered ones included), served here yet or not, and those a reload removed (or turned
+        admission off for) while requests waited, until their queue is empty: then the model's
+        queue goes, and its gauges with it (they would say a model no longer served drains). With
         ``--workers N`` a worker that has not served a model still holds its share of the model's
         room, which the gateway's sum needs."""
-        for model in dict.fromkeys([*(m.name for m in self.config.models), *self.pool.models()]):
+        present = dict.fromkeys([*(m.name for m in self.config.models), *self.pool.models()])
+        for model in present:
             self.settings(model)
+        for model in [m for m, mq in self._models.items()
+                      if not len(mq.queue) and not mq.granted and (m not in present or self.settings(m) is None)]:
+            del self._models[model]
+            self._settings.pop(model, None)     # read again if it comes back (discovery), its queue made anew
         return list(self._models)
 
     # -- priority ------------------------------------------------------------------------------

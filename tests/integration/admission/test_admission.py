@@ -1003,4 +1003,7 @@ async def test_a_model_a_reload_removed_leaves_the_admission_gauges(sims, gatewa
     page = await gw.metrics_text()
     assert series(page, "gone") == [] and len(series(page, "m")) == 5
     assert 'switchyard_requests_total{model="gone",status="200"' in page
+    assert reloader.reload("test", config).result == "ok"          # back: admitted, its gauges again
+    await client.chat.completions.create(**body(model="gone"))
+    assert len(series(await gw.metrics_text(), "gone")) == 5
     await client.close()
