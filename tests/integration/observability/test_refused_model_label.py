@@ -56,3 +56,25 @@ async def test_a_served_models_bad_field_counts_under_the_model_on_both_paths(si
     f.close()
     named = {x["request_id"]: x["model"] for x in lines}
     assert named == {rid: model for rid, model, _ in cases}    # the line names what the body named
+
+
+async def test_a_refused_adapters_request_counts_under_its_base_model(sims, gateway):
+    """A LoRA adapter's request refused for a bad field, or on a path its SGLang engine's adapter
+    field has no place in (a Messages request), counts under the base model; its record names the
+    adapter the body named."""
+    sim = await sims("sglang", "m")
+    gw = await gateway([model_block("m", "sglang", [sim.url], adapters={"tone": "org/tone-lora"})])
+    records = []
+    gw.gw.observers.append(lambda rec, _d: records.append(rec))
+    writes = [("/v1/chat/completions", {"model": "tone", "messages": CHAT, "max_tokens": -1}),
+              ("/v1/messages", {"model": "tone", "messages": CHAT, "max_tokens": 2})]
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        for i, (path, body) in enumerate(writes):
+            writer.write(_req(body, rid=f"adapter-{i}", path=path))
+            status, _headers, answer = await _answer(reader)
+            assert status == "HTTP/1.1 400 Bad Request", answer
+    finally:
+        writer.close()
+    assert _refused(await gw.metrics_text(), "m") == 2
+    assert [(r.model, r.status) for r in records] == [("tone", 400)] * 2
