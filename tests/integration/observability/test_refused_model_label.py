@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import orjson
 
 from gateway.observability.logs import LineWriter
@@ -50,6 +51,10 @@ async def test_a_served_models_bad_field_counts_under_the_model_on_both_paths(si
     assert _refused(page, "m") == 4, page                  # the model's two and its alias's two
     assert _refused(page, "-") == 2                        # a name the gateway does not serve
     assert _refused(page, "chat") == 0                     # no series for the alias's own name
+
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/status.json") as r:
+        models = {m["name"]: m for m in (await r.json())["models"]}
+    assert (models["m"]["minute"]["requests"], models["m"]["minute"]["errors"]) == (4, 4)   # the page says so too
 
     lines = await wait_for(lambda: [orjson.loads(x) for x in out.read_bytes().splitlines()]
                            if out.read_bytes().count(b"\n") >= len(cases) else None)
