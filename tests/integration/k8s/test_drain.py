@@ -18,6 +18,7 @@ from aiohttp import web
 
 from gateway.server.app import NOT_READY_KEY
 from gateway.server.run import drain_and_stop
+from tests.support.edge import Resp, parse_responses, request
 from tests.support.factories import model_block
 from tests.support.fake_engine import fake_engine
 from tests.support.ports import listen_port
@@ -177,3 +178,81 @@ async def _cut_after_half_an_event(gateway, url: str, halves: asyncio.Queue, usa
     assert [c.choices[0].delta.content for c in got] == ["wagon"], usage
     await asyncio.wait_for(drain, 10)
     await oc.close()
+
+
+class Conn:
+    """One kept-alive client connection, read by hand."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer, self.data = reader, writer, b""
+
+    @classmethod
+    async def open(cls, port: int) -> Conn:
+        return cls(*await asyncio.open_connection("127.0.0.1", port))
+
+    async def ask(self, body: dict) -> Resp:
+        self.writer.write(request("POST", "/v1/chat/completions", orjson.dumps(body)))
+        return await self.answer()
+
+    async def answer(self) -> Resp:
+        async with asyncio.timeout(10):
+            while True:
+                got, rest = parse_responses(self.data, eof=False)
+                if got:
+                    self.data = rest
+                    return got[0]
+                chunk = await self.reader.read(65536)
+                assert chunk, "the connection closed before its answer"
+                self.data += chunk
+
+    async def closed(self) -> bool:
+        """Whether the server closes the connection (EOF, not a reset) without sending anything more."""
+        async with asyncio.timeout(5):
+            return await self.reader.read(1) == b""
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def test_the_drain_closes_idle_kept_alive_connections_at_its_start_and_the_others_after_their_answer(
+        sims, gateway):
+    """At the drain's start a pooled client learns at once to reconnect (elsewhere, once the load
+    balancers caught up), as nginx and Envoy tell it: an idle kept-alive connection is closed, an
+    answer still to be written says ``Connection: close``, and a stream under way ends with its
+    connection; meanwhile every request is still served."""
+    sim = await sims("vllm", "m", itl_ms=25)
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    whole = {**BODY, "stream": False, "max_tokens": 2}
+    idle, streaming, waiting = await Conn.open(gw.port), await Conn.open(gw.port), await Conn.open(gw.port)
+    drain = None
+    try:
+        first = await idle.ask(whole)
+        assert first.status == 200 and first.headers.get("connection") != "close"
+        streaming.writer.write(request("POST", "/v1/chat/completions", orjson.dumps({**BODY, "max_tokens": 20})))
+        streaming.data = await streaming.reader.readuntil(b"data: ")       # the stream is under way
+        waiting.writer.write(request("POST", "/v1/chat/completions", orjson.dumps({**whole, "max_tokens": 16})))
+        async with asyncio.timeout(10):     # the whole answer is on its way from the engine
+            while gw.gw.lifecycle.in_flight < 2:
+                await asyncio.sleep(0.01)
+        # a delay longer than the test: every step below happens while the listener still accepts
+        drain = asyncio.create_task(drain_and_stop(gw.runner, gw.runner.app, grace=60, delay=30))
+        assert await idle.closed(), "the idle kept-alive connection stayed open"
+        answer = await waiting.answer()
+        assert answer.status == 200 and answer.headers.get("connection") == "close", answer.headers
+        assert await waiting.closed()
+        streamed = await streaming.answer()
+        assert streamed.status == 200 and streamed.body.rstrip().endswith(b"data: [DONE]")
+        assert await streaming.closed(), "the stream's connection stayed open"
+        fresh = await Conn.open(gw.port)      # a new connection in the delay is served, once
+        try:
+            later = await fresh.ask(whole)
+            assert later.status == 200 and later.headers.get("connection") == "close", later.headers
+            assert await fresh.closed()
+        finally:
+            fresh.close()
+    finally:
+        for c in (idle, streaming, waiting):
+            c.close()
+        if drain is not None:
+            drain.cancel()
+            await asyncio.gather(drain, return_exceptions=True)
