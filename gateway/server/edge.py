@@ -49,6 +49,12 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   (``e_head_started``: the start of the head clock the edge runs anyway). A 408 or 400 for a body
   the pipeline was reading is left to the pipeline's line, which says that answer
   (gateway/pipeline/context.py ``take_edge_answer``) rather than a client's cancel.
+- **A stop.** At the drain's start (gateway/server/run.py ``drain_and_stop``) ``EdgeServer.drain``
+  closes every idle kept-alive connection, as HTTP clients expect of them (their pools open a new
+  one, elsewhere once the load balancers caught up), and every other connection closes after the
+  answer it is giving, or the first one of a connection accepted since: that answer says
+  ``Connection: close`` when its head has not gone out yet (a stream under way ends with its
+  connection instead).
 - **CORS**, when ``server.cors_allowed_origins`` lists origins (gateway/server/cors.py): a browser's
   preflight to an API path is answered before the application (and written to the request log as
   a request of its own), and a request with an ``Origin``
@@ -319,6 +325,8 @@ class Edge:
         self.request_log = request_log
         self.connections = 0
         self.lane_requests = 0
+        # the gateway stops (``EdgeServer.drain``): every connection closes after its answer in progress
+        self.draining = False
         # gateway/server/cors.py; None: CORS off
         self.cors = CorsPolicy(limits.cors_allowed_origins) if limits.cors_allowed_origins else None
         # with CORS on, ``switchyard_cors_requests_total`` by outcome (the gateway's metric, or one of its own)
@@ -405,6 +413,17 @@ def _cause_text(exc: BaseException | None) -> str:
 def _short(text: str | None, limit: int = 200) -> str:
     text = text or ""
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _e_closing(request: Any) -> None:
+    """``request``'s answer closes its connection: it says ``Connection: close`` when its head is
+    written after this (``request.keep_alive``, which aiohttp's responses and the whole writes of
+    gateway/pipeline/whole.py read; aiohttp's is reified into the request's ``_cache``, where
+    aiohttp itself sets such values)."""
+    if isinstance(request, lane.LaneRequest):
+        request.keep_alive = False
+    else:
+        request._cache["keep_alive"] = False
 
 
 class EdgeProtocol(web.RequestHandler):
@@ -675,7 +694,7 @@ class EdgeProtocol(web.RequestHandler):
     def _lane_start(self, got: lane.Parsed, head_read: float | None = None) -> None:
         """``head_read``: when the head of a request the lane held came (``lane.LaneRequest.head_read``)."""
         path, headers, body, keep_alive = got
-        request = self._lane_request(path, headers, body, keep_alive, self, head_read)
+        request = self._lane_request(path, headers, body, keep_alive and not self._edge.draining, self, head_read)
         self._request_count += 1            # parsed and started, as aiohttp counts its own
         self._e_started += 1
         self._e_pipelined = False
@@ -804,7 +823,7 @@ class EdgeProtocol(web.RequestHandler):
 
     def _lane_done(self, keep: bool) -> None:
         self._e_request = None
-        if not keep or self.transport is None or self._force_close or self._close:
+        if not keep or self.transport is None or self._force_close or self._close or self._edge.draining:
             self.force_close()
             return
         self._next_keepalive_close_time = self._e_loop.time() + self._keepalive_timeout
@@ -819,6 +838,21 @@ class EdgeProtocol(web.RequestHandler):
             # handler's), and aiohttp's path costs such a request ~0.3 ms at low load
             self._e_rx_head = False
             self.data_received(b"".join(held))
+
+    def e_drain(self) -> bool:
+        """The gateway stops: an idle kept-alive connection closes now, silently, as at its keep-alive
+        timeout; any other closes after the answer in progress (``Connection: close`` on it while its
+        head is still to go out, ``_e_closing``). Returns whether the connection was idle."""
+        if self.transport is None:
+            return False
+        if self._e_phase == _IDLE and self._lane is None and self._lane_part is None and not self._messages \
+                and not self._request_in_progress:
+            self._e_close()
+            return True
+        request = self._e_request
+        if request is not None:
+            _e_closing(request)
+        return False
 
     def pause_reading(self) -> None:
         self._e_read_paused = True
@@ -841,6 +875,8 @@ class EdgeProtocol(web.RequestHandler):
         self._e_request = request
         self._e_payload = payload
         self._e_unparsed = unparsed
+        if self._edge.draining:
+            _e_closing(request)
         if not unparsed:                # its head parsed: the next head's bytes are kept anew (or were: ``_e_feed``)
             heads = self._e_heads
             self._e_line = heads.pop(self._e_started + 1, b"") if heads else b""
@@ -860,6 +896,11 @@ class EdgeProtocol(web.RequestHandler):
 
     async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
                               start_time: float | None) -> tuple[web.StreamResponse, bool]:
+        if self._edge.draining:         # the connection closes after this answer (``e_drain``)
+            if isinstance(resp, web.StreamResponse):
+                resp.force_close()
+            else:                       # a WrittenAnswer
+                resp.keep_alive = False
         try:
             out = await super().finish_response(request, resp, start_time)
             if not out[1] and not resp.keep_alive and not request.content.is_eof():
@@ -1673,6 +1714,13 @@ class EdgeServer(web.Server):
                     return refused(request, host)
                 return await preflights(request)
         self.request_handler = request_handler
+
+    def drain(self) -> int:
+        """The gateway stops (gateway/server/run.py ``drain_and_stop``): idle kept-alive connections
+        close now, the others after their answer in progress, and a connection accepted from now on
+        after its first answer. Returns how many idle connections were closed."""
+        self.edge.draining = True
+        return sum(conn.e_drain() for conn in list(self._connections) if isinstance(conn, EdgeProtocol))
 
     def __call__(self) -> EdgeProtocol:
         return EdgeProtocol(self, loop=self._edge_loop, edge=self.edge, **self._edge_handler_kwargs)

@@ -1,7 +1,8 @@
 """The gateway's lifecycle: requests in flight, drain, and the tasks that outlive a request.
 
 ``enter``/``leave`` bracket every request so that a drain can wait for the last one; after
-``begin_drain`` new requests on kept-alive connections get 503 with ``Connection: close``. When the
+``begin_drain`` (the listener closed) new requests on connections still open get 503 with
+``Connection: close``. When the
 grace period is over (or a second signal stops the gateway at once), ``cut`` ends the clients'
 requests still running: each answers the 503 of a gateway shutting down, a stream as its last
 event, before the connections close.

@@ -3,9 +3,12 @@
 Drain, as Kubernetes needs it (the pod is taken out of the Service's endpoints *while* it gets
 SIGTERM, and load balancers learn of it a few seconds later):
 
-1. at SIGTERM ``/ready`` answers 503 at once, and requests are still served as usual;
+1. at SIGTERM ``/ready`` answers 503 at once, and requests are still served as usual, but no
+   connection is kept alive any more: an idle kept-alive one closes at once, any other after the
+   answer it is giving (``EdgeServer.drain``), so that pooled clients reconnect, through load
+   balancers that learn of the stop meanwhile;
 2. after ``server.drain_delay_s`` (capped at the grace period) the listener closes: new
-   connections are refused, and a request arriving on a kept-alive connection gets 503 with
+   connections are refused, and a request arriving on a connection still open gets 503 with
    ``Connection: close``;
 3. requests in flight, streams included, may finish until ``server.shutdown_grace_s`` after the
    SIGTERM; then the remaining ones are cut (each client told: a 503, or a stream's last event),
@@ -45,7 +48,7 @@ from gateway.batch.api import MULTIPART_SLACK
 from gateway.config.schema import Config
 from gateway.server import hup
 from gateway.server.app import DIRECT_KEY, GATEWAY_KEY, LIFECYCLE_KEY, NOT_READY_KEY, RELOAD_KEY, build_app
-from gateway.server.edge import Edge, EdgeLimits, EdgeRunner, inline_request_handlers
+from gateway.server.edge import Edge, EdgeLimits, EdgeRunner, EdgeServer, inline_request_handlers
 from gateway.server.workers import WorkerInfo, hold_for_tests
 
 log = structlog.get_logger("switchyard.server")
@@ -106,13 +109,16 @@ async def drain_and_stop(runner: web.AppRunner, app: web.Application, grace: flo
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace
     app[NOT_READY_KEY].set()
+    # pooled clients learn of the stop now: idle kept-alive connections close, the others after their answer
+    server = runner.server
+    idle_closed = server.drain() if isinstance(server, EdgeServer) else 0
     delay = max(0.0, min(delay, grace))
-    log.info("draining", in_flight=lifecycle.in_flight, delay_s=delay, grace_s=grace)
+    log.info("draining", in_flight=lifecycle.in_flight, delay_s=delay, grace_s=grace, idle_closed=idle_closed)
     if delay:
         await asyncio.sleep(delay)
     for site in list(runner.sites):
         await site.stop()                   # the listening socket closes: new connections refused
-    lifecycle.begin_drain()                        # kept-alive connections: 503 + Connection: close
+    lifecycle.begin_drain()                        # a request on a connection still open: 503 + Connection: close
     log.info("listener closed", in_flight=lifecycle.in_flight)
     finished = await lifecycle.wait_idle(max(0.0, deadline - loop.time()))
     if not finished:

@@ -256,3 +256,29 @@ async def test_the_drain_closes_idle_kept_alive_connections_at_its_start_and_the
         if drain is not None:
             drain.cancel()
             await asyncio.gather(drain, return_exceptions=True)
+
+
+async def test_an_sdk_whose_pooled_connection_the_drain_closed_asks_again_on_a_new_one(sims, gateway):
+    """The openai SDK (httpx's pool) finds its idle connection closed when it next takes it and
+    opens another: no error reaches the caller, without a retry."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    oc = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    edge = gw.runner.server.edge
+    drain = None
+    try:
+        ask = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        first = await oc.chat.completions.with_raw_response.create(**ask)
+        assert first.headers.get("connection") != "close"
+        assert edge.connections == 1
+        drain = asyncio.create_task(drain_and_stop(gw.runner, gw.runner.app, grace=60, delay=30))
+        async with asyncio.timeout(5):      # the pooled connection is closed on the gateway's side
+            while edge.connections:
+                await asyncio.sleep(0.01)
+        again = await oc.chat.completions.create(**ask)
+        assert again.choices[0].message.content
+    finally:
+        await oc.close()
+        if drain is not None:
+            drain.cancel()
+            await asyncio.gather(drain, return_exceptions=True)
