@@ -70,7 +70,8 @@ runner's factory of its ``Server``), ``Server._kwargs`` (the handler keyword arg
 collected), ``RequestHandler._request_count`` (requests parsed on this connection),
 ``web_protocol.ERROR`` (the message of the request aiohttp hands ``handle_error`` for a head it
 could not parse), ``web_protocol._ErrInfo`` and ``RequestHandler._messages`` (a refused read, as
-queued after the requests before it: ``_e_feed``), and for a body in ``x-gzip`` (``XGzipBody``) ``BaseRequest._payload`` with its
+queued after the requests before it: ``_e_feed``), ``Server._connections`` and a request's reified
+``keep_alive`` in ``BaseRequest._cache`` (a drain: ``EdgeServer.drain``, ``_e_closing``), and for a body in ``x-gzip`` (``XGzipBody``) ``BaseRequest._payload`` with its
 reified ``content``, ``StreamReader._wait`` and ``_protocol`` (the connection a body that does not
 decode is answered on) and the parser's ``DeflateBuffer``.
 """

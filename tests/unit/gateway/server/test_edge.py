@@ -144,6 +144,20 @@ def test_aiohttp_request_stream_and_decoder_an_x_gzip_body_uses():
     assert "return self.decompressor.data_available" in inspect.getsource(DeflateBuffer.feed_data)
 
 
+def test_aiohttp_hooks_a_drain_closes_connections_with():
+    """At the drain's start (``EdgeServer.drain``) the edge walks the server's connections
+    (``Server._connections``), and makes the answers to come close theirs: a request's ``keep_alive``
+    is reified into its ``_cache``, which aiohttp's responses read when they prepare, and
+    ``StreamResponse.force_close`` makes the connection close after an answer already under way."""
+    from aiohttp.helpers import reify
+    assert "self._connections[handler] = transport" in inspect.getsource(web.Server.connection_made)
+    br = web.BaseRequest
+    assert isinstance(vars(br)["keep_alive"], reify) and "_cache" in br.ATTRS
+    assert "keep_alive = request.keep_alive" in inspect.getsource(web.StreamResponse._prepare_headers)
+    assert "self._keep_alive = False" in inspect.getsource(web.StreamResponse.force_close)
+    assert "self._keepalive = bool(resp.keep_alive)" in inspect.getsource(web.RequestHandler.start)
+
+
 def test_aiohttp_state_the_fast_lane_keeps_in_step():
     """The fast lane (gateway/server/lane.py) takes a request beside aiohttp's protocol: it reads and
     sets these of its state, with the meaning pinned here."""
