@@ -544,3 +544,22 @@ async def test_the_pooling_paths_reach_the_engines_that_serve_them(sims, gateway
         assert headers["x-error-unsupported-path"] == path
     status, got, _ = await post_json(gw, "/pooling", {"input": "x"}, auth)
     assert status == 400 and got["error"]["param"] == "model"
+
+
+async def test_sglangs_v1_tokenize_and_detokenize_reach_it_and_vllm_says_it_does_not_serve_them(fleet):
+    """SGLang serves its tokenizer at ``/v1/tokenize`` and ``/v1/detokenize`` (``/tokenize`` and
+    ``/detokenize`` are aliases it leaves out of its schema); vLLM at the short paths only."""
+    gw, _, s = fleet
+    status, got, headers = await post_json(gw, "/v1/tokenize", {"model": "qwen", "prompt": "hello there"})
+    assert status == 200 and got["count"] == 4, got
+    assert headers["target-pod"] == s.url.removeprefix("http://")
+    status, back, _ = await post_json(gw, "/v1/detokenize", {"model": "qwen", "tokens": got["tokens"]})
+    assert status == 200 and back == {"text": "hello there"}
+    posted = [r["path"] for r in (await sim_state(s.url))["received"] if r["method"] == "POST"]
+    assert posted == ["/v1/tokenize", "/v1/detokenize"]
+    for path in ("/v1/tokenize", "/v1/detokenize"):
+        status, got, headers = await post_json(gw, path, {"model": "llama", "prompt": "x", "tokens": [1]})
+        assert status == 404 and got["error"]["code"] == "unsupported_path", got
+        assert got["error"]["message"] == f"The model `llama` is served by vllm, which does not serve POST {path}."
+    metrics = await gw.metrics_text()
+    assert 'switchyard_path_requests_total{path="/v1/tokenize",status="200"} 1.0' in metrics
