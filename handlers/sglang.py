@@ -18,7 +18,13 @@ from typing import Annotated, Any, Protocol
 import msgspec
 import orjson
 
-from gateway.apis.paths import ANTHROPIC_PATHS, DETOKENIZE, SGLANG_CLASSIFY, TOKENIZE, TRANSCRIPTIONS
+from gateway.apis.paths import (
+    ANTHROPIC_PATHS,
+    DETOKENIZE_PATHS,
+    SGLANG_CLASSIFY,
+    TOKENIZE_PATHS,
+    TRANSCRIPTIONS,
+)
 from gateway.endpoints import Endpoint
 from gateway.request import CHAT, InferenceRequest, body_bytes, usage_stream_options
 from handlers.base import OPENAI_PATHS, AbortSpec, PDPlan, engine_message, openai_usage
@@ -39,8 +45,8 @@ class SGLangPDSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
 # transcription; no /rerank, /v2/rerank, /score, audio translation, /pooling or /v2/embed, and its
 # /classify is its native one (text or input_ids, no model field: not vLLM's)
 # its Anthropic handler (sglang/srt/entrypoints/anthropic/) serves the Messages API and count_tokens
-PATHS = OPENAI_PATHS | frozenset({"/v1/rerank", "/v1/score", SGLANG_CLASSIFY, TOKENIZE, DETOKENIZE, TRANSCRIPTIONS,
-                                  *ANTHROPIC_PATHS})
+PATHS = OPENAI_PATHS | frozenset({"/v1/rerank", "/v1/score", SGLANG_CLASSIFY, *TOKENIZE_PATHS, *DETOKENIZE_PATHS,
+                                  TRANSCRIPTIONS, *ANTHROPIC_PATHS})
 
 # keys the gateway writes into both bodies
 BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "rid")

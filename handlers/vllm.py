@@ -12,7 +12,14 @@ from typing import Annotated, Any, Protocol
 import msgspec
 import orjson
 
-from gateway.apis.paths import ANTHROPIC_PATHS, MESSAGES, PASSTHROUGH_PATHS, SGLANG_CLASSIFY
+from gateway.apis.paths import (
+    ANTHROPIC_PATHS,
+    MESSAGES,
+    PASSTHROUGH_PATHS,
+    SGLANG_CLASSIFY,
+    SGLANG_DETOKENIZE,
+    SGLANG_TOKENIZE,
+)
 from gateway.endpoints import Endpoint
 from gateway.request import CHAT, InferenceRequest, body_bytes, usage_stream_options
 from handlers.base import OPENAI_PATHS, BadPrefillAnswer, PDPlan, engine_message, openai_usage
@@ -20,8 +27,10 @@ from handlers.continuation import TEXT, TOKEN, stop_strings, tools_on
 
 # `vllm serve` answers the Anthropic Messages API (vllm/entrypoints/anthropic/api_router.py) and
 # every pass-through path (rerank in three spellings, score, tokenize, detokenize, classify,
-# pooling, Cohere embed, audio) but SGLang's /v1/classify: vLLM classifies at /classify only
-PATHS = OPENAI_PATHS | frozenset(ANTHROPIC_PATHS) | (frozenset(PASSTHROUGH_PATHS) - {SGLANG_CLASSIFY})
+# pooling, Cohere embed, audio) but SGLang's spellings: vLLM classifies at /classify only, and
+# tokenizes at /tokenize and /detokenize only (SGLang's /v1/tokenize and /v1/detokenize)
+PATHS = OPENAI_PATHS | frozenset(ANTHROPIC_PATHS) | (
+    frozenset(PASSTHROUGH_PATHS) - {SGLANG_CLASSIFY, SGLANG_TOKENIZE, SGLANG_DETOKENIZE})
 
 
 class VLLMPDSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -35,12 +35,12 @@ from gateway.apis.paths import (
     AUDIO_PATHS,
     CLASSIFY_PATHS,
     COHERE_EMBED,
-    DETOKENIZE,
+    DETOKENIZE_PATHS,
     JSON_PASSTHROUGH_PATHS,
     POOLING,
     RERANK_PATHS,
     SCORE_PATHS,
-    TOKENIZE,
+    TOKENIZE_PATHS,
 )
 from gateway.apis.serving import EngineSpecificApi
 from gateway.errors import ErrorClass, GatewayError, error_body, parser_message
@@ -58,7 +58,7 @@ from gateway.request import (
 _TEXT_KEYS: dict[str, tuple[str, ...]] = {
     **{p: ("query", "documents", "instruction") for p in RERANK_PATHS},
     **{p: ("text_1", "text_2", "queries", "documents", "query", "items", "data_1", "data_2") for p in SCORE_PATHS},
-    TOKENIZE: ("prompt", "messages"),
+    **{p: ("prompt", "messages") for p in TOKENIZE_PATHS},
     **{p: ("input",) for p in CLASSIFY_PATHS},
     POOLING: ("input", "messages"),
     COHERE_EMBED: ("texts", "inputs"),
@@ -175,7 +175,7 @@ class PassthroughApi(EngineSpecificApi):
         texts = [t for key in _TEXT_KEYS.get(path, ()) if key in data for t in _texts(data[key])]
         prompt_text = "\n".join(texts)
         est = len(prompt_text) // CHARS_PER_TOKEN
-        if path == DETOKENIZE:
+        if path in DETOKENIZE_PATHS:
             est = _token_count(data.get("tokens")) or 0
         # never a stream: no engine streams these (vLLM's and SGLang's request models for them have
         # no ``stream``, and ignore a field they do not have), so a client's ``"stream": true`` is

@@ -29,13 +29,19 @@ RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
 SCORE_PATHS = ("/v1/score", "/score")
 TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
+# SGLang's own spellings of them (its /tokenize and /detokenize are aliases of these); vLLM has none
+SGLANG_TOKENIZE = "/v1/tokenize"
+SGLANG_DETOKENIZE = "/v1/detokenize"
+TOKENIZE_PATHS = (TOKENIZE, SGLANG_TOKENIZE)
+DETOKENIZE_PATHS = (DETOKENIZE, SGLANG_DETOKENIZE)
 # classification: vLLM's at /classify, SGLang's (OpenAI-style, with ``model``) at /v1/classify
 VLLM_CLASSIFY = "/classify"
 SGLANG_CLASSIFY = "/v1/classify"
 CLASSIFY_PATHS = (VLLM_CLASSIFY, SGLANG_CLASSIFY)
 POOLING = "/pooling"                # vLLM's pooling API
 COHERE_EMBED = "/v2/embed"          # vLLM's Cohere-style embed API
-JSON_PASSTHROUGH_PATHS = (*RERANK_PATHS, *SCORE_PATHS, TOKENIZE, DETOKENIZE, *CLASSIFY_PATHS, POOLING, COHERE_EMBED)
+JSON_PASSTHROUGH_PATHS = (*RERANK_PATHS, *SCORE_PATHS, *TOKENIZE_PATHS, *DETOKENIZE_PATHS, *CLASSIFY_PATHS, POOLING,
+                          COHERE_EMBED)
 
 # multipart/form-data bodies (an audio file and form fields, "model" among them)
 TRANSCRIPTIONS = "/v1/audio/transcriptions"
