@@ -840,13 +840,14 @@ class EdgeProtocol(web.RequestHandler):
             self._e_rx_head = False
             self.data_received(b"".join(held))
 
-    def e_drain(self) -> bool:
-        """The gateway stops: an idle kept-alive connection closes now, silently, as at its keep-alive
-        timeout; any other closes after the answer in progress (``Connection: close`` on it while its
-        head is still to go out, ``_e_closing``). Returns whether the connection was idle."""
+    def e_drain(self, close_idle: bool) -> bool:
+        """The gateway stops: a connection busy with an answer closes after it (``Connection: close``
+        on it while its head is still to go out, ``_e_closing``); with ``close_idle`` an idle
+        kept-alive connection closes now, silently, as at its keep-alive timeout. Returns whether it
+        closed an idle connection."""
         if self.transport is None:
             return False
-        if self._e_phase == _IDLE and self._lane is None and self._lane_part is None and not self._messages \
+        if close_idle and self._e_phase == _IDLE and self._lane is None and self._lane_part is None and not self._messages \
                 and not self._request_in_progress:
             self._e_close()
             return True
@@ -1716,12 +1717,13 @@ class EdgeServer(web.Server):
                 return await preflights(request)
         self.request_handler = request_handler
 
-    def drain(self) -> int:
-        """The gateway stops (gateway/server/run.py ``drain_and_stop``): idle kept-alive connections
-        close now, the others after their answer in progress, and a connection accepted from now on
-        after its first answer. Returns how many idle connections were closed."""
+    def drain(self, close_idle: bool = False) -> int:
+        """The gateway stops (gateway/server/run.py ``drain_and_stop``): a connection busy with an
+        answer closes after it, and one idle or accepted from now on after its next answer; with
+        ``close_idle`` (the listener closed) an idle kept-alive connection closes now. Returns how
+        many idle connections were closed."""
         self.edge.draining = True
-        return sum(conn.e_drain() for conn in list(self._connections) if isinstance(conn, EdgeProtocol))
+        return sum(conn.e_drain(close_idle) for conn in list(self._connections) if isinstance(conn, EdgeProtocol))
 
     def __call__(self) -> EdgeProtocol:
         return EdgeProtocol(self, loop=self._edge_loop, edge=self.edge, **self._edge_handler_kwargs)

@@ -4,11 +4,11 @@ Drain, as Kubernetes needs it (the pod is taken out of the Service's endpoints *
 SIGTERM, and load balancers learn of it a few seconds later):
 
 1. at SIGTERM ``/ready`` answers 503 at once, and requests are still served as usual, but no
-   connection is kept alive any more: an idle kept-alive one closes at once, any other after the
-   answer it is giving (``EdgeServer.drain``), so that pooled clients reconnect, through load
-   balancers that learn of the stop meanwhile;
+   connection is kept alive any more: each closes after its next answer (``EdgeServer.drain``),
+   so that pooled clients reconnect, through load balancers that learn of the stop meanwhile;
 2. after ``server.drain_delay_s`` (capped at the grace period) the listener closes: new
-   connections are refused, and a request arriving on a connection still open gets 503 with
+   connections are refused, a kept-alive connection still idle closes (silently, as at its
+   keep-alive timeout), and a request arriving on a connection still open gets 503 with
    ``Connection: close``;
 3. requests in flight, streams included, may finish until ``server.shutdown_grace_s`` after the
    SIGTERM; then the remaining ones are cut (each client told: a 503, or a stream's last event),
@@ -109,17 +109,23 @@ async def drain_and_stop(runner: web.AppRunner, app: web.Application, grace: flo
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace
     app[NOT_READY_KEY].set()
-    # pooled clients learn of the stop now: idle kept-alive connections close, the others after their answer
+    # pooled clients learn of the stop with their next answer: every connection closes after it
     server = runner.server
-    idle_closed = server.drain() if isinstance(server, EdgeServer) else 0
+    edge = server if isinstance(server, EdgeServer) else None
+    if edge is not None:
+        edge.drain()
     delay = max(0.0, min(delay, grace))
-    log.info("draining", in_flight=lifecycle.in_flight, delay_s=delay, grace_s=grace, idle_closed=idle_closed)
+    log.info("draining", in_flight=lifecycle.in_flight, delay_s=delay, grace_s=grace)
     if delay:
         await asyncio.sleep(delay)
     for site in list(runner.sites):
         await site.stop()                   # the listening socket closes: new connections refused
+    # an idle kept-alive connection no request came on during the delay closes now, when the load
+    # balancers have had the delay to send its client elsewhere, not at the SIGTERM, while they
+    # still send traffic here and a request sent on it as it closes would be lost
+    idle_closed = edge.drain(close_idle=True) if edge is not None else 0
     lifecycle.begin_drain()                        # a request on a connection still open: 503 + Connection: close
-    log.info("listener closed", in_flight=lifecycle.in_flight)
+    log.info("listener closed", in_flight=lifecycle.in_flight, idle_closed=idle_closed)
     finished = await lifecycle.wait_idle(max(0.0, deadline - loop.time()))
     if not finished:
         log.warning("grace period over; closing remaining requests", in_flight=lifecycle.in_flight,

@@ -214,12 +214,13 @@ class Conn:
         self.writer.close()
 
 
-async def test_the_drain_closes_idle_kept_alive_connections_at_its_start_and_the_others_after_their_answer(
+async def test_the_drain_closes_every_connection_after_its_next_answer_and_idle_ones_with_the_listener(
         sims, gateway):
-    """At the drain's start a pooled client learns at once to reconnect (elsewhere, once the load
-    balancers caught up), as nginx and Envoy tell it: an idle kept-alive connection is closed, an
-    answer still to be written says ``Connection: close``, and a stream under way ends with its
-    connection; meanwhile every request is still served."""
+    """At the drain's start a pooled client learns to reconnect (elsewhere, once the load balancers
+    caught up), as nginx and Envoy tell it: an answer still to be written says ``Connection: close``,
+    a stream under way ends with its connection, and an idle kept-alive connection is served once
+    more, with ``Connection: close``; none is closed under a client that may be sending on it while
+    traffic still comes. Meanwhile every request is still served."""
     sim = await sims("vllm", "m", itl_ms=25)
     gw = await gateway([model_block("m", "vllm", [sim.url])])
     whole = {**BODY, "stream": False, "max_tokens": 2}
@@ -236,13 +237,15 @@ async def test_the_drain_closes_idle_kept_alive_connections_at_its_start_and_the
                 await asyncio.sleep(0.01)
         # a delay longer than the test: every step below happens while the listener still accepts
         drain = asyncio.create_task(drain_and_stop(gw.runner, gw.runner.app, grace=60, delay=30))
-        assert await idle.closed(), "the idle kept-alive connection stayed open"
         answer = await waiting.answer()
         assert answer.status == 200 and answer.headers.get("connection") == "close", answer.headers
         assert await waiting.closed()
         streamed = await streaming.answer()
         assert streamed.status == 200 and streamed.body.rstrip().endswith(b"data: [DONE]")
         assert await streaming.closed(), "the stream's connection stayed open"
+        again = await idle.ask(whole)       # the idle connection was left open, and is served once
+        assert again.status == 200 and again.headers.get("connection") == "close", again.headers
+        assert await idle.closed()
         fresh = await Conn.open(gw.port)      # a new connection in the delay is served, once
         try:
             later = await fresh.ask(whole)
@@ -258,9 +261,32 @@ async def test_the_drain_closes_idle_kept_alive_connections_at_its_start_and_the
             await asyncio.gather(drain, return_exceptions=True)
 
 
-async def test_an_sdk_whose_pooled_connection_the_drain_closed_asks_again_on_a_new_one(sims, gateway):
-    """The openai SDK (httpx's pool) finds its idle connection closed when it next takes it and
-    opens another: no error reaches the caller, without a retry."""
+async def test_an_idle_kept_alive_connection_closes_with_the_listener_not_with_a_503(sims, gateway):
+    """A kept-alive connection no request came on during the delay is closed, silently, when the
+    listener closes: its client's pool opens a new one (elsewhere) for its next request, where it
+    would have got a 503 on it."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    idle = await Conn.open(gw.port)
+    drain = None
+    try:
+        first = await idle.ask({**BODY, "stream": False, "max_tokens": 2})
+        assert first.status == 200 and first.headers.get("connection") != "close"
+        drain = asyncio.create_task(drain_and_stop(gw.runner, gw.runner.app, grace=60, delay=0.3))
+        await asyncio.sleep(0)
+        assert gw.runner.server.edge.connections == 1, "closed at the SIGTERM, while traffic still comes"
+        assert await idle.closed(), "the idle kept-alive connection stayed open after the listener closed"
+        assert not gw.runner.sites, "closed before the listener"
+    finally:
+        idle.close()
+        if drain is not None:
+            drain.cancel()
+            await asyncio.gather(drain, return_exceptions=True)
+
+
+async def test_an_sdk_whose_pooled_connection_the_drain_closes_asks_again_on_a_new_one(sims, gateway):
+    """The openai SDK (httpx's pool) drops the connection its answer said ``Connection: close`` on
+    and opens another for its next request: no error reaches the caller, without a retry."""
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])])
     oc = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
@@ -272,7 +298,10 @@ async def test_an_sdk_whose_pooled_connection_the_drain_closed_asks_again_on_a_n
         assert first.headers.get("connection") != "close"
         assert edge.connections == 1
         drain = asyncio.create_task(drain_and_stop(gw.runner, gw.runner.app, grace=60, delay=30))
-        async with asyncio.timeout(5):      # the pooled connection is closed on the gateway's side
+        await asyncio.sleep(0)
+        told = await oc.chat.completions.with_raw_response.create(**ask)
+        assert told.headers.get("connection") == "close"
+        async with asyncio.timeout(5):      # the connection is closed on the gateway's side
             while edge.connections:
                 await asyncio.sleep(0.01)
         again = await oc.chat.completions.create(**ask)
