@@ -968,3 +968,26 @@ async def test_gateway_history_carries_no_instructions_over(sims, gateway):
     for body in (second, third):
         assert [i["role"] for i in body["input"]] == ["user", "assistant", "user"]
         assert "French" not in orjson.dumps(body).decode()
+
+
+@pytest.mark.parametrize("state", ["engine", "gateway"])
+async def test_sglang_whole_answer_usage_is_in_openai_responses_names(sims, gateway, state):
+    """SGLang's whole Responses answer (and the response its store gives back) carries its chat usage,
+    prompt_tokens and completion_tokens; the client of the Responses API reads input_tokens and
+    output_tokens (+ their details), as SGLang's own stream and vLLM's answers name them."""
+    sim = await sims("sglang", "m")
+    gw = await gateway([model_block("m", "sglang", [sim.url])], responses={"state": state})
+    c = openai_client(gw)
+    raw = await c.responses.with_raw_response.create(model="m", input="Hello there", max_output_tokens=4)
+    usage = orjson.loads(raw.content)["usage"]
+    r = raw.parse()
+    assert set(usage) == {"input_tokens", "input_tokens_details", "output_tokens", "output_tokens_details",
+                          "total_tokens"}
+    assert r.usage.output_tokens == 4 and r.usage.input_tokens > 0
+    assert r.usage.total_tokens == r.usage.input_tokens + 4
+    assert r.usage.input_tokens_details.cached_tokens == 0 and r.usage.output_tokens_details.reasoning_tokens == 0
+    got = await c.responses.retrieve(r.id)           # the engine's stored copy, or the gateway's
+    assert got.usage.input_tokens == r.usage.input_tokens and got.usage.output_tokens == 4
+    text = await gw.metrics_text()
+    assert f'switchyard_prompt_tokens_total{{model="m"}} {float(r.usage.input_tokens)}' in text
+    assert 'switchyard_completion_tokens_total{model="m"} 4.0' in text
