@@ -106,6 +106,11 @@ class ApiShape:
         usage = data.get("usage")
         return usage if isinstance(usage, dict) else None
 
+    def answer_body(self, ctx: Any, data: dict[str, Any], body: bytes) -> bytes:
+        """The bytes sent for a non-streaming answer whose decoded object is ``data`` (after
+        ``body_usage``); default the engine's ``body`` as it came."""
+        return body
+
     def list_usage(self, ctx: Any, data: list[Any]) -> dict | None:
         """Usage of a non-streaming answer that is a JSON list; default none."""
         return None

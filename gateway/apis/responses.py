@@ -94,6 +94,7 @@ class Exchange:
     body: dict[str, Any] | None = None                   # a non-streaming answer
     failed: dict[str, Any] | None = None                 # the response as a stream the gateway failed ended it
     owner: dict[str, Any] | None = None                  # the previous response's owner record (engine state)
+    reshaped: bool = False                               # the answer's usage renamed (SGLang's chat usage)
 
 
 class ResponsesMetrics:
@@ -347,7 +348,16 @@ class ResponsesApi(ApiShape):
         reason = details.get("reason") if isinstance(details, dict) else None
         ctx.rec.finish_reason = reason if isinstance(reason, str) else status if isinstance(status, str) else None
         usage = data.get("usage")
-        return usage if isinstance(usage, dict) else None
+        if not isinstance(usage, dict):
+            return None
+        renamed = responses_usage(usage)
+        if renamed is not None:
+            data["usage"] = usage = renamed
+            self._exchange(ctx).reshaped = True
+        return usage
+
+    def answer_body(self, ctx: RequestContext, data: dict[str, Any], body: bytes) -> bytes:
+        return orjson.dumps(data) if self._exchange(ctx).reshaped else body
 
     def _owner_user(self, user: str | None) -> str | None:
         return user if self.auth_on else None
@@ -709,7 +719,7 @@ class ResponsesApi(ApiShape):
                 rec.status = r.status
                 ctype = r.headers.get("Content-Type", "application/json")
                 if not ctype.startswith("text/event-stream"):
-                    data = await self._read_bounded(rec, ep, r)
+                    data = _with_responses_usage(await self._read_bounded(rec, ep, r))
                     resp = web.Response(status=r.status, body=data, headers=out_headers)
                     resp.headers["Content-Type"] = ctype
                     return resp
@@ -790,6 +800,44 @@ class ResponsesApi(ApiShape):
             await self.owners.close()
             if self.history is not None:
                 await self.history.close()
+
+
+def responses_usage(usage: dict[str, Any]) -> dict[str, Any] | None:
+    """A Responses answer's usage in chat's names (SGLang's whole answer and its stored copy keep
+    its ``UsageInfo``: ``prompt_tokens``, ``completion_tokens``, ``prompt_tokens_details``,
+    ``reasoning_tokens``) in the Responses API's: ``input_tokens``, ``output_tokens``,
+    ``total_tokens``, ``input_tokens_details.cached_tokens``, ``output_tokens_details.reasoning_tokens``.
+    None for a usage in the Responses API's names already (or not one of chat's)."""
+    if "input_tokens" in usage or "output_tokens" in usage or not ("prompt_tokens" in usage or "completion_tokens" in usage):
+        return None
+    p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    p = p if p.__class__ is int else 0
+    c = c if c.__class__ is int else 0
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    reasoning = usage.get("reasoning_tokens")
+    total = usage.get("total_tokens")
+    return {"input_tokens": p, "input_tokens_details": {"cached_tokens": cached if cached.__class__ is int else 0},
+            "output_tokens": c,
+            "output_tokens_details": {"reasoning_tokens": reasoning if reasoning.__class__ is int else 0},
+            "total_tokens": total if total.__class__ is int else p + c}
+
+
+def _with_responses_usage(body: bytes) -> bytes:
+    """A stored response its engine gave back (a GET, a cancel), its usage in the Responses API's
+    names (see :func:`responses_usage`); any other answer as it came."""
+    if b'"prompt_tokens"' not in body:
+        return body
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    usage = data.get("usage") if isinstance(data, dict) else None
+    renamed = responses_usage(usage) if isinstance(usage, dict) else None
+    if renamed is None:
+        return body
+    data["usage"] = renamed
+    return orjson.dumps(data)
 
 
 def _listed_message(item: dict[str, Any]) -> None:

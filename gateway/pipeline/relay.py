@@ -812,7 +812,7 @@ class Relay:
                     self._not_an_object(ctx, ctype)
         rec.status = 200
         if ctx.api is not None:           # another API's body: its own usage and state
-            await self._api_body(ctx, body)
+            body = await self._api_body(ctx, body)
         elif data is not None:
             if isinstance(data, dict):
                 self.account_usage(rec, adapter.usage(data))
@@ -832,17 +832,21 @@ class Relay:
         r.headers["Content-Type"] = ctype
         return r
 
-    async def _api_body(self, ctx: RequestContext, body: bytes) -> None:
+    async def _api_body(self, ctx: RequestContext, body: bytes) -> bytes:
+        """Another API's whole answer: its usage counted, its state kept; the body to send (the
+        engine's, unless the API reshaped it)."""
         assert ctx.api is not None
         try:
             data = orjson.loads(body)
         except orjson.JSONDecodeError:
-            return
+            return body
         if isinstance(data, dict):
             self.account_usage(ctx.rec, ctx.api.body_usage(ctx, data))
+            body = ctx.api.answer_body(ctx, data, body)
             await ctx.api.finish(ctx)
         elif isinstance(data, list):        # SGLang's rerank: its usage is in the items
             self.account_usage(ctx.rec, ctx.api.list_usage(ctx, data))
+        return body
 
     def account_usage(self, rec: RequestRecord, usage: dict | None) -> None:
         if not usage:
