@@ -991,3 +991,47 @@ async def test_sglang_whole_answer_usage_is_in_openai_responses_names(sims, gate
     text = await gw.metrics_text()
     assert f'switchyard_prompt_tokens_total{{model="m"}} {float(r.usage.input_tokens)}' in text
     assert 'switchyard_completion_tokens_total{model="m"} 4.0' in text
+
+
+def _reasoning_engine(inputs: list):
+    """A reasoning model's whole answers: a reasoning item and a message, ids of its own each time;
+    every input it is sent is kept in ``inputs``."""
+    async def handler(request: web.Request) -> web.Response:
+        body = await request.json()
+        inputs.append(body["input"])
+        n = len(inputs)
+        return web.json_response({
+            "id": f"resp_{n}", "object": "response", "created_at": 1, "model": body["model"], "status": "completed",
+            "output": [{"id": f"rs_{n}", "type": "reasoning", "summary": [],
+                        "content": [{"type": "reasoning_text", "text": "thinking"}]},
+                       {"id": f"msg_{n}", "type": "message", "role": "assistant", "status": "completed",
+                        "content": [{"type": "output_text", "text": f"answer {n}", "annotations": []}]}],
+            "usage": {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5}})
+    return handler
+
+
+async def test_gateway_history_refuses_a_resent_assistant_or_reasoning_item(gateway):
+    """A client that sends the previous output items again in ``input`` with previous_response_id
+    (its reasoning and its assistant message, with their ids) is OpenAI's 400 naming the duplicate id,
+    a turn back in the chain too: kept, the engine would be prompted with that turn twice."""
+    inputs: list = []
+    async with fake_engine(_reasoning_engine(inputs), paths=("/v1/responses",)) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], responses={"state": "gateway"})
+        c = openai_client(gw)
+        r1 = await c.responses.create(model="m", input="one")
+        again = [i.model_dump(exclude_none=True) for i in r1.output]
+        for resent in (again, again[1:], [{"type": "item_reference", "id": "msg_1"}]):
+            with pytest.raises(openai.BadRequestError) as ei:
+                await c.responses.create(model="m", previous_response_id=r1.id,
+                                         input=[*resent, {"role": "user", "content": "two"}])
+            assert ei.value.body["param"] == "input"
+            assert f"Duplicate item found with id {resent[0]['id']}." in ei.value.body["message"]
+        r2 = await c.responses.create(model="m", previous_response_id=r1.id, input="two")
+        with pytest.raises(openai.BadRequestError) as ei:        # a turn back
+            await c.responses.create(model="m", previous_response_id=r2.id,
+                                     input=[again[1], {"role": "user", "content": "three"}])
+        assert "msg_1" in ei.value.body["message"]
+        r3 = await c.responses.create(model="m", previous_response_id=r2.id, input="three")
+        assert r3.output_text == "answer 3"
+        assert len(inputs) == 3             # no refused request reached the engine
+        assert [i["content"] for i in inputs[2]] == ["one", "answer 1", "two", "answer 2", "three"]
