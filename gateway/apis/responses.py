@@ -42,6 +42,7 @@ from prometheus_client import Counter, Gauge
 from gateway.apis.base import ApiShape
 from gateway.apis.responses_request import (
     RESPONSES,
+    chain_ids,
     check_unique_ids,
     input_items,
     output_as_input,
@@ -95,6 +96,7 @@ class Exchange:
     failed: dict[str, Any] | None = None                 # the response as a stream the gateway failed ended it
     owner: dict[str, Any] | None = None                  # the previous response's owner record (engine state)
     reshaped: bool = False                               # the answer's usage renamed (SGLang's chat usage)
+    chain: list[str] = field(default_factory=list)       # item ids of the turns before (gateway-held history)
 
 
 class ResponsesMetrics:
@@ -387,12 +389,15 @@ class ResponsesApi(ApiShape):
                 raise GatewayError(400, "'background' needs responses.state: engine (the gateway holds the "
                                    "history of completed responses only)", param="background", error_class=ErrorClass.VALIDATION)
             history: list[Any] = []
+            chain: set[str] = set()
             if prev is not None:
                 record = await _as_previous(prev, self._record(prev, rec.user))
                 _not_failed(prev, record.get("response"))
                 history = list(record.get("input") or ()) + output_as_input(record.get("output"))
+                chain = chain_ids(record)
                 self._follow(prev, record, ireq.model, candidates)
-            check_unique_ids(history, input_items(ireq.data["input"]))
+            check_unique_ids(chain, input_items(ireq.data["input"]))
+            ex.chain = sorted(chain)
             ex.input = with_history(ireq, history)
             return candidates
         if prev is None:
@@ -465,7 +470,7 @@ class ResponsesApi(ApiShape):
         ep = ctx.decision.endpoint if ctx.decision is not None else None
         blob = orjson.dumps({"id": rid, "model": ctx.ireq.model, "user": self._owner_user(ctx.rec.user),
                              "input": ex.input, "output": final.get("output") or [], "response": final,
-                             "endpoint": ep.url if ep is not None else None, "at": time.time()})
+                             "endpoint": ep.url if ep is not None else None, "at": time.time(), "ids": ex.chain})
         if len(blob) > self.cfg.history.max_response_bytes:
             self.m.writes.labels("history", "too_large").inc()
             log.warning("response history not stored: over responses.history.max_response_bytes",

@@ -250,13 +250,29 @@ def output_as_input(output: Any) -> list[Any]:
     return out
 
 
-def check_unique_ids(history: list[Any], items: list[Any]) -> None:
-    """A follow-up's new input ``items`` name no id its ``history`` or another of them names, as
-    OpenAI requires: an item sent again (the function call a follow-up answers, already in its
-    history) is a 400 naming ``input``. Kept, its id would be listed twice by ``input_items``, whose
-    ``after`` cursor then goes round, and the engine would be shown the item twice. The history's
-    own ids, the engine's, are not checked: a follow-up cannot change them."""
-    seen = {i.get("id") for i in history if i.__class__ is dict}
+def item_ids(items: Any) -> set[str]:
+    """The ids the items of a list name."""
+    return {rid for i in items if i.__class__ is dict and (rid := i.get("id")).__class__ is str} \
+        if isinstance(items, list) else set()
+
+
+def chain_ids(record: dict[str, Any]) -> set[str]:
+    """Every item id of a stored response's chain: its input's, its output's (the reasoning and the
+    messages a follow-up's history names without their ids too) and those of the turns before it
+    (``ids``: a record keeps the ids of its history, whose items the history's shape lost)."""
+    before = record.get("ids")
+    kept = {i for i in before if i.__class__ is str} if isinstance(before, list) else set()
+    return kept | item_ids(record.get("input")) | item_ids(record.get("output"))
+
+
+def check_unique_ids(seen: set[str], items: list[Any]) -> None:
+    """A follow-up's new input ``items`` name no id its chain (``seen``: :func:`chain_ids`) or
+    another of them names, as OpenAI requires: an item sent again (the function call a follow-up
+    answers, the previous turn's reasoning or assistant message, an ``item_reference`` to one of
+    them) is a 400 naming ``input`` and the id. Kept, its id would be listed twice by
+    ``input_items``, whose ``after`` cursor then goes round, and the engine would be shown the item
+    twice. The history's own ids, the engine's, are not checked: a follow-up cannot change them."""
+    seen = set(seen)
     for item in items:
         rid = item.get("id") if isinstance(item, dict) else None
         if not isinstance(rid, str):
