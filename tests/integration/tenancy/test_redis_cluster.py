@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import openai
+
 from gateway.config.schema import StateConfig
 from gateway.state.redis import shared_prefix
 from tests.support.factories import model_block
@@ -225,3 +227,45 @@ def test_the_directory_read_and_the_farewell_while_the_slot_map_is_read_again(re
     runner.start()
     runner.join(FAILOVER_S)
     assert got == {"directory": ("0", {}, {}, None)}
+
+
+async def test_stored_responses_are_found_on_both_replicas_right_after_a_failover(sims, gateway, redis_cluster):
+    """The primary holding a stored response dies and its replica is promoted while two gateways
+    are idle. Each one's Responses client still maps the slot to the dead node: its first call there
+    failed (a connection refused) and the client re-read the slot map only for its next call, so
+    a GET, a follow-up naming the response and the record of a new response each met a 503 (or a
+    lost write) on a Cluster long healthy again. A call that meets a lost connection is now sent
+    again on the new slot map, within the call's bound."""
+    from tests.support.http import openai_client
+    from tests.support.redis_failover import FAST_STATE
+
+    sim = await sims("vllm", "m")
+    blocks = {"responses": {"state": "gateway"}, "state": {"redis_url": redis_cluster.url, **FAST_STATE,
+                                                            "timeout_s": 5.0}}
+    a = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
+    b = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
+    ca, cb = openai_client(a), openai_client(b)
+    stored = [await ca.responses.create(model="m", input=f"Hello {i}", max_output_tokens=2) for i in range(9)]
+    for c in (ca, cb):                  # each client's slot map and pooled connections to every primary
+        for r in stored:
+            assert (await c.responses.retrieve(r.id)).id == r.id
+    prefix = StateConfig(redis_url=redis_cluster.url).key_prefix
+    # the primary of the first one's record (its replica, promoted, serves it now)
+    await asyncio.to_thread(redis_cluster.kill_primary_of, f"{prefix}:resp:hist:{stored[0].id}")
+    got = []
+    for c in (cb, ca):
+        for r in stored:
+            try:
+                got.append((await c.responses.retrieve(r.id)).id == r.id)
+            except openai.APIStatusError as e:
+                got.append(e.status_code)
+    assert got == [True] * len(got), got
+    for c in (ca, cb):                  # a follow-up naming it, on each
+        r = stored[0]
+        follow = await c.responses.create(model="m", input="And?", previous_response_id=r.id, max_output_tokens=2)
+        assert follow.status == "incomplete"
+    for c, other in ((ca, cb), (cb, ca)):   # a response written after the failover is read on the other
+        r = await c.responses.create(model="m", input="new", max_output_tokens=2)
+        assert (await other.responses.retrieve(r.id)).id == r.id
+    text = await a.metrics_text() + await b.metrics_text()
+    assert 'result="unavailable"' not in text
