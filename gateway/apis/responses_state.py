@@ -4,10 +4,16 @@ with ``responses.state: gateway``, each response's history.
 Two backends behind one small interface of byte values with a TTL: ``MemoryStore`` (this process;
 oldest entries evicted first past a count or byte cap) and ``RedisStore`` (every replica on one
 Redis, when ``state.redis_url`` is set; keys ``<state.key_prefix>:resp:<kind>:<response id>`` with
-a ``PX`` expiry, so nothing outlives its TTL). A Redis call is bounded by ``state.timeout_s`` and
-never retried; a failure raises ``StoreUnavailable`` and the caller decides (a lookup answers 503,
-a write is counted and logged). Every call touches one key, so on a Redis Cluster the records
-spread over its shards (no hash tag); the client is gateway/state/redis.py's.
+a ``PX`` expiry, so nothing outlives its TTL). A Redis call is bounded by four times
+``state.timeout_s``; one that met a lost connection or a Cluster in the middle of a failover
+(``UNAVAILABLE``, but for a pool timeout: that call waited its time already) is sent again, at
+most ``TRIES`` times in all within that bound, ``RETRY_PAUSES_S`` between: a Cluster client re-reads its slot map only for the call after the one that failed, so
+after a failover each idle replica's first call on a moved slot would fail on a Cluster healthy
+again, and a Sentinel-managed client asks the Sentinels again on its next connection. Every call
+(GET, SET with PX, DEL) may be sent twice. A failure still there raises ``StoreUnavailable`` and
+the caller decides (a lookup answers 503 with Retry-After, a write is counted and logged). Every
+call touches one key, so on a Redis Cluster the records spread over its shards (no hash tag); the
+client is gateway/state/redis.py's.
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
-from gateway.state.redis import CALL_FAILED, Client, close_client, held_loop_timeout
+from gateway.state.redis import CALL_FAILED, UNAVAILABLE, Client, PoolTimeout, close_client, held_loop_timeout
+
+TRIES = 3                       # a call sent at most this often (see the module's description)
+RETRY_PAUSES_S = (0.05, 0.25)   # before the second and the third
 
 
 class StoreUnavailable(Exception):
@@ -151,24 +160,39 @@ class RedisStore:
         self.timeout = timeout_s * 4         # the socket timeouts bound each read; this, the call
         self.owns_client = owns_client
 
-    async def _call(self, coro):
+    async def _call(self, call: Callable[[], Awaitable]):
+        """``call()``'s answer; one that met a lost connection or a failover is made again (see
+        the module's description), all within the call's bound."""
+        failed: BaseException | None = None
         try:
             async with held_loop_timeout(self.timeout):
-                return await coro
+                for pause in (0.0, *RETRY_PAUSES_S)[:TRIES]:
+                    if failed is not None:
+                        await asyncio.sleep(pause)
+                    try:
+                        return await call()
+                    except PoolTimeout:             # it waited its time for a connection already
+                        raise
+                    except UNAVAILABLE as e:
+                        failed = e
+                assert failed is not None
+                raise failed
         except CALL_FAILED as e:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise asyncio.CancelledError from None
+            if isinstance(e, TimeoutError) and failed is not None:
+                e = failed                          # the bound ran out between tries: the last failure
             raise StoreUnavailable(f"{type(e).__name__}: {e}") from None
 
     async def put(self, key: str, value: bytes) -> None:
-        await self._call(self.client.set(self.prefix + key, value, px=self.ttl_ms))
+        await self._call(lambda: self.client.set(self.prefix + key, value, px=self.ttl_ms))
 
     async def get(self, key: str) -> bytes | None:
-        return await self._call(self.client.get(self.prefix + key))
+        return await self._call(lambda: self.client.get(self.prefix + key))
 
     async def delete(self, key: str) -> bool:
-        return bool(await self._call(self.client.delete(self.prefix + key)))
+        return bool(await self._call(lambda: self.client.delete(self.prefix + key)))
 
     async def close(self) -> None:
         if self.owns_client:
