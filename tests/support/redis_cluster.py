@@ -138,6 +138,35 @@ class RedisCluster:
         return victim
 
 
+    # -- resharding --------------------------------------------------------------------------
+
+    def node_id(self, node: Node) -> str:
+        return self.cli_call(node, "cluster", "myid").strip()
+
+    def begin_migration(self, key: str) -> tuple[int, Node, Node]:
+        """Mark the slot of ``key`` migrating from its primary to another primary, as a resharding
+        does before it moves the keys: (slot, source, target)."""
+        slot = self.keyslot(key)
+        src = self.primary_of(key)
+        dst = next(n for n in self.live() if self.role(n) == "master" and n is not src)
+        assert self.cli_call(dst, "cluster", "setslot", str(slot), "importing", self.node_id(src)).strip() == "OK"
+        assert self.cli_call(src, "cluster", "setslot", str(slot), "migrating", self.node_id(dst)).strip() == "OK"
+        return slot, src, dst
+
+    def migrate(self, src: Node, dst: Node, keys: list[str]) -> None:
+        for k in keys:
+            assert self.cli_call(src, "migrate", "127.0.0.1", str(dst.port), k, "0", "5000").strip() == "OK"
+
+    def keys_in_slot(self, node: Node, slot: int) -> list[str]:
+        return self.cli_call(node, "cluster", "getkeysinslot", str(slot), "1000").split()
+
+    def end_migration(self, slot: int, src: Node, dst: Node) -> None:
+        """The slot's remaining keys moved and the slot given to ``dst`` on every node."""
+        self.migrate(src, dst, self.keys_in_slot(src, slot))
+        for n in (dst, src, *(n for n in self.live() if n not in (src, dst))):
+            self.cli_call(n, "cluster", "setslot", str(slot), "node", self.node_id(dst))
+
+
 def _covers(spec: str, slot: int) -> bool:
     if spec.startswith("["):        # a slot being migrated
         return False

@@ -269,3 +269,45 @@ async def test_stored_responses_are_found_on_both_replicas_right_after_a_failove
         assert (await other.responses.retrieve(r.id)).id == r.id
     text = await a.metrics_text() + await b.metrics_text()
     assert 'result="unavailable"' not in text
+
+
+async def test_limits_are_checked_while_the_tenancy_slot_is_resharded(sims, gateway, redis_cluster):
+    """The slot of the tenancy keys is resharded to another primary (CLUSTER SETSLOT MIGRATING and
+    IMPORTING, then MIGRATE key by key) under failure_policy: closed. While a user's keys are split
+    between the two nodes, the limit check's script (several keys) is answered TRYAGAIN; the
+    client tried it again for about 0.4 s and gave up, and the request was a 503. Calls answered
+    TRYAGAIN (or redirected until the client gave up) are now tried again within the call's bound,
+    so a resharding that moves the slot meanwhile costs no request an error."""
+    from tests.support.http import openai_client
+    from tests.support.redis_failover import blocks
+    from tests.support.tenancy import ALICE, CHAT
+
+    sim = await sims("vllm", "m")
+    cfg = blocks(redis_cluster.url, {"alice": {"rpm": 1_000_000, "tpm": 100_000_000}}, timeout_s=1.0)
+    cfg["state"]["failure_policy"] = "closed"
+    gw = await gateway([model_block("m", "vllm", [sim.url])], **cfg)
+    c = openai_client(gw, ALICE)
+
+    async def chat() -> int:
+        try:
+            await c.chat.completions.create(model="m", messages=CHAT, max_tokens=1)
+            return 200
+        except openai.APIStatusError as e:
+            return e.status_code
+
+    assert [await chat() for _ in range(3)] == [200] * 3
+    key = f"{shared_prefix(StateConfig(redis_url=redis_cluster.url))}:rpm:alice"
+    slot, src, dst = await asyncio.to_thread(redis_cluster.begin_migration, key)
+    await asyncio.to_thread(redis_cluster.migrate, src, dst, [key])     # alice's keys split: TRYAGAIN
+
+    async def finish() -> None:
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(redis_cluster.end_migration, slot, src, dst)
+
+    *got, _ = await asyncio.gather(chat(), chat(), chat(), finish())
+    assert got == [200] * 3
+    assert [await chat() for _ in range(3)] == [200] * 3      # on the slot's new primary
+    assert redis_cluster.primary_of(key) is dst
+    assert redis_cluster.keys_in_slot(src, slot) == []
+    usage = await gw.gw.tenancy.state.usage("alice")
+    assert usage["requests"] == 9
