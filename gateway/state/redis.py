@@ -3,7 +3,8 @@ primary or a Redis Cluster (``state.redis_url``, read by gateway/state/urls.py).
 
 Every client has the same manners, whatever the deployment: connect and socket timeouts of
 ``state.timeout_s``, no client-side retries (the caller decides what an outage means: a request
-is not held up while a client retries), TLS verified against ``state.tls_ca_file``, and
+is not held up while a client retries; only a Cluster call refused while its slot is being moved
+is tried again, see :class:`BoundedCluster`), TLS verified against ``state.tls_ca_file``, and
 maintenance notifications off — with them on (the client's "auto" default) a pool skips its check
 for connections the server closed, so after a restart or a failover every idle pooled connection
 would fail one call instead of being reconnected when it is taken from the pool.
@@ -47,6 +48,7 @@ from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import (
     ClusterDownError,
+    ClusterError,
     NoPermissionError,
     OutOfMemoryError,
     ReadOnlyError,
@@ -209,8 +211,40 @@ class BoundedRedis(_Bounded, aioredis.Redis):
     pass
 
 
+# a Cluster's slot being moved (resharded): paused between two tries of a call it refused
+SLOT_MOVING_PAUSE_S = 0.05
+
+
+def slot_moving(e: BaseException) -> bool:
+    """Whether a Cluster answered ``e`` because the slot of the call's keys is being moved: TRYAGAIN
+    (a call on several keys that the move has split between two nodes), or the client's own "TTL
+    exhausted" once it followed TRYAGAIN, ASK or MOVED answers as often as it does (16 times)."""
+    return isinstance(e, TryAgainError) or (type(e) is ClusterError and str(e) == "TTL exhausted.")
+
+
 class BoundedCluster(_Bounded, RedisCluster):
-    pass
+    """Also: a command refused while its slot is being moved (:func:`slot_moving`) is sent again,
+    ``SLOT_MOVING_PAUSE_S`` apart, for up to ``slot_moving_s`` (set by :func:`redis_client`: three
+    times ``state.timeout_s``, within the four its callers bound a call by), where the client
+    library tries about 0.4 s and gives up. A pipeline sends its commands so refused again one by
+    one, as commands of the client, so they are tried again the same way."""
+
+    slot_moving_s: float = 0.0
+
+    async def execute_command(self, *args, **options):
+        deadline = None
+        while True:
+            try:
+                return await super().execute_command(*args, **options)
+            except (TryAgainError, ClusterError) as e:
+                if not slot_moving(e):
+                    raise
+                now = asyncio.get_running_loop().time()
+                if deadline is None:
+                    deadline = now + self.slot_moving_s
+                if now + SLOT_MOVING_PAUSE_S >= deadline:
+                    raise
+            await asyncio.sleep(SLOT_MOVING_PAUSE_S)
 
 
 def state_mode(cfg: StateConfig) -> Mode:
@@ -246,6 +280,8 @@ def redis_client(cfg: StateConfig, socket_timeout: float | None = None,
     called for each that waited ``state.timeout_s`` in vain."""
     client = _make_client(cfg, socket_timeout)
     client.room = Room(cfg.max_connections, cfg.timeout_s, on_pool_timeout)
+    if isinstance(client, BoundedCluster):
+        client.slot_moving_s = 3 * cfg.timeout_s
     return client
 
 
