@@ -687,6 +687,37 @@ async def test_a_responses_store_outage_is_a_503_that_names_no_address(sims, gat
     assert "127.0.0.1" not in ei.value.body["message"] and "Error" not in ei.value.body["message"]
 
 
+async def test_a_responses_record_the_gateway_cannot_read_is_a_response_it_does_not_hold(sims, gateway, redis_server):
+    """A record under the gateway's Responses keys that is not one it wrote (not JSON, or not a
+    record's shape: another application's value, a corrupted one) is an id the store does not hold:
+    gateway-held history answers 404 and a follow-up the 400 previous_response_not_found an agent
+    resends its conversation on; engine state finds the owner in the routing view's lineage, as for
+    a record Redis lost. Never a 500."""
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    values = (b"not json", b"[1, 2]", b'{"model": 3, "url": 4}', b'{"input": 5, "output": "x", "model": "m"}')
+    rc = aioredis.from_url(redis_server.url)
+    try:
+        for mode, kind in (("gateway", "hist"), ("engine", "owner")):
+            gw = await gateway([model_block("m", "vllm", [sim.url])], state=state(redis_server),
+                               responses={"state": mode})
+            c = openai_client(gw)
+            r = await c.responses.create(model="m", input="Hello", max_output_tokens=2)
+            for value in values:
+                await rc.set(f"switchyard:resp:{kind}:{r.id}", value)
+                if mode == "engine":
+                    assert (await c.responses.retrieve(r.id)).id == r.id
+                    await c.responses.create(model="m", input="x", previous_response_id=r.id, max_output_tokens=1)
+                    continue
+                for call in (c.responses.retrieve(r.id), c.responses.input_items.list(r.id)):
+                    with pytest.raises(openai.NotFoundError):
+                        await call
+                with pytest.raises(openai.BadRequestError) as ei:
+                    await c.responses.create(model="m", input="x", previous_response_id=r.id, max_output_tokens=1)
+                assert ei.value.body["code"] == "previous_response_not_found"
+    finally:
+        await rc.aclose()
+
+
 async def test_admin_creates_and_changes_are_decided_by_the_store_not_a_stale_mirror(sims, gateway, redis_server):
     """The admin API checks and writes in one step on the store: a replica whose mirror has not
     seen another's create or revoke yet (two admin calls racing) answers 409 / 404, instead of a
