@@ -200,6 +200,7 @@ class ResponsesApi(ApiShape):
         self._early: set[asyncio.Task] = set()         # owners written at a background stream's first event
         self._unreachable_at = -UNREACHABLE_LOG_S      # the store's failures, logged at most this often
         self._unreachable_quiet = 0
+        self._unreadable_at = -UNREACHABLE_LOG_S       # records that are not the gateway's, logged so too
         # response id → the endpoint that answered it (``r:<id>``), in both state modes: the routing
         # view's session map (gateway/view shares it with sibling workers and replicas), where
         # prefix-cache finds a follow-up's engine and, in engine mode with the memory backend, a
@@ -517,15 +518,16 @@ class ResponsesApi(ApiShape):
     async def _lookup(self, store, kind: str, rid: str, user: str | None,
                       elsewhere: Callable[[], dict[str, Any] | None] | None = None) -> dict[str, Any]:
         """``rid``'s record for ``user``; one the store does not hold may be found ``elsewhere``
-        (counted so, where a miss counts an id nobody holds)."""
+        (counted so, where a miss counts an id nobody holds). A value that is not a record of
+        ``kind`` as the gateway writes it (another application's, a corrupted one) is not held."""
         try:
             raw = await store.get(rid)
         except StoreUnavailable as e:
             self.m.lookups.labels(kind, "unavailable").inc()
             self._unreachable(e)
             raise _store_unreachable() from None
-        value = orjson.loads(raw) if raw is not None else None
-        if not isinstance(value, dict) or (self.auth_on and value.get("user") != user):
+        value = self._readable(kind, rid, raw) if raw is not None else None
+        if value is None or (self.auth_on and value.get("user") != user):
             found = elsewhere() if elsewhere is not None else None
             if found is not None:
                 self.m.lookups.labels(kind, "shared_view").inc()
@@ -534,6 +536,24 @@ class ResponsesApi(ApiShape):
             raise _not_found(rid)
         self.m.lookups.labels(kind, "hit").inc()
         return value
+
+    def _readable(self, kind: str, rid: str, raw: bytes) -> dict[str, Any] | None:
+        """The record in ``raw``, or None (logged, at most every ``UNREACHABLE_LOG_S``) when it is
+        not one of ``kind`` in the shape the gateway writes: an affinity record's ``model`` and ``url``
+        (:func:`_owner_shaped`), a history record's ``input`` and ``output`` lists, ``response``
+        object and ``model`` string."""
+        try:
+            value = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            value = None
+        if isinstance(value, dict) and (_owner_shaped(value) if kind == "affinity" else _history_shaped(value)):
+            return value
+        now = time.monotonic()
+        if now - self._unreadable_at >= UNREACHABLE_LOG_S:
+            self._unreadable_at = now
+            log.warning("responses state record unreadable; taken as not held", kind=kind, response_id=rid,
+                        bytes=len(raw))
+        return None
 
     async def _owner(self, rid: str, user: str | None) -> dict[str, Any]:
         def in_lineage() -> dict[str, Any] | None:
@@ -843,6 +863,22 @@ def _with_responses_usage(body: bytes) -> bytes:
         return body
     data["usage"] = renamed
     return orjson.dumps(data)
+
+
+def _owner_shaped(record: dict[str, Any]) -> bool:
+    """An affinity record: the model, and the endpoint's url (which a response the gateway failed
+    before any endpoint answered has not: its record holds the failed response)."""
+    url, failed = record.get("url"), record.get("failed")
+    if record.get("model").__class__ is not str:
+        return False
+    if failed is None:
+        return url.__class__ is str
+    return isinstance(failed, dict) and (url is None or url.__class__ is str)
+
+
+def _history_shaped(record: dict[str, Any]) -> bool:
+    return isinstance(record.get("input", []), list) and isinstance(record.get("output", []), list) and \
+        isinstance(record.get("response", {}), dict) and isinstance(record.get("model", ""), str)
 
 
 def _listed_message(item: dict[str, Any]) -> None:
