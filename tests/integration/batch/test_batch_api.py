@@ -178,6 +178,36 @@ async def test_cancel_stops_the_batch_and_accounts_for_every_line(sims, gateway,
     assert sample(page, "switchyard_batch_lines_total", model="-") == 0
 
 
+async def test_no_line_reaches_the_engine_once_a_cancel_is_answered(sims, gateway, tmp_path):
+    """A cancel takes effect in the worker that runs the batch before it is answered: no line of the
+    batch is sent to the engine after the answer, however long the runner's poll_interval_s (a
+    batch created is taken up at once too, not at the runner's next look at the store)."""
+    sim = await sims("vllm", "m", itl_ms=5.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       batch={**batch_cfg(tmp_path), "poll_interval_s": 5.0, "max_concurrency": 1})
+    c = openai_client(gw)
+    rows = lines("/v1/chat/completions", 200)
+    for r in rows:
+        r["body"]["max_tokens"] = 4
+    f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+    async def sent() -> int:
+        return sum(r["path"] == "/v1/chat/completions" for r in (await sim_state(sim.url))["received"])
+    await until(lambda: _at_least(sent, 3), timeout=15)
+    cancelling = await c.batches.cancel(b.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    before = await sent()
+    b = await run_to_end(c, b.id, timeout=15)
+    assert b.status == "cancelled" and b.request_counts.total == 200
+    assert await sent() == before
+    await _every_line_once(c, b, rows, "batch_cancelled")
+
+
+async def _at_least(count, n: int) -> bool:
+    return await count() >= n
+
+
 async def test_the_input_of_a_batch_not_ended_is_kept_and_a_second_cancel_is_answered_alike(sims, gateway,
                                                                                           tmp_path):
     """Deleting the input file of a batch still running (cancelling too) is a 400 ``file_in_use``
