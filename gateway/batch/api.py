@@ -165,9 +165,11 @@ def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) 
 
 class BatchApi:
     def __init__(self, cfg: BatchConfig, db: BatchDb, tenancy: Tenancy | NoTenancy,
-                 on_change=lambda: None) -> None:
+                 on_change: Callable[[dict[str, Any]], None] = lambda doc: None) -> None:
         self.cfg, self.db, self.tenancy = cfg, db, tenancy
-        self.on_change = on_change          # wakes this process's runner, if it runs batches
+        # a batch created or cancelled (its object as stored): this process's runner, if it runs
+        # batches, takes it up at once (a cancel stops its lines before the answer goes)
+        self.on_change = on_change
 
     def add_routes(self, app: web.Application, tracked: Callable[[Handler], Handler] = lambda h: h) -> None:
         """``tracked``: what makes a handler's requests count in flight for the drain
@@ -413,7 +415,7 @@ class BatchApi:
         # in one transaction with a check of its file: another worker may delete it meanwhile
         if not await self.db.run(BatchStore.add_batch, doc, owner, output_ttl_s, True):
             raise _bad(f"No such File object: {_shown(fid)}", "input_file_id", "file_not_found")
-        self.on_change()
+        self.on_change(doc)
         return _json(doc)
 
     async def list_batches(self, request: web.Request) -> web.Response:
@@ -455,7 +457,7 @@ class BatchApi:
         doc = await self.db.run(BatchStore.update_batch, bid, cancel) or doc
         if doc["status"] not in ACTIVE or doc["status"] == "finalizing":
             raise _bad(f"Cannot cancel a batch with status {doc['status']}", "batch_id", "invalid_batch_state")
-        self.on_change()
+        self.on_change(doc)
         return _json(doc)
 
 

@@ -127,6 +127,7 @@ class BatchRunner:
         # then, not at its next poll (a line that ends wakes it too, but none may end meanwhile)
         self.rate_due: float | None = None
         self.wake = asyncio.Event()
+        self.look = False       # a batch changed in this process (created, cancelled): the store is read now
         self.fault: BaseException | None = None     # a task of the runner's failed: the runner fails
         self.ending: set[asyncio.Task] = set()         # batches' ends being written (``_finalize``)
         # batches this runner ended that a look at the store begun before their end may still list
@@ -159,8 +160,8 @@ class BatchRunner:
                 if self.fault is not None:
                     raise self.fault
                 now = self.clock()
-                if now - last_refresh >= self.cfg.poll_interval_s:
-                    last_refresh = now
+                if self.look or now - last_refresh >= self.cfg.poll_interval_s:
+                    last_refresh, self.look = now, False
                     await self._refresh()
                 self._dispatch()
                 await self._flush_all()
@@ -174,6 +175,18 @@ class BatchRunner:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await models
             await self._stop_lines()
+
+    def changed(self, doc: dict[str, Any]) -> None:
+        """A batch this process's API created or cancelled (``doc``, as stored): read the store now
+        rather than at the next ``poll_interval_s``; and a batch cancelled that runs here stops at
+        once (no line of it starts after the cancel's answer, those in flight are stopped), so a
+        client that saw its cancel answered sees no more of its requests reach an engine."""
+        job = self.jobs.get(doc.get("id", ""))
+        if job is not None and doc.get("status") == "cancelling":
+            job.doc = doc
+            self._halt(job, "cancelled")
+        self.look = True
+        self.wake.set()
 
     async def _read_models(self) -> None:
         """The ``model`` of each batch an older gateway validated, which it never read (it stored

@@ -81,7 +81,7 @@ class BatchService:
         self.cfg = cfg
         self.db = BatchDb(os.path.abspath(cfg.dir))
         self.metrics = BatchMetrics(registry)
-        self.api = BatchApi(cfg, self.db, tenancy, self._wake)
+        self.api = BatchApi(cfg, self.db, tenancy, self._changed)
         self.pool = pool
         self._signals = dict(engine_signals=engine_signals, metrics_max_age=metrics_max_age,
                              admission_waiting=admission_waiting, draining=draining, targets=targets,
@@ -91,9 +91,11 @@ class BatchService:
         self._task: asyncio.Task | None = None
         self.tell_siblings: Callable[[Endpoint], None] | None = None
 
-    def _wake(self) -> None:
+    def _changed(self, doc: dict[str, Any]) -> None:
+        """A batch this worker's API created or cancelled: the runner, if it runs here, takes it up
+        now (a cancel stops the batch's lines at once), not at its next look at the store."""
         if self.runner is not None:
-            self.runner.wake.set()
+            self.runner.changed(doc)
 
     @property
     def running(self) -> bool:
