@@ -190,6 +190,38 @@ async def test_an_interactive_request_of_the_other_worker_takes_a_batch_lines_sl
         assert done.status == "cancelled" and counts.completed + counts.failed == counts.total == 4
 
 
+@pytest.mark.timeout(120)
+async def test_a_batch_created_and_cancelled_through_the_other_worker_is_taken_up_at_once(sims, tmp_path):
+    """With ``--workers 2``, a batch created, then cancelled, through the worker that does not run
+    batches is taken up, then stopped, by the one that does as soon as the workers' bus tells it,
+    not at its next look at the job store (``poll_interval_s``, here longer than the test)."""
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(config_text(port, sim.url, str(tmp_path / "batch"), "max_concurrency: 1")
+                   .replace("poll_interval_s: 0.05", "poll_interval_s: 600"))
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+        c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        f = await c.files.create(file=("in.jsonl", jsonl(rows(40, max_tokens=20))), purpose="batch")
+        base = f"http://127.0.0.1:{port}/v1/batches"
+        async with await _session_on_worker(port, runs_batches=False) as s:
+            async with s.post(base, json={"input_file_id": f.id, "endpoint": "/v1/chat/completions",
+                                          "completion_window": "24h"}) as r:
+                assert r.status == 200
+                bid = (await r.json())["id"]
+
+            async def started() -> bool:
+                return any(r["path"] == "/v1/chat/completions" for r in (await sim_state(sim.url))["received"])
+
+            await until(started, timeout=30)
+            async with s.post(f"{base}/{bid}/cancel") as r:
+                assert r.status == 200 and (await r.json())["status"] in ("cancelling", "cancelled")
+        done = await run_to_end(c, bid, timeout=30)
+        counts = done.request_counts
+        assert done.status == "cancelled" and counts.total == 40 and counts.completed < 40
+        assert counts.completed + counts.failed == 40
+
+
 @pytest.mark.timeout(60)
 async def test_an_upload_the_disk_has_no_room_for_is_a_507_in_openai_shape(sims, tmp_path):
     """A write of the upload that fails for want of room (a full disk is ENOSPC; here the process's
