@@ -90,24 +90,36 @@ class BatchService:
         self.lock = DirLock(os.path.join(self.db.dir, "runner.lock"))
         self._task: asyncio.Task | None = None
         self.tell_siblings: Callable[[Endpoint], None] | None = None
+        self.tell_batches: Callable[[], None] | None = None
 
     def _changed(self, doc: dict[str, Any]) -> None:
         """A batch this worker's API created or cancelled: the runner, if it runs here, takes it up
         now (a cancel stops the batch's lines at once), not at its next look at the store."""
         if self.runner is not None:
             self.runner.changed(doc)
+        elif self.tell_batches is not None:     # --workers N: the one that runs them reads the store now
+            self.tell_batches()
+
+    def sibling_changed(self) -> None:
+        """A sibling worker's API created or cancelled a batch: the runner, if it runs here, reads the
+        job store now (a cancel's lines stop then)."""
+        if self.runner is not None:
+            self.runner.look = True
+            self.runner.wake.set()
 
     @property
     def running(self) -> bool:
         """This process runs the batches (holds the directory's lock)."""
         return self.lock.fd is not None
 
-    def lifecycle(self, submit: Submit, claims: list, tell_siblings: Callable[[Endpoint], None] | None = None):
+    def lifecycle(self, submit: Submit, claims: list, tell_siblings: Callable[[Endpoint], None] | None = None,
+                  tell_batches: Callable[[], None] | None = None):
         """``claims``: the routing decisions' claims, where the runner learns where its lines run and
         preempts one for an interactive request that would otherwise wait in an engine's queue.
         ``tell_siblings``: with ``--workers N``, how a worker that does not run batches asks the one
-        that does for a slot its interactive request found taken (``sibling_preempt`` there)."""
-        self.tell_siblings = tell_siblings
+        that does for a slot its interactive request found taken (``sibling_preempt`` there), and
+        ``tell_batches`` how it tells that one a batch was created or cancelled (``sibling_changed``)."""
+        self.tell_siblings, self.tell_batches = tell_siblings, tell_batches
         claims.append(self.on_decision)
 
         async def batches(_app: web.Application) -> AsyncIterator[None]:

@@ -326,12 +326,13 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     app.cleanup_ctx.append(_shared_view(s.view))
     if batch is not None:       # started last (the engines' clients are up), stopped first
         tell = s.view.tell_preempt if s.view.bus is not None else None     # --workers N: the runner is one of them
-        s.view.on_preempt = batch.sibling_preempt
+        s.view.on_preempt, s.view.on_batches = batch.sibling_preempt, batch.sibling_changed
         def submit(line):
             return reloader.live.pipeline.handle(line)
         # with tracing, each line is a trace of its own (its legs' engines join it)
         app.cleanup_ctx.append(batch.lifecycle(tracing.lines(submit) if tracing is not None else submit,
-                                               s.decision_claims, tell))
+                                               s.decision_claims, tell,
+                                               s.view.tell_batches if s.view.bus is not None else None))
     return app
 
 

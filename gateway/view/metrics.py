@@ -78,7 +78,7 @@ class ViewMetrics:
                                "close adopted; tokens: a sibling's tokenized "
                                "prompt segment new to this worker; preempt: a batch line stopped for a sibling's "
                                "interactive request; queued: a sibling's list of the models its admission queue holds requests "
-                               "of; unknown_endpoint: "
+                               "of; batches: a sibling's Batch API created or cancelled a batch; unknown_endpoint: "
                                "naming an endpoint this process does not have, skipped)",
                                ["source", "kind"], registry=r)
         self.catch_ups = Counter("switchyard_view_catch_ups",

@@ -231,6 +231,8 @@ class RoutingView:
         self._loading: dict[tuple[str, str], LoraLoad] = {}     # this worker's loads under way, said again each heartbeat
         self._loading_told_at = 0.0
         self.on_preempt: Callable[[Endpoint], Any] | None = None   # a sibling asks for a batch line's slot here
+        self._batches_changed = False        # this worker's Batch API created or cancelled a batch
+        self.on_batches: Callable[[], Any] | None = None     # a sibling's did: the runner reads the job store
         self._lora: Any = None               # this process's LoRA stage, whose discovery is shared
         self._heard_watcher: dict[tuple[str, str], float] = {}   # ("probe" | "scrape" | "models", endpoint key) → heard at
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -465,6 +467,14 @@ class RoutingView:
             self._preempts.append(self._key(ep))
             self._soon()
 
+    def tell_batches(self) -> None:
+        """This worker's Batch API created or cancelled a batch: the siblings learn it at the end of
+        this turn (not held: a cancel's lines go on starting in the worker that runs them until it
+        reads the job store), so that one reads it now, not at its next ``batch.poll_interval_s``."""
+        if self.bus is not None:
+            self._batches_changed = True
+            self._soon()
+
     def _on_breaker(self, ep: Endpoint, open_for: float, ejections: int) -> None:
         self._ejects.append(Eject(self._key(ep), open_for, ejections))
         self._soon()
@@ -679,6 +689,7 @@ class RoutingView:
         preempt = self._preempts
         if preempt:
             self._preempts = []
+        batches, self._batches_changed = self._batches_changed, False
         lora_loads = self._lora_loads
         if lora_loads:
             self._lora_loads = []
@@ -720,11 +731,11 @@ class RoutingView:
                         self._arm(self.cfg.heartbeat_s)      # said again until no queue holds any
         bus = self.bus
         if bus is not None and (inserts or sessions or tokens or ejects or probes or scrapes or served or preempt
-                                or lora_loads or load is not None or busy is not None or queued is not None
+                                or batches or lora_loads or load is not None or busy is not None or queued is not None
                                 or (heartbeat and self._owe)):
             payloads, self._seq = encode_numbered(self.sender, time.time(), inserts, sessions, load,
                                                   self.cfg.max_datagram_bytes, tokens, ejects, probes, scrapes, served,
-                                                  preempt, self.run, self._seq, busy, lora_loads, queued)
+                                                  preempt, self.run, self._seq, busy, lora_loads, queued, batches)
             self.m.gm.child(self.m.sent, "worker").inc(bus.send(payloads))
             if bus.refused:
                 # a sibling missed facts, or the number that tells it so: say it again on the heartbeat
@@ -942,6 +953,9 @@ class RoutingView:
                 elif self.on_preempt(ep):
                     n += 1
             m.gm.child(m.applied, source, "preempt").inc(n)
+        if batch.batches and self.on_batches is not None and source == "worker":
+            self.on_batches()
+            m.gm.child(m.applied, source, "batches").inc()
 
     # -- catching up --------------------------------------------------------------------------
 

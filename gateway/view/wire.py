@@ -45,6 +45,9 @@ discovery alike):
   ``load``), sent when one's queue fills or empties and with every ``view.heartbeat_s`` while any
   holds some; the worker that runs batches starts no line of those (``gateway.batch``). The local
   bus only;
+* ``batches``: the sender's Batch API created or cancelled a batch; the worker that runs batches
+  reads the job store at once rather than at its next ``batch.poll_interval_s`` (``gateway.batch``).
+  The local bus only;
 * ``run`` and ``seq`` (the local bus): the sender's process (a random number, new at each start) and
   how many batches with insertions, sessions or breakers' ejections and closes it has sent so far,
   this one included. A sibling that sees the count jump missed some (its queue was full: stopped,
@@ -149,6 +152,7 @@ class Batch(msgspec.Struct, array_like=True):
     # the models the sender's admission queue holds requests of, all of them (absolute); None: not in
     # this batch, []: none
     queued: list[str] | None = None
+    batches: bool = False                # the sender created or cancelled a batch: the runner reads the store
 
 
 class ViewSnapshot(msgspec.Struct, array_like=True):
@@ -253,11 +257,11 @@ def encode(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequen
            breakers: Sequence[Eject] = (), probes: Sequence[Probe] = (),
            scrapes: Sequence[Scrape] = (), served: Sequence[Served] = (), preempt: Sequence[str] = (),
            busy: dict[str, list[str]] | None = None, loads: Sequence[LoraLoad] = (),
-           queued: list[str] | None = None) -> list[bytes]:
+           queued: list[str] | None = None, batches: bool = False) -> list[bytes]:
     """The batches (encoded) that carry these facts, each within ``max_bytes`` unless a single
     fact is larger (it then travels alone; the bus counts it dropped if the socket refuses it)."""
     return encode_numbered(sender, sent, inserts, sessions, load, max_bytes, tokens, breakers, probes, scrapes,
-                           served, preempt, busy=busy, loads=loads, queued=queued)[0]
+                           served, preempt, busy=busy, loads=loads, queued=queued, batches=batches)[0]
 
 
 def encode_numbered(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequence[Session],
@@ -265,11 +269,13 @@ def encode_numbered(sender: str, sent: float, inserts: Sequence[Insert], session
                     breakers: Sequence[Eject] = (), probes: Sequence[Probe] = (),
                     scrapes: Sequence[Scrape] = (), served: Sequence[Served] = (), preempt: Sequence[str] = (),
                     run: int = 0, seq: int = 0, busy: dict[str, list[str]] | None = None,
-                    loads: Sequence[LoraLoad] = (), queued: list[str] | None = None) -> tuple[list[bytes], int]:
+                    loads: Sequence[LoraLoad] = (), queued: list[str] | None = None,
+                    batches: bool = False) -> tuple[list[bytes], int]:
     """``encode``, each batch carrying ``run`` and its number (``seq``, counting the batches with
     insertions, sessions or breakers' ejections and closes; with ``run`` 0 nothing is numbered);
     returns the batches and the last
-    number given. ``load``, ``busy``, ``breakers``, ``preempt``, ``loads`` and ``queued`` ride in the first."""
+    number given. ``load``, ``busy``, ``breakers``, ``preempt``, ``loads``, ``queued`` and ``batches`` ride
+    in the first."""
     budget = max_bytes - 64 - len(sender) - (sum(len(k) + 10 for k in load) if load else 0) \
         - (sum(len(k) + 8 + sum(len(a) + 4 for a in v) for k, v in busy.items()) if busy else 0) \
         - (sum(len(m) + 4 for m in queued) if queued else 0)
@@ -284,19 +290,20 @@ def encode_numbered(sender: str, sent: float, inserts: Sequence[Insert], session
             seq += 1
         return _encoder.encode(Batch(sender, sent, lists[Insert], lists[Session], load, lists[Tokens],
                                      list(breakers), lists[Probe], lists[Scrape], lists[Served], list(preempt),
-                                     run, seq, busy, list(loads), queued))
+                                     run, seq, busy, list(loads), queued, batches))
 
     for fact in (*inserts, *sessions, *tokens, *probes, *scrapes, *served):
         n = _size(fact)
-        if used + n > budget and (breakers or preempt or loads or any(lists.values())):
+        if used + n > budget and (breakers or preempt or loads or batches or any(lists.values())):
             out.append(batch())
             load = busy = queued = None
+            batches = False
             lists = {Insert: [], Session: [], Tokens: [], Probe: [], Scrape: [], Served: []}
             breakers = preempt = loads = ()
             used = 0
         lists[fact.__class__].append(fact)
         used += n
-    if any(lists.values()) or breakers or preempt or loads or load is not None or busy is not None \
+    if any(lists.values()) or breakers or preempt or loads or batches or load is not None or busy is not None \
             or queued is not None or not out:
         out.append(batch())
     return out, seq

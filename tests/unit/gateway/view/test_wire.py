@@ -116,7 +116,7 @@ def test_adapters_in_flight_travel_once_in_the_first_batch_and_a_batch_of_either
     assert decode(none).busy == {}
     # a sibling of the version before (no busy, nor what came after) and one of a later version (a field more) both decode
     enc = msgspec.msgpack.Encoder()
-    older = msgspec.msgpack.decode(out[0])[:-3]
+    older = msgspec.msgpack.decode(out[0])[:-4]
     assert decode(enc.encode(older)).busy is None and decode(enc.encode(older)).inserts == decode(out[0]).inserts
     newer = [*msgspec.msgpack.decode(out[0]), {"unknown": 1}]
     assert decode(enc.encode(newer)).busy == busy
@@ -136,7 +136,7 @@ def test_adapter_load_outcomes_travel_once_in_the_first_batch_and_a_batch_of_eit
     assert decode(alone).loads == loads and decode(alone).loads[1].message == "" and decode(alone).loads[1].at == 0.0
     # a sibling of the version before (no loads, nor what came after) and one of a later version (a field more) both decode
     enc = msgspec.msgpack.Encoder()
-    older = msgspec.msgpack.decode(out[0])[:-2]
+    older = msgspec.msgpack.decode(out[0])[:-3]
     assert decode(enc.encode(older)).loads == [] and decode(enc.encode(older)).inserts == decode(out[0]).inserts
     newer = [*msgspec.msgpack.decode(out[0]), {"unknown": 1}]
     assert decode(enc.encode(newer)).loads == loads
@@ -151,9 +151,26 @@ def test_the_models_queued_travel_once_in_the_first_batch_and_a_batch_of_either_
     assert [b.queued for b in map(decode, out)] == [["m", "n"]] + [None] * (len(out) - 1)
     (none,) = encode("g/1", 1.0, [], [], None, 4096, queued=[])
     assert decode(none).queued == []
-    # a sibling of the version before (no queued) and one of a later version (a field more) both decode
+    # a sibling of the version before (no queued, nor what came after) and one of a later version (a field more) both decode
     enc = msgspec.msgpack.Encoder()
-    older = msgspec.msgpack.decode(out[0])[:-1]
+    older = msgspec.msgpack.decode(out[0])[:-2]
     assert decode(enc.encode(older)).queued is None and decode(enc.encode(older)).inserts == decode(out[0]).inserts
     newer = [*msgspec.msgpack.decode(out[0]), {"unknown": 1}]
     assert decode(enc.encode(newer)).queued == ["m", "n"]
+
+
+def test_a_batch_created_or_cancelled_travels_once_in_the_first_batch_and_a_batch_of_either_layout_decodes():
+    import msgspec
+
+    ins = [Insert(f"m|http://a:{i}", list(range(i * 100, i * 100 + 100))) for i in range(20)]
+    out = encode("g/1", 1.0, ins, [], None, 4096, batches=True)
+    assert len(out) > 1 and all(len(p) <= 4096 for p in out)
+    assert [b.batches for b in map(decode, out)] == [True] + [False] * (len(out) - 1)
+    (alone,) = encode("g/1", 1.0, [], [], None, 4096, batches=True)
+    assert decode(alone).batches is True
+    # a sibling of the version before (no batches) and one of a later version (a field more) both decode
+    enc = msgspec.msgpack.Encoder()
+    older = msgspec.msgpack.decode(out[0])[:-1]
+    assert decode(enc.encode(older)).batches is False and decode(enc.encode(older)).inserts == decode(out[0]).inserts
+    newer = [*msgspec.msgpack.decode(out[0]), {"unknown": 1}]
+    assert decode(enc.encode(newer)).batches is True
