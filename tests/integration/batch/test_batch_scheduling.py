@@ -778,6 +778,39 @@ async def test_an_interactive_request_stops_every_batch_line_it_would_wait_behin
     assert (await run_to_end(c, b.id)).status == "cancelled"
 
 
+async def test_a_line_stopped_for_an_interactive_request_is_logged_as_preempted_not_as_a_client_cancel(
+        sims, gateway, tmp_path):
+    """A batch line that gives its slot to an interactive request goes back to the queue: its request
+    log line says so (``error_class: batch_preempted``), and it counts in no client-cancel metric,
+    as nobody cancelled it; ``switchyard_batch_lines_total{outcome="preempted"}`` counts it."""
+    sim = await sims("vllm", "m", itl_ms=20.0, max_num_seqs=2)
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       batch=cfg(tmp_path, endpoint_capacity=2, reserve_slots=0, max_concurrency=2))
+    c = openai_client(gw)
+    b = await create(c, rows(["m"] * 2, max_tokens=150))     # 3 s a line
+
+    async def full() -> bool:
+        return len((await sim_state(sim.url))["running"]) == 2
+
+    await until(full, timeout=10, interval=0.02)
+    with gw.gw.request_log.capture() as logs:
+        answered = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "now"}],
+                                                   max_tokens=2)
+        assert answered.choices
+
+        def stopped() -> list[dict[str, Any]]:
+            return [e for e in logs if e.get("batch_id") == b.id]
+
+        await until(stopped, timeout=10)
+        (line,) = stopped()
+    assert (line["status"], line["error_class"]) == (499, "batch_preempted"), line
+    page = await gw.metrics_text()
+    assert metric(page, "switchyard_client_cancels_total", model="m") == 0
+    assert metric(page, "switchyard_batch_lines_total", model="m", outcome="preempted") == 1
+    await c.batches.cancel(b.id)
+    assert (await run_to_end(c, b.id)).status == "cancelled"
+
+
 async def test_a_line_retried_on_another_endpoint_is_no_longer_one_to_stop_on_the_first(sims, gateway, tmp_path):
     """A line the pipeline moved from one endpoint to another (the first answered 500) runs on the
     second only: an interactive request that finds the first endpoint full afterwards stops the
