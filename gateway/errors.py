@@ -43,6 +43,8 @@ class ErrorClass(enum.StrEnum):
     RESPONSE_OWNER_GONE = "response_owner_gone"
     CLIENT = "client"                               # any other 4xx
     CLIENT_CANCEL = "client_cancel"                 # the client went away
+    # a batch line its runner stopped to give its slot to an interactive request (it runs again)
+    BATCH_PREEMPTED = "batch_preempted"
     # limits
     RATE_LIMIT_MODEL_RPS = "rate_limit_model_rps"
     RATE_LIMIT_RPM = "rate_limit_rpm"

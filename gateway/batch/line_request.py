@@ -31,6 +31,9 @@ class LineRequest(dict):
         super().__init__(keys)
         self.log_fields = log_fields        # added to the line's log line (its batch_id, custom_id)
         self.acting_for = acting_for        # the batch's owner, when API keys are on (gateway/tenants)
+        # why its runner stopped it (an ErrorClass, set before the cancel): its log line says that,
+        # not a client's cancel (None: its batch was cancelled, or the gateway stops)
+        self.stopped_as: Any = None
         self.path = path
         self._body = body
         self.content = WholeBody(body)

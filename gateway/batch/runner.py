@@ -60,6 +60,7 @@ from gateway.batch.line_request import LineRequest
 from gateway.batch.metrics import BatchMetrics
 from gateway.batch.store import BatchDb, BatchStore, Result, now_s
 from gateway.endpoints import EndpointPool
+from gateway.errors import ErrorClass
 from gateway.request import body_bytes
 
 log = structlog.get_logger("switchyard.batch")
@@ -138,6 +139,7 @@ class BatchRunner:
         self.placed: dict[str, str] = {}                            # request id → endpoint
         self.preempted: set[str] = set()
         self._tasks_by_rid: dict[str, asyncio.Task] = {}
+        self._requests: dict[str, LineRequest] = {}     # request id → its line's request, while it runs
         # (owner, model) → until when no line of theirs starts: a line met a 429, whose Retry-After
         # says when the limit (or admission) takes requests again
         self.held: dict[tuple[str, str], float] = {}
@@ -669,6 +671,7 @@ class BatchRunner:
         def ended(t: asyncio.Task) -> None:
             job.tasks.discard(t)
             self._tasks_by_rid.pop(rid, None)
+            self._requests.pop(rid, None)
             self.preempted.discard(rid)
             ep = self.placed.pop(rid, None)
             if ep is not None:
@@ -722,6 +725,8 @@ class BatchRunner:
                 break
             victim = next(reversed(running))
             self.preempted.add(victim)
+            if (req := self._requests.get(victim)) is not None:     # its log line says why it stopped
+                req.stopped_as = ErrorClass.BATCH_PREEMPTED
             running.pop(victim).cancel()
         return True
 
@@ -738,6 +743,7 @@ class BatchRunner:
             req = LineRequest(line.url, body_bytes(body, line.raw), headers, {},
                               log_fields={"batch_id": job.id, "custom_id": line.custom_id},
                               acting_for=job.owner or None)
+            self._requests[rid] = req
             resp = await self.submit(req)
             status, raw = resp.status, _body_of(resp)
             if status == 429:
