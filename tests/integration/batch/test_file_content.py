@@ -181,3 +181,63 @@ async def test_a_client_that_leaves_mid_download_leaves_no_file_open(sims, gatew
         await until(lambda: _open_on(path) == 0, timeout=10)
     status, _, body = await _get(gw, f.id, {"Range": "bytes=0-0"})      # and it is still served
     assert (status, body) == (206, b"{")
+
+
+def _unblock(path: str) -> None:
+    """A FIFO's reader blocked in its open (a thread) is let go: a writer comes and goes at once."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
+async def test_a_file_whose_bytes_cannot_be_read_is_a_storage_error_not_a_404(sims, gateway, tmp_path):
+    """The content of a file whose bytes are there but cannot be read (its place taken by a
+    directory, or by a FIFO, which an open would wait on for a writer) is a 500 ``storage_error``
+    in OpenAI's shape, answered at once: the file exists, the gateway's storage fails it; a file
+    whose bytes are gone is the 404 it was."""
+    gw, fid = await _stored(sims, gateway, tmp_path)
+    path = str(tmp_path / "batch" / "files" / fid)
+    os.unlink(path)
+    status, headers, body = await _get(gw, fid)
+    assert status == 404 and orjson.loads(body)["error"]["code"] == "file_not_found"
+    os.mkdir(path)
+    for method in ("GET", "HEAD"):
+        status, headers, body = await _get(gw, fid, method=method)
+        assert status == 500, (method, status, body)
+    err = orjson.loads((await _get(gw, fid))[2])["error"]
+    assert (err["type"], err["code"]) == ("api_error", "storage_error") and fid in err["message"], err
+    os.rmdir(path)
+    os.mkfifo(path)
+    try:
+        async with asyncio.timeout(10):
+            status, headers, body = await _get(gw, fid)
+        assert status == 500 and orjson.loads(body)["error"]["code"] == "storage_error", (status, body)
+    finally:
+        _unblock(path)
+
+
+async def test_a_batch_whose_input_is_no_regular_file_fails_and_holds_up_nothing(sims, gateway, tmp_path):
+    """A batch whose input file's place was taken by a FIFO fails its validation (``file_unreadable``)
+    rather than waiting on it for a writer for good; the next batch runs."""
+    gw, fid = await _stored(sims, gateway, tmp_path)
+    c = openai_client(gw)
+    path = str(tmp_path / "batch" / "files" / fid)
+    os.unlink(path)
+    os.mkfifo(path)
+    try:
+        b = await c.batches.create(input_file_id=fid, endpoint="/v1/chat/completions", completion_window="24h")
+
+        async def failed() -> bool:
+            return (await c.batches.retrieve(b.id)).status == "failed"
+
+        await until(failed, timeout=10)
+        got = await c.batches.retrieve(b.id)
+        assert [e.code for e in got.errors.data] == ["file_unreadable"], got.errors
+    finally:
+        _unblock(path)
+    f = await c.files.create(file=("in.jsonl", DATA), purpose="batch")
+    nxt = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+    async def done() -> bool:
+        return (await c.batches.retrieve(nxt.id)).status == "completed"
+
+    await until(done, timeout=20)
