@@ -17,7 +17,6 @@ import os
 import re
 import secrets
 import sqlite3
-import stat
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -65,15 +64,12 @@ def _list(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
 
 
 def _open_file(path: str) -> tuple[Any, os.stat_result]:
-    fobj = open(path, "rb")     # noqa: SIM115 (closed by the caller, after the answer)
+    fobj = batch_files.open_stored(path)        # closed by the caller, after the answer
     try:
         st = os.fstat(fobj.fileno())
     except BaseException:
         fobj.close()
         raise
-    if not stat.S_ISREG(st.st_mode):
-        fobj.close()
-        raise FileNotFoundError(path)
     return fobj, st
 
 
@@ -341,9 +337,14 @@ class BatchApi:
         path = batch_files.path_of(self.db.dir, f["id"])
         try:
             fobj, st = await asyncio.to_thread(_open_file, path)
-        except OSError:                 # its bytes left the disk: no empty page
+        except FileNotFoundError:       # its bytes left the disk: no empty page
             raise GatewayError(404, f"The content of file {f['id']} is no longer stored", param="id",
                                code="file_not_found") from None
+        except OSError as e:            # they are there, and cannot be read: the storage fails, not the client
+            log.warning("batch storage error", path=request.path, method=request.method, file_id=f["id"],
+                        error=str(e))
+            raise GatewayError(500, f"The content of file {f['id']} could not be read from the gateway's "
+                               f"storage ({e.strerror or e}); try again later.", code="storage_error") from None
         try:
             return await _send(request, fobj, ranges.Validators.of(st), f["filename"])
         finally:

@@ -11,10 +11,12 @@ the kernel released, and not those another process is still writing.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
 import secrets
+import stat
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -47,6 +49,25 @@ def path_of(directory: str, file_id: str) -> str:
     if not valid_id(file_id):
         raise ValueError(f"not a file id: {file_id!r}")
     return os.path.join(directory, "files", file_id)
+
+
+def open_stored(path: str):
+    """A stored file's bytes opened for reading (a binary file object), never waiting: what stands
+    in its place that is not a regular file (a directory, a FIFO, whose plain open would wait for a
+    writer for good, a device) is an ``OSError`` (``EISDIR``, ``EINVAL``), as a file that cannot
+    be read (``EACCES``, ``EIO``) is; one that is gone is ``FileNotFoundError``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+            raise OSError(errno.EINVAL, "Not a regular file", path)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def form_filename(disposition: str | None) -> str | None:
@@ -110,7 +131,7 @@ def clear_temps(directory: str) -> None:
     for name in names:
         path = os.path.join(tmp, name)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)     # a FIFO left there is not waited on
         except OSError:
             continue
         try:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from gateway.batch.files import open_stored
 from gateway.request import may_hold_wide_ints
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -219,7 +220,7 @@ def read_chunk(path: str, offset: int, line_no: int, n: int = CHUNK_LINES) -> tu
     buf = b""
     pos = 0                 # in ``buf``: where the lines not yet read begin
     block = READ_BLOCK
-    with open(path, "rb") as f:
+    with open_stored(path) as f:
         f.seek(offset)
         while len(out) < n:
             m = _CONTENT.search(buf, pos)
