@@ -1146,3 +1146,55 @@ async def test_the_lines_of_a_model_whose_only_pod_waits_for_its_address_wait_fo
         sim_pod(emu, "llama-0", sim, "llama")
         done = await run_to_end(c, b.id)
     assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 3, 0), done
+
+
+async def test_a_batch_whose_model_the_gateway_does_not_know_fails_its_validation(sims, gateway, tmp_path):
+    """As at OpenAI, a batch whose requests name one model, which the gateway does not serve, fails
+    as it is validated, ``model_not_found`` in its ``errors``, none of its requests run or counted,
+    where each of its lines was run and answered 404 into the error file."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
+    c = openai_client(gw)
+    b = await run_to_end(c, (await create(c, rows(["nope"] * 3))).id, timeout=10)
+    assert b.status == "failed" and b.failed_at and b.model == "nope", b
+    assert [(e.code, e.param) for e in b.errors.data] == [("model_not_found", "body.model")], b.errors
+    assert "nope" in b.errors.data[0].message
+    counts = b.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (0, 0, 0)
+    assert b.output_file_id is None and b.error_file_id is None
+
+
+async def test_the_lines_of_a_batch_whose_model_went_wait_for_it_in_a_runner_started_since(sims, gateway, tmp_path):
+    """A gateway started again while a batch runs, whose model it does not serve now (its config
+    without the model, its pods not back yet), holds the batch's lines for the model to come back,
+    as the runner that saw it go does: the model was the batch's when it was validated. They were
+    answered 404 model_not_found, the whole batch burnt into its error file by a restart."""
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    other = await sims("vllm", "other")
+    first = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path, max_concurrency=1))
+    c = openai_client(first)
+    b = await create(c, rows(["m"] * 6, max_tokens=10))
+
+    async def one_done() -> bool:
+        return (await c.batches.retrieve(b.id)).request_counts.completed >= 1
+
+    await until(one_done, timeout=10)
+    await first.runner.cleanup()
+    with structlog.testing.capture_logs() as logs:
+        second = await gateway([model_block("other", "vllm", [other.url])], batch=cfg(tmp_path, max_concurrency=1))
+        c = openai_client(second)
+
+        def waits() -> list[tuple[str, str]]:
+            return [(e["model"], e["reason"]) for e in logs if e["event"].startswith("batch lines of a model wait")]
+
+        async def waiting_or_failed() -> bool:
+            return bool(waits()) or (await c.batches.retrieve(b.id)).request_counts.failed > 0
+
+        await until(waiting_or_failed, timeout=10)
+        now = await c.batches.retrieve(b.id)
+        assert (now.status, now.request_counts.failed) == ("in_progress", 0), now
+        assert waits() == [("m", "no such model")]
+        await second.runner.cleanup()
+    third = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path, max_concurrency=1))
+    done = await run_to_end(openai_client(third), b.id, timeout=30)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 6, 0), done
