@@ -21,8 +21,10 @@ the error file).
 
 A line naming a model the gateway does not know is answered 404 at once, unless the model may come
 back: Kubernetes discovery has not listed the pods yet, or the gateway knew it while this runner ran
-(its last pod deleted in a rollout, a reload without it); then its lines wait as below (``_awaited``),
-and one answered the gateway's 404 in flight waits too.
+(its last pod deleted in a rollout, a reload without it), or it is the model of the line's batch,
+which the gateway served when it validated the batch; then its lines wait as below (``_awaited``),
+and one answered the gateway's 404 in flight waits too. A batch whose lines all name one model the
+gateway does not serve (nor expects back) fails its validation, ``model_not_found``, as at OpenAI.
 
 A model "can run a line" (``headroom.serves``) when it has a ready endpoint; one routed as
 prefill/decode pairs needs a ready prefill and a ready decode of one roleset, or a ready
@@ -260,6 +262,10 @@ class BatchRunner:
             else:
                 job.doc = doc
             status = doc["status"]
+            if status != "validating" and isinstance(model := doc.get("model"), str) and model:
+                # the batch's model, which the gateway served when the batch was validated: if it is
+                # gone now (this runner started since, in a rollout), its lines wait for it to come back
+                self._remember(model)
             if status == "validating":
                 self._validate_soon(job)
             elif status == "in_progress" and doc.get("expires_at") and now >= doc["expires_at"]:
@@ -303,6 +309,12 @@ class BatchRunner:
         except OSError as e:
             total, errors = 0, [{"code": "file_unreadable", "message": f"the input file cannot be read: {e.strerror}",
                                  "param": "input_file_id", "line": None}]
+        if not errors and model is not None and self.targets(model) is None and self._awaited(model) is None:
+            # every request names one model, which the gateway does not serve (nor expects back): the
+            # batch fails whole, as at OpenAI, rather than each line being answered 404
+            shown = model if len(model) <= 256 else model[:256] + "…"
+            errors = [{"code": "model_not_found", "message": f"The model `{shown}` does not exist.",
+                       "param": "body.model", "line": None}]
         now = now_s()
 
         made: list[bool] = []
@@ -602,13 +614,16 @@ class BatchRunner:
         log.warning("batch lines of a model wait: it cannot run one now; they start once it can, uncounted",
                     model=model, reason=reason)
 
-    def _know(self, model: str, targets: tuple[str, ...]) -> None:
-        """The gateway knows ``model`` (it runs on ``targets``): remembered, and a wait for it to
-        come back (``_awaited``) ends."""
+    def _remember(self, model: str) -> None:
         if model not in self.known:
             if len(self.known) >= IDLE_MODELS:
                 self.known.clear()
             self.known.add(model)
+
+    def _know(self, model: str, targets: tuple[str, ...]) -> None:
+        """The gateway knows ``model`` (it runs on ``targets``): remembered, and a wait for it to
+        come back (``_awaited``) ends."""
+        self._remember(model)
         if model not in targets and model in self.idle:     # an alias, an adapter: its targets log their own
             self.idle.discard(model)
             log.info("batch lines of a model can run again", model=model)
