@@ -811,6 +811,27 @@ async def test_a_line_stopped_for_an_interactive_request_is_logged_as_preempted_
     assert (await run_to_end(c, b.id)).status == "cancelled"
 
 
+async def test_lines_stopped_as_the_gateway_stops_are_logged_as_such_not_as_client_cancels(sims, gateway, tmp_path):
+    """The lines in flight as the gateway stops are stopped (they run again after its restart):
+    each one's log line says the gateway stopped it (``error_class: draining``), and none counts in
+    ``switchyard_client_cancels_total``: no client left."""
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       batch=cfg(tmp_path, endpoint_capacity=3, reserve_slots=0, max_concurrency=2))
+    c = openai_client(gw)
+    b = await create(c, rows(["m"] * 2, max_tokens=150))     # 3 s a line
+
+    async def running() -> bool:
+        return len((await sim_state(sim.url))["running"]) == 2
+
+    await until(running, timeout=10, interval=0.02)
+    with gw.gw.request_log.capture() as logs:
+        await gw.runner.cleanup()
+    lines = [e for e in logs if e.get("batch_id") == b.id]
+    assert [(e["status"], e["error_class"]) for e in lines] == [(499, "draining")] * 2, lines
+    assert metric(gw.gw.metrics.render().decode(), "switchyard_client_cancels_total") == 0
+
+
 async def test_a_line_retried_on_another_endpoint_is_no_longer_one_to_stop_on_the_first(sims, gateway, tmp_path):
     """A line the pipeline moved from one endpoint to another (the first answered 500) runs on the
     second only: an interactive request that finds the first endpoint full afterwards stops the
