@@ -31,9 +31,9 @@ class LineRequest(dict):
         super().__init__(keys)
         self.log_fields = log_fields        # added to the line's log line (its batch_id, custom_id)
         self.acting_for = acting_for        # the batch's owner, when API keys are on (gateway/tenants)
-        # why its runner stopped it (an ErrorClass, set before the cancel): its log line says that,
-        # not a client's cancel (None: its batch was cancelled, or the gateway stops)
-        self.stopped_as: Any = None
+        # why its runner stopped it, set before the cancel: (its log line's error_class and error,
+        # the trace's abort.by), not a client's cancel (None: its batch was cancelled, by its owner)
+        self.stopped_as: tuple[Any, str, str] | None = None
         self.path = path
         self._body = body
         self.content = WholeBody(body)

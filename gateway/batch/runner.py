@@ -77,6 +77,11 @@ IDLE_MODELS = 4096     # models remembered as unable to run a line (for the log 
 # what the gateway's 502 says (x-error-upstream) when it could not connect to any engine of the
 # line's model: no engine took the request, so the line is not at fault
 UNREACHED = "connect"
+# how a line its runner stops is logged (error_class, error, the trace's abort.by): not a client's cancel
+PREEMPTED = (ErrorClass.BATCH_PREEMPTED, "stopped to give its slot to an interactive request; the batch line "
+             "runs again", "batch_preemption")
+STOPPING = (ErrorClass.DRAINING, "the batch runner stopped (the gateway stops); the batch line runs again "
+            "once batches run again", "gateway")
 
 
 @dataclass(slots=True)
@@ -237,6 +242,9 @@ class BatchRunner:
         """Shutting down: lines in flight are cancelled (they run again after a restart); what was
         answered is committed. A batch's end being written waits for its files' write (``_finalize``)."""
         tasks = [t for job in self.jobs.values() for t in job.tasks] + list(self.ending)
+        for req in self._requests.values():     # their log lines say the gateway stopped them
+            if req.stopped_as is None:
+                req.stopped_as = STOPPING
         for t in tasks:
             t.cancel()
         if tasks:
@@ -741,7 +749,7 @@ class BatchRunner:
             victim = next(reversed(running))
             self.preempted.add(victim)
             if (req := self._requests.get(victim)) is not None:     # its log line says why it stopped
-                req.stopped_as = ErrorClass.BATCH_PREEMPTED
+                req.stopped_as = PREEMPTED
             running.pop(victim).cancel()
         return True
 

@@ -137,10 +137,11 @@ class Pipeline:
             if self.lifecycle.was_cut(task):        # the gateway stops: the client is told so
                 return await self._cut(ctx, task)
             if (stopped := getattr(request, "stopped_as", None)) is not None:
-                # a batch line its runner stopped for an interactive request: no client's cancel
-                rec.status, rec.error_class = 499, stopped
-                rec.error = "stopped to give its slot to an interactive request; the batch line runs again"
-                ctx.trace.event("abort", {"switchyard.abort.by": "batch_preemption"})
+                # a batch line its runner stopped (for an interactive request, as the gateway stops):
+                # no client's cancel
+                rec.status = 499
+                rec.error_class, rec.error, by = stopped
+                ctx.trace.event("abort", {"switchyard.abort.by": by})
                 raise
             if take_edge_answer(request, rec):      # the edge's 408 or 400: the body stopped or broke
                 raise
