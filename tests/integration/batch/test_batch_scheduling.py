@@ -832,6 +832,37 @@ async def test_lines_stopped_as_the_gateway_stops_are_logged_as_such_not_as_clie
     assert metric(gw.gw.metrics.render().decode(), "switchyard_client_cancels_total") == 0
 
 
+async def test_lines_stopped_as_their_batch_expires_are_logged_as_such_not_as_client_cancels(sims, gateway, tmp_path):
+    """The lines in flight as their batch's window ends are stopped: each one's log line says the
+    batch expired (``error_class: batch_expired``), and none counts in
+    ``switchyard_client_cancels_total``: no client left, nor cancelled the batch."""
+    from gateway.batch.store import BatchStore
+    from gateway.server.app import BATCH_KEY
+
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       batch=cfg(tmp_path, endpoint_capacity=3, reserve_slots=0, max_concurrency=2))
+    c = openai_client(gw)
+    b = await create(c, rows(["m"] * 2, max_tokens=150))     # 3 s a line
+
+    async def running() -> bool:
+        return len((await sim_state(sim.url))["running"]) == 2
+
+    await until(running, timeout=10, interval=0.02)
+
+    def past(d: dict[str, Any]) -> bool:
+        d["expires_at"] = d["created_at"] - 1
+        return True
+
+    with gw.gw.request_log.capture() as logs:
+        await gw.runner.app[BATCH_KEY].db.run(BatchStore.update_batch, b.id, past)
+        done = await run_to_end(c, b.id, timeout=10)
+    assert done.status == "expired", done
+    lines = [e for e in logs if e.get("batch_id") == b.id]
+    assert [(e["status"], e["error_class"]) for e in lines] == [(499, "batch_expired")] * 2, lines
+    assert metric(await gw.metrics_text(), "switchyard_client_cancels_total") == 0
+
+
 async def test_a_line_retried_on_another_endpoint_is_no_longer_one_to_stop_on_the_first(sims, gateway, tmp_path):
     """A line the pipeline moved from one endpoint to another (the first answered 500) runs on the
     second only: an interactive request that finds the first endpoint full afterwards stops the
