@@ -45,6 +45,7 @@ class ErrorClass(enum.StrEnum):
     CLIENT_CANCEL = "client_cancel"                 # the client went away
     # a batch line its runner stopped to give its slot to an interactive request (it runs again)
     BATCH_PREEMPTED = "batch_preempted"
+    BATCH_EXPIRED = "batch_expired"                 # a batch line stopped as its batch's window ended
     # limits
     RATE_LIMIT_MODEL_RPS = "rate_limit_model_rps"
     RATE_LIMIT_RPM = "rate_limit_rpm"

@@ -80,6 +80,8 @@ UNREACHED = "connect"
 # how a line its runner stops is logged (error_class, error, the trace's abort.by): not a client's cancel
 PREEMPTED = (ErrorClass.BATCH_PREEMPTED, "stopped to give its slot to an interactive request; the batch line "
              "runs again", "batch_preemption")
+EXPIRED = (ErrorClass.BATCH_EXPIRED, "the batch expired (its completion window ended) before this request "
+           "was answered", "gateway")
 STOPPING = (ErrorClass.DRAINING, "the batch runner stopped (the gateway stops); the batch line runs again "
             "once batches run again", "gateway")
 
@@ -353,6 +355,10 @@ class BatchRunner:
             job.stopping = why
             job.ready.clear()
             job.waiting.clear()
+            if why == "expired":        # their log lines say so (a cancel is the owner's: a client's)
+                for req in self._requests.values():
+                    if req.stopped_as is None and (req.log_fields or {}).get("batch_id") == job.id:
+                        req.stopped_as = EXPIRED
             for t in job.tasks:
                 t.cancel()
 
