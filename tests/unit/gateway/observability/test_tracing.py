@@ -287,3 +287,27 @@ def test_a_client_value_cannot_make_a_span_too_large_to_export():
     (got,) = keep.spans
     assert len(got.attributes["user.id"]) == MAX_ATTRIBUTE_LENGTH
     assert len(got.events[0].attributes["error.type"]) == MAX_ATTRIBUTE_LENGTH
+
+
+@pytest.mark.parametrize("env, named, where", [
+    ({"OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer%20s3cret,Bearer s3cret"}, "OTEL_EXPORTER_OTLP_HEADERS", 2),
+    ({"OTEL_EXPORTER_OTLP_TRACES_HEADERS": "authorization: Bearer s3cret", "OTEL_EXPORTER_OTLP_HEADERS": "a=b"},
+     "OTEL_EXPORTER_OTLP_TRACES_HEADERS", 1),
+])
+def test_a_header_the_exporter_would_drop_fails_start_naming_the_variable(monkeypatch, env, named, where):
+    """The exporter dropped an entry that is no name=value pair with a warning that names no
+    variable, and sent every span without it (a collector's token lost): refused, its value not shown."""
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError) as e:
+        Tracing.from_config(TracingConfig(enabled=True, endpoint="127.0.0.1:1"), GatewayMetrics())
+    n = len(env[named].split(","))
+    assert str(e.value).startswith(f"environment variable {named}: entry {where} of {n} is not name=value")
+    assert "s3cret" not in str(e.value)
+
+
+def test_headers_the_exporter_takes_start(monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", " authorization = Bearer s3cret , x-team=a%20b,")
+    t = Tracing.from_config(TracingConfig(enabled=True, endpoint="127.0.0.1:1"), GatewayMetrics())
+    assert t is not None
+    t.provider.shutdown()
