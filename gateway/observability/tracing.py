@@ -694,8 +694,32 @@ def check_tls_files(protocol: str, env: Mapping[str, str] | None = None) -> None
                              f"{key[0].removesuffix('CLIENT_KEY')}CLIENT_CERTIFICATE")
 
 
+# an entry of OTEL_EXPORTER_OTLP_(TRACES_)HEADERS the exporters take (opentelemetry.util.re's liberal
+# pattern): a name, "=", and a value that may hold spaces and the URL-encoded characters
+_HEADER = re.compile(r"[ \t]*[\x21\x23-\x27\x2a\x2b\x2d\x2e\x30-\x39\x41-\x5a\x5e-\x7a\x7c\x7e]+[ \t]*="
+                     r"[ \t]*[\x20\x21\x23-\x2b\x2d-\x3a\x3c-\x5b\x5d-\x7e]*[ \t]*")
+
+
+def check_headers(env: Mapping[str, str] | None = None) -> None:
+    """Refuse, naming the variable and the entry, headers the exporter would drop: it reads
+    ``OTEL_EXPORTER_OTLP_TRACES_HEADERS``, else ``OTEL_EXPORTER_OTLP_HEADERS``, and dropped an entry
+    that is no ``name=value`` pair with a warning that named no variable and printed the entry (a
+    token, say), then sent every span without it. The value is not shown: it may be a secret."""
+    env = os.environ if env is None else env
+    var = next((v for v in ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS") if env.get(v)), None)
+    if var is None:
+        return
+    entries = re.split(r"[ \t]*,[ \t]*", env[var])
+    for i, entry in enumerate(entries, 1):
+        if entry and not _HEADER.fullmatch(entry.strip()):
+            raise ValueError(f"environment variable {var}: entry {i} of {len(entries)} is not name=value "
+                             "(a comma-separated list of them, each value URL-encoded); the exporter would "
+                             "send the spans without it")
+
+
 def make_exporter(s: TracingSettings) -> SpanExporter:
     check_tls_files(s.protocol)
+    check_headers()
     if s.protocol == "grpc":
         # grpc's core writes its own lines to stderr, outside the gateway's format, and at its info
         # level by default (a line at every failed handshake); the exporter logs each failure, with
