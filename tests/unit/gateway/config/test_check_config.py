@@ -386,3 +386,37 @@ def test_check_config_of_a_fifo_no_one_writes_ends_at_a_stop(tmp_path, sig):
             proc.wait()
     assert proc.returncode in (-signal.SIGTERM, 130), (proc.returncode, err)
     assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"OTEL_TRACES_SAMPLER": "bogus"}, "environment variable OTEL_TRACES_SAMPLER: 'bogus' is not supported"),
+    ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"},
+     "environment variable OTEL_TRACES_SAMPLER_ARG: must be within [0, 1], got '2'"),
+    ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
+     "environment variable OTEL_EXPORTER_OTLP_PROTOCOL: 'http/json' is not supported"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "ftp://collector"}, "environment variable OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1", "OTEL_EXPORTER_OTLP_CERTIFICATE": "/nonexistent.pem"},
+     "environment variable OTEL_EXPORTER_OTLP_CERTIFICATE: cannot read '/nonexistent.pem'"),
+    # the exporter dropped an entry that is no name=value pair with a warning, and sent the spans
+    # without it (an authorization header lost: every export refused by the collector)
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1", "OTEL_EXPORTER_OTLP_HEADERS": "x-team=a,Bearer s3cret"},
+     "environment variable OTEL_EXPORTER_OTLP_HEADERS: entry 2 of 2 is not name=value"),
+])
+def test_otel_variables_a_start_refuses_are_refused_naming_the_variable(tmp_path, capsys, monkeypatch, env,
+                                                                         expected):
+    """The tracing variables a start reads are checked as the start checks them: a bad one failed
+    the start (or, for a header, lost it silently) after ``--check-config`` said OK."""
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    rc, out, err = check(tmp_path, GOOD, capsys)
+    assert rc == 2 and out == ""
+    assert err.startswith(f"switchyard: config error: {expected}"), err
+    assert "s3cret" not in err
+
+
+def test_otel_variables_of_tracing_left_off_are_not_read_for_the_exporter(tmp_path, capsys, monkeypatch):
+    """A CA file or headers are read only by the exporter, which a start without tracing builds not."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_CERTIFICATE", "/nonexistent.pem")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "garbage")
+    rc, out, err = check(tmp_path, GOOD, capsys)
+    assert rc == 0 and err == "" and "OK (2 models)" in out
