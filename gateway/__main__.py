@@ -328,10 +328,14 @@ def raise_nofile() -> None:
 
 def check_config(path: str) -> int:
     """``--check-config``: load and validate ``path`` as a start would, and stop there. Errors
-    name the file and the key; old names still accepted are printed as warnings."""
+    name the file and the key, or the ``OTEL_*`` variable; old names still accepted are printed as
+    warnings."""
     deprecated: list[Deprecation] = []
     try:
         config = load_config(path, deprecated)
+        # the OTEL_* variables a start reads (gateway/observability/tracing.py), checked as it does
+        from gateway.observability.tracing import check_exporter, resolve
+        check_exporter(resolve(config.tracing))
     except (ConfigError, ValueError) as e:
         for note in deprecated:
             say(f"switchyard: warning: {note}")

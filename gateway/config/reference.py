@@ -215,7 +215,11 @@ like the JSON Schema that `python -m gateway --print-config-schema` prints.
     lost in an edit would start a gateway that answers every request 404, or, reloaded, remove
     every endpoint of a running one. A key that loads but does nothing is a warning, here and in
     the start's log: a `limits.models` entry that names no model (an alias's or a LoRA adapter's
-    requests are limited by their model's name), with `kubernetes.enabled` false.
+    requests are limited by their model's name), with `kubernetes.enabled` false. The `OTEL_*`
+    variables a start reads for tracing (sampler and its argument, protocol, endpoint, timeouts,
+    compression, and with tracing on the exporter's headers and TLS files) are checked as the
+    start checks them, in the environment the command runs in: a bad one is an error naming the
+    variable (`environment variable OTEL_TRACES_SAMPLER: 'bogus' is not supported ...`).
 
 3. Run it: `python -m gateway --config gateway.yaml`. `--host`, `--port`, `--log-format` and
    `--workers` override `listen.host`, `listen.port`, `server.log_format` and `server.workers`.

@@ -35,6 +35,7 @@ environment, the environment over the built-in default.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import os
 import re
@@ -715,6 +716,22 @@ def check_headers(env: Mapping[str, str] | None = None) -> None:
             raise ValueError(f"environment variable {var}: entry {i} of {len(entries)} is not name=value "
                              "(a comma-separated list of them, each value URL-encoded); the exporter would "
                              "send the spans without it")
+
+
+def check_exporter(s: TracingSettings, env: Mapping[str, str] | None = None) -> None:
+    """What building the exporter for ``s`` refuses, checked without building it (``--check-config``):
+    nothing when tracing is off, whose exporter is not built."""
+    if not s.enabled:
+        return
+    check_tls_files(s.protocol, env)
+    check_headers(env)
+    if s.protocol == "grpc":
+        try:
+            found = importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc.trace_exporter") is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ValueError(f"{s.protocol_from}: grpc needs the OTLP gRPC exporter: pip install 'switchyard[grpc]'")
 
 
 def make_exporter(s: TracingSettings) -> SpanExporter:

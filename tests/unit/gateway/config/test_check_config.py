@@ -420,3 +420,13 @@ def test_otel_variables_of_tracing_left_off_are_not_read_for_the_exporter(tmp_pa
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "garbage")
     rc, out, err = check(tmp_path, GOOD, capsys)
     assert rc == 0 and err == "" and "OK (2 models)" in out
+
+
+def test_grpc_without_its_extra_is_refused_naming_the_variable(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    rc, _, err = check(tmp_path, GOOD, capsys)
+    assert rc == 2
+    assert err == ("switchyard: config error: OTEL_EXPORTER_OTLP_PROTOCOL: grpc needs the OTLP gRPC exporter: "
+                   "pip install 'switchyard[grpc]'\n")
