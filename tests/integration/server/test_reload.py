@@ -613,3 +613,52 @@ async def test_a_reload_that_removes_the_admin_token_turns_the_admin_api_off_as_
         assert reloader.reload("test", config).result == "ok"
         async with s.get(gw.url + "/admin/users") as r:
             assert r.status == 200
+
+
+async def test_a_file_that_cannot_be_read_as_a_config_is_refused_and_the_old_one_keeps_serving(sims, gateway,
+                                                                                                  tmp_path):
+    """The path replaced by a directory, a dangling symlink (a ConfigMap's swap leaves one for a
+    moment), bytes that are not UTF-8 and an empty file: each refused with its cause, counted as
+    invalid, answered 400 by POST /admin/reload, and the running config keeps serving."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth={"admin_token": TOKEN})
+    path = tmp_path / "gw.yaml"
+    f = ConfigFile(gw, path)
+    client = openai_client(gw)
+
+    def directory() -> None:
+        path.mkdir()
+
+    def dangling() -> None:
+        path.symlink_to(tmp_path / "..data" / "gw.yaml")
+
+    def latin1() -> None:
+        path.write_bytes(b"models: [{name: caf\xe9, endpoints: ['http://127.0.0.1:1']}]\n")
+
+    def empty() -> None:
+        path.write_bytes(b"")
+
+    cases = [(directory, "<file>", "cannot read: Is a directory"),
+             (dangling, "<file>", "cannot read: No such file or directory"),
+             (latin1, "<file>", "not UTF-8 text: invalid continuation byte at byte 19"),
+             (empty, "models", "no model is declared")]
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as s:
+        for make, param, message in cases:
+            make()
+            async with s.post(gw.url + "/admin/reload") as r:
+                err = (await r.json())["error"]
+            assert (r.status, err["code"], err["param"]) == (400, "config_invalid", param), err
+            assert err["message"].startswith(f"{path}: {param}: {message}"), err
+            assert (await chat(client)).choices[0].message.content       # the old config serves
+            if path.is_dir() and not path.is_symlink():
+                path.rmdir()
+            else:
+                path.unlink()
+        async with s.get(gw.url + "/status.json") as r:
+            last = (await r.json())["gateway"]["config"]["last_reload"]
+    assert (last["result"], last["key_path"]) == ("invalid", "models")
+    assert f.reloader.live.generation == 1 and gw.gw.pool.endpoints("m")[0].url == sim.url
+    text = await gw.metrics_text()
+    assert metric(text, "switchyard_config_reload_total", result="invalid") == len(cases)
+    assert metric(text, "switchyard_config_last_reload_successful") == 0
+    await client.close()
