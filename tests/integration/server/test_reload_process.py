@@ -1102,3 +1102,48 @@ async def test_an_admin_reload_is_answered_once_every_worker_applied_it(sims, tm
         await proc.wait()
         await logs.close()
     assert [line["event"] for line in applied] == ["config reloaded"], applied
+
+
+@pytest.mark.timeout(90)
+async def test_requests_are_answered_while_a_reload_of_one_process_reads_and_parses_the_file(sims, tmp_path):
+    """A reload reads and parses the file off the event loop (a file near the 4 MiB bound takes
+    seconds to parse): requests go on being answered meanwhile. Here the read is held: the file is
+    a FIFO whose text comes a line at a time, until a chat request sent after the reload began has
+    its answer. Before, the loop was in the reload's read, and the request waited for the reload."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    text = config_text(port, [sim.url], log_level="info")
+    path.write_text(text)
+    held = HeldReads(path, tmp_path)
+    async with gateway_process(path, port, "--workers", "1", "--log-format", "json") as proc:
+        logs = LogLines(proc)
+        held.fifo()
+        proc.send_signal(signal.SIGHUP)
+        fd = await held.reader()            # the reload has the file open and waits for its text
+        events: list[str] = []
+        answered = asyncio.Event()
+
+        async def trickle() -> None:
+            try:
+                for _ in range(100):        # a blank line each 0.1 s: the read waits for more text
+                    if answered.is_set():
+                        break
+                    os.write(fd, b"\n")
+                    await asyncio.sleep(0.1)
+                events.append("the file's text written")
+            finally:
+                held.release(fd, text)
+
+        writer = asyncio.ensure_future(trickle())
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                              json={"model": "m", "messages": CHAT, "max_tokens": 2}) as r:
+                assert r.status == 200, await r.text()
+            events.append("request answered")
+            answered.set()
+        await writer
+        lines = await logs.until(1)
+        held.close(text)
+    assert events == ["request answered", "the file's text written"]
+    assert [(line["event"], line["generation"]) for line in lines] == [("config reloaded", 2)], lines
