@@ -133,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         return cfg.with_log_format(args.log_format) if args.log_format else cfg
 
     def load(deprecations: list[Deprecation] | None = None) -> Config:
-        """The config file with the command line's overrides, at each reload of one process: on its
-        event loop, so a file that keeps it waiting for its text (a FIFO no one writes) is refused
-        after ``RELOAD_READ_WAIT_S``."""
+        """The config file with the command line's overrides, at each reload of one process: in a
+        thread (gateway/server/reload.py), one reload at a time, so a file that keeps it waiting for
+        its text (a FIFO no one writes) is refused after ``RELOAD_READ_WAIT_S``, not waited for
+        while the reloads after it queue."""
         return parse(read_config_file(args.config, wait_s=RELOAD_READ_WAIT_S), deprecations)
 
     deprecated: list[Deprecation] = []      # logged once logging follows the config's format

@@ -249,7 +249,7 @@ and, as the first line of the config file:
 ## Conventions
 
 - **The file** is UTF-8 text of at most 4 MiB (a larger one is refused unread: parsing YAML takes
-  seconds a megabyte, and a reload parses on the gateway's event loop).
+  seconds a megabyte; a reload parses in a thread, so requests are answered meanwhile).
 - **null means the default.** Writing `key: null` is the same as leaving the key out.
 - **Durations** are in seconds, in keys ending in `_s`; for most timeouts and intervals, 0 turns
   the limit or the feature off (each key says so).

@@ -567,9 +567,9 @@ def load_config(path: str | Path, deprecations: list[Deprecation] | None = None)
 
 
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
-"""The largest config file read: YAML parsing takes seconds a megabyte, and a reload's parse runs
-on the event loop of the --workers parent and of every worker (whose loop stalled for longer than
-``server.worker_stall_timeout_s`` is killed). Thousands of models and keys fit in a fraction of it."""
+"""The largest config file read: YAML parsing takes seconds a megabyte, at a start, and at a reload
+in the --workers parent and in every worker (in a thread there, so that the loop goes on serving,
+but on a CPU the requests share). Thousands of models and keys fit in a fraction of it."""
 
 
 class ReadStopped(ConfigError):
@@ -584,7 +584,7 @@ def read_config_file(path: str | Path, stopped: Callable[[], bool] | None = None
     for as long as it takes; ``stopped``, asked while it waits, ends the wait with ``ReadStopped``
     once it says the gateway is stopping (a start holds its stops back, and the --workers parent's
     reload runs in a signal handler: neither could end a read that never returns); ``wait_s``
-    bounds how long it waits for more text (one process reloads on its event loop)."""
+    bounds how long it waits for more text (a reload of one process, whose read holds its next reload)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)    # a FIFO's open waits for no writer
     except OSError as e:

@@ -11,7 +11,9 @@ and tokenizer), and turning tenancy or the admin API on when the gateway started
 new config that changes one of those is refused as a whole, so that after a successful reload the
 file and what runs are the same thing.
 
-A reload has two steps. *Prepare* reads and validates the file (every error names its key path),
+A reload has two steps. *Prepare* reads and validates the file (every error names its key path;
+the file is read and parsed in a thread, ``reload_off_loop``, so requests are answered while a large
+one parses, one reload at a time in the order they came),
 checks what needs a restart, and builds the new generation with the builder start-up used
 (``gateway.pipeline.generation.build_generation``: its strategies are resolved now, so a typo
 fails here); nothing has changed yet, and a failure leaves the old config
@@ -54,7 +56,7 @@ import hmac
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -349,6 +351,8 @@ class Reloader:
         # POST /admin/reload in a worker: the ask's number (None: no parent counts them), and its
         # answer with the number of the parent's told reload it is (None: not one the parent told)
         self._waiters: list[tuple[int | None, asyncio.Future[tuple[ReloadResult, int | None]]]] = []
+        self._one_at_a_time = asyncio.Lock()     # reloads read and parse their file off the loop
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def reload(self, trigger: str, config: Config | None = None, parent_generation: int | None = None,
                loader: Callable[[], Config] | None = None) -> ReloadResult:
@@ -368,12 +372,8 @@ class Reloader:
                                      f"{path}: changing this needs a restart; the running config is kept")
             check_strategies(config)     # every error names its key
             pipeline = self.build(config, live.gen)   # beside the live one: changes nothing of it
-        except ConfigError as e:
-            return self._refused(trigger, "invalid", e.key_path, str(e))
-        except ValueError as e:          # a check no key path came with (none is known today)
-            return self._refused(trigger, "invalid", None, str(e))
         except Exception as e:           # nothing has changed yet: refused, never raised into the signal handler
-            return self._refused(trigger, "invalid", None, f"{type(e).__name__}: {e}")
+            return self._refused_for(trigger, e)
         # commit: one synchronous step
         changed = changed_blocks(live.config, config)
         added, removed = sync_pool(self.pool, config)
@@ -394,6 +394,37 @@ class Reloader:
         if self.parent_told is None:    # what a start warns of (a --workers parent logs it once for all)
             log_no_effect(config, self.source)
         return self._finish(result)
+
+    def _refused_for(self, trigger: str, e: Exception) -> ReloadResult:
+        if isinstance(e, ConfigError):
+            return self._refused(trigger, "invalid", e.key_path, str(e))
+        if isinstance(e, ValueError):    # a check no key path came with (none is known today)
+            return self._refused(trigger, "invalid", None, str(e))
+        return self._refused(trigger, "invalid", None, f"{type(e).__name__}: {e}")
+
+    async def reload_off_loop(self, trigger: str, parent_generation: int | None = None,
+                              loader: Callable[[], Config] | None = None) -> ReloadResult:
+        """``reload`` with the file read and parsed in a thread (``loader``, else the reloader's):
+        a file near ``MAX_CONFIG_BYTES`` takes seconds to parse, and the event loop goes on serving
+        meanwhile (and, in a --workers worker, ticking for the parent, which restarts a worker
+        whose loop stalls). The rest (the checks, the build, the commit) runs on the loop as before.
+        One reload at a time, in the order they came: a later one reads the file after an earlier
+        one, and so is never overtaken by it."""
+        async with self._one_at_a_time:
+            loader = loader or self.loader
+            if loader is None:          # refused, as ``reload`` says why
+                return self.reload(trigger, parent_generation=parent_generation)
+            try:
+                config = await asyncio.to_thread(loader)
+            except Exception as e:      # nothing has changed
+                return self._refused_for(trigger, e)
+            return self.reload(trigger, config, parent_generation)
+
+    def _spawn(self, reloading: Coroutine[Any, Any, None]) -> None:
+        """A reload a signal asked for, run as a task of the loop (kept until it ends)."""
+        task = asyncio.get_running_loop().create_task(reloading)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _next_generation(self, current: int, parent: int | None) -> int:
         """+1, or in a --workers worker the parent's count: SIGHUPs sent close together reach the
@@ -457,12 +488,19 @@ class Reloader:
         """The inference routes' handler: the request enters the live generation and stays on it."""
         return await self.live.pipeline.handle(request)
 
-    def on_signal(self) -> None:
+    def on_signal(self, starting: bool = False) -> None:
+        """A SIGHUP: the reload runs as a task, its file read and parsed off the loop
+        (``reload_off_loop``). ``starting``: one that came while the gateway started, applied here
+        at once, before the loop serves its first request (which so sees the new config)."""
         if self.loader is None:          # the demo: its config is built in, there is no file
             log.warning("SIGHUP ignored: the gateway was started without a config file (--config)")
             return
         if self.parent_told is None:     # one process (or a worker told nothing: its waiters' own)
-            self._answer(self.reload("admin" if self._waiters else "signal"))
+            trigger = "admin" if self._waiters else "signal"
+            if starting:
+                self._answer(self.reload(trigger))
+            else:
+                self._spawn(self._reload_and_answer(trigger))
             return
         # a --workers worker: a reload the parent told of and this worker has not applied yet is
         # the parent's, whose trigger (a POST /admin/reload to any worker, or a signal) and
@@ -486,7 +524,19 @@ class Reloader:
         self.told_seen = told.seq
         if self.handed is not None and loader is None:
             loader = _not_handed
-        result = self.reload(told.trigger, parent_generation=told.generation, loader=loader)
+        if starting:
+            self._applied(told, self.reload(told.trigger, parent_generation=told.generation, loader=loader))
+        else:
+            self._spawn(self._apply_told(told, loader))
+
+    async def _reload_and_answer(self, trigger: str) -> None:
+        self._answer(await self.reload_off_loop(trigger))
+
+    async def _apply_told(self, told: Told, loader: Callable[[], Config] | None) -> None:
+        """The parent's reload ``told``, the text it read parsed off the loop."""
+        self._applied(told, await self.reload_off_loop(told.trigger, parent_generation=told.generation, loader=loader))
+
+    def _applied(self, told: Told, result: ReloadResult) -> None:
         if self.mark_applied is not None:       # before any answer: a sibling's may wait for it
             self.mark_applied(told.seq)
         self._answer(result, told)
@@ -505,7 +555,7 @@ class Reloader:
         if self.parent_pid is not None:
             result = await self._reload_every_worker()
         else:
-            result = self.reload("admin")
+            result = await self.reload_off_loop("admin")
         if result.result == "ok":
             return web.Response(status=200, body=orjson.dumps(result.body()), content_type="application/json")
         status, code = (409, "restart_required") if result.result == "restart_required" else (400, "config_invalid")

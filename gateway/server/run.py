@@ -227,7 +227,7 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
     with contextlib.suppress(NotImplementedError):
         loop.add_signal_handler(signal.SIGHUP, reloader.on_signal)
     if hup.take():              # one came while the gateway started (gateway/server/hup.py)
-        reloader.on_signal()
+        reloader.on_signal(starting=True)
     beat = worker.beat() if worker is not None else None      # the parent restarts a worker whose loop stalls
     if beat is not None:
         beat.start()

@@ -979,7 +979,7 @@ async def test_a_stop_while_the_parent_waits_for_a_fifos_text_at_a_reload_ends_t
 
 @pytest.mark.timeout(90)
 async def test_a_reload_of_one_process_waits_a_bounded_time_for_a_fifos_text(sims, tmp_path):
-    """One process reloads on its event loop: the config file replaced by a FIFO no one writes
+    """A reload of one process: the config file replaced by a FIFO no one writes
     refuses the reload once its text has not come for a couple of seconds (key path <file>), and
     the gateway goes on serving and stops at SIGTERM. Before, the loop waited in the read for as
     long as no one wrote, answering nothing, and only SIGKILL ended the gateway."""
