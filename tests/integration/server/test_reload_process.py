@@ -506,7 +506,8 @@ class LogLines:
 
     def reloads(self) -> list[dict]:
         """The lines about a reload: applied or refused, the parent's and the workers'."""
-        return [line for line in self.lines if str(line.get("event", "")).startswith("config reload")]
+        return [line for line in self.lines if str(line.get("event", "")).startswith("config reload")
+                and line["event"] != "config reload deferred"]
 
     async def until(self, count: int) -> list[dict]:
         async with asyncio.timeout(20):
@@ -1147,3 +1148,45 @@ async def test_requests_are_answered_while_a_reload_of_one_process_reads_and_par
         held.close(text)
     assert events == ["request answered", "the file's text written"]
     assert [(line["event"], line["generation"]) for line in lines] == [("config reloaded", 2)], lines
+
+
+@pytest.mark.timeout(90)
+async def test_a_reload_waits_until_a_file_written_in_place_is_whole(sims, tmp_path):
+    """A file written in place in two steps (an editor that truncates it then writes, ``kubectl
+    cp``) and a SIGHUP between them: the first half is valid YAML (the list of endpoints cut after
+    the first), and applied it removed the second endpoint (a dropped endpoint until the next reload). The reload waits until the file has
+    been left unchanged for ``server.reload_settle_s`` (here the second half is held back, a
+    blank line added each 20 ms, until the reload says it waits), logs that it was deferred,
+    counts it, and applies the whole file."""
+    a, b = await sims("vllm", "m"), await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    head = (f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+            "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: info}\n"
+            "health: {interval_s: 0.5}\n"
+            "models:\n  - name: m\n    engine: vllm\n    endpoints:\n")
+    path.write_text(head + f"      - {a.url}\n      - {b.url}\n")
+    async with gateway_process(path, port, "--workers", "1", "--log-format", "json") as proc:
+        logs = LogLines(proc)
+        with open(path, "w") as f:          # in place: truncated, then the first half
+            f.write(head + f"      - {a.url}\n")
+            f.flush()
+            proc.send_signal(signal.SIGHUP)
+            async with asyncio.timeout(20):
+                while not [line for line in logs.lines if str(line.get("event", "")).startswith("config reload")]:
+                    f.write("\n")           # a writer still at work: the file changes
+                    f.flush()
+                    await asyncio.sleep(0.02)
+            f.write(f"      - {b.url}\naliases: [{{name: chat, targets: [{{model: m}}]}}]\n")
+        await logs.until(1)
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
+            page = await r.text()
+        proc.send_signal(signal.SIGTERM)
+        await proc.wait()
+        await logs.close()
+    applied = [line for line in logs.lines if line.get("event") == "config reloaded"]
+    assert [(line["generation"], line["changed"], line["endpoints_removed"]) for line in applied] == \
+        [(2, ["aliases"], [])], applied
+    deferred = [line for line in logs.lines if line.get("event") == "config reload deferred"]
+    assert len(deferred) == 1 and deferred[0]["trigger"] == "signal", logs.lines
+    assert metric(page, "switchyard_config_reload_deferred_total") == 1
