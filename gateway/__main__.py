@@ -32,6 +32,7 @@ from gateway.config.schema import (  # noqa: E402
     log_no_effect,
     no_effect,
     read_config_file,
+    read_settled,
 )
 from gateway.observability.logs import configure_logging  # noqa: E402
 from gateway.version import version  # noqa: E402
@@ -212,7 +213,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             seq = beats.next_told()
             try:
-                text = read_config_file(args.config, stopped=lambda: beats.stops() != stops)
+                settle_s = config.server.reload_settle_s
+
+                def deferred() -> None:
+                    beats.counted("deferred")
+                    parent_log("config reload deferred", trigger=trigger, file=args.config, settle_s=settle_s,
+                               reason="the file changed within reload_settle_s: it is read once left unchanged")
+                # once whole: a file written in place was read half written (gateway/config/schema.py)
+                text = read_settled(args.config, settle_s, stopped=lambda: beats.stops() != stops,
+                                    deferred=deferred)
             except Exception as e:
                 handoff.put(seq, error=e)       # every worker refuses the reload with it
                 raise

@@ -169,6 +169,7 @@ class ServerConfig(Block):
     shutdown_grace_s: Annotated[Amount, Meta(description="After SIGTERM, how long requests in flight (streams included) may still run before they are cut, in seconds; with --workers N, also how long a worker still starting may take before the parent kills it.")] = 30.0
     workers: Annotated[Annotated[int, Meta(ge=1)] | Literal["auto"], Meta(description="Processes serving the same port (SO_REUSEPORT), each a whole gateway sharing one routing view with the others (view:); auto: as many as the CPUs of the cgroup's quota (and at most one per 256 MiB of its memory limit), or 1 when admission is enabled (its priority is strict within one process), a model lists LoRA adapters to load on demand while view.workers or view.share_monitoring is off (the workers would not know of each other's adapters in flight), or limits or the admin API are configured without state.redis_url (their counters and keys would be per process). --workers overrides it.")] = "auto"
     worker_stall_timeout_s: Annotated[Amount, Meta(description="With several workers: a worker whose event loop has not run for this long (a blocking call, a deadlock, a stopped process) is killed and restarted by the parent, since the kernel keeps handing it new connections it would never answer, in seconds (0: never; else at least 2). Start-up is not judged. Counted in switchyard_worker_restarts_total{reason=\"stalled\"}.")] = 20.0
+    reload_settle_s: Annotated[Amount, Meta(description="A reload (SIGHUP, POST /admin/reload) reads the config file once it has been left unchanged this long, in seconds, and again if it changed while it was read: a file written in place (an editor that truncates it then writes, kubectl cp) is read whole, not its first half; a reload deferred so is logged (config reload deferred) and counted in switchyard_config_reload_deferred_total, and one whose file is still changing after 10 s (or 3 times this, if longer) is refused (0: read at once).")] = 0.5
     drain_delay_s: Annotated[Amount, Meta(description="After SIGTERM, how long new connections are still accepted while /ready answers 503, so load balancers can take the gateway out first, in seconds (at most shutdown_grace_s; SIGINT skips it).")] = 5.0
     log_format: Annotated[Literal["auto", "json", "console"], Meta(description="Format of log lines: json, console, or auto (console when stderr is a terminal, else JSON). --log-format overrides it.")] = "auto"
     log_level: Annotated[str, Meta(description="Lowest level logged: debug, info, warning or error (any case; warn and critical are taken too); at warning or error the per-request line is not written either.")] = "info"
@@ -570,6 +571,98 @@ MAX_CONFIG_BYTES = 4 * 1024 * 1024
 """The largest config file read: YAML parsing takes seconds a megabyte, at a start, and at a reload
 in the --workers parent and in every worker (in a thread there, so that the loop goes on serving,
 but on a CPU the requests share). Thousands of models and keys fit in a fraction of it."""
+
+
+SETTLE_LIMIT_S = 10.0
+"""How long a reload waits at most for a config file that keeps changing (or three times
+``server.reload_settle_s``, when that is longer); then it is refused."""
+
+
+def file_stamp(path: str | Path) -> tuple[int, ...] | None:
+    """What a write to the file changes: its identity, size and times. None for no regular file (a
+    FIFO, a path that cannot be read): read as it is, its errors said by the read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class Settling:
+    """A reload's wait for its config file to be whole: read once it has been left unchanged for
+    ``settle_s`` (its modification time that old, or unchanged across a wait that long, for a time
+    set ahead of the clock), and again if it changed while it was read. A file written in place in
+    steps (truncated, then written) was read between them: its first half, valid YAML (a list of
+    endpoints cut short), was applied. ``deferred`` is called once, at the first wait."""
+
+    def __init__(self, path: str | Path, settle_s: float, deferred: Callable[[], None] | None = None,
+                 limit_s: float = SETTLE_LIMIT_S) -> None:
+        self.path = path
+        self.settle_s = settle_s
+        self.limit_s = max(limit_s, 3 * settle_s)
+        self.deferred = deferred
+        self.started = time.monotonic()
+        self.waited = False
+        self._seen: tuple[int, ...] | None = None       # the stamp the last wait began with
+        self._read: tuple[int, ...] | None = None       # the stamp before the read
+
+    def wait_s(self) -> float:
+        """0: read the file now (then ask ``changed``); else how long to wait before asking again."""
+        self._read = stamp = file_stamp(self.path) if self.settle_s > 0 else None
+        if stamp is None:
+            return 0.0
+        age = time.time() - stamp[3] / 1e9
+        if age >= self.settle_s or stamp == self._seen:
+            return 0.0
+        self._seen = stamp
+        return self._defer(self.settle_s - age if age >= 0 else self.settle_s)
+
+    def changed(self) -> bool:
+        """Whether the file changed while it was read: then ``wait_s`` again."""
+        if self._read is None or file_stamp(self.path) == self._read:
+            return False
+        self._seen = None
+        self._defer(0.0)
+        return True
+
+    def _defer(self, wait: float) -> float:
+        if time.monotonic() - self.started + wait > self.limit_s:
+            raise ConfigError("<file>", f"still being written: it changed within {self.settle_s:g} s again and "
+                                        f"again for {self.limit_s:g} s, not read", str(self.path))
+        if not self.waited:
+            self.waited = True
+            if self.deferred is not None:
+                self.deferred()
+        return wait
+
+
+def read_settled(path: str | Path, settle_s: float, stopped: Callable[[], bool] | None = None,
+                 deferred: Callable[[], None] | None = None) -> str:
+    """``read_config_file`` once the file is whole (``Settling``), waiting in this thread: the
+    --workers parent's reload. ``stopped`` ends a wait as it ends ``read_config_file``'s."""
+    settling = Settling(path, settle_s, deferred)
+    while True:
+        wait = settling.wait_s()
+        end = time.monotonic() + wait
+        while wait > 0 and (left := end - time.monotonic()) > 0:
+            if stopped is not None and stopped():
+                raise ReadStopped("<file>", "not read: the gateway was stopped while it waited for the file "
+                                            "to be left unchanged", str(path))
+            time.sleep(min(left, 0.05))
+        if wait > 0:
+            continue
+        try:
+            text = read_config_file(path, stopped)
+        except ReadStopped:
+            raise
+        except ConfigError:
+            if settling.changed():      # read while it was written (cut inside a character, say)
+                continue
+            raise
+        if not settling.changed():
+            return text
 
 
 class ReadStopped(ConfigError):

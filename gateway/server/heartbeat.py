@@ -74,7 +74,8 @@ from dataclasses import dataclass
 BEAT_S = 0.5                    # how often a worker's loop ticks (server.worker_stall_timeout_s is 0 or >= 2)
 REASONS = ("exited", "stalled")
 TRIGGERS = ("signal", "admin")  # what a reload the parent applied came from
-RESULTS = ("ok", "invalid", "restart_required")     # the parent's reloads, counted by result
+# the parent's reloads, counted by result, and those that waited for the file to be whole
+RESULTS = ("ok", "invalid", "restart_required", "deferred")
 _MASK = (1 << 64) - 1
 _TOLD_MASK = (1 << 24) - 1      # the parent's count of told reloads, as the told slot holds it (wraps)
 _ASKS_MASK = (1 << 40) - 1      # a worker's count of asks, as the slot of the asks a reload came after holds it
@@ -173,7 +174,8 @@ class Heartbeats:
         return trigger
 
     def counted(self, result: str) -> None:
-        """The parent applied (``ok``) or refused a reload, before it tells the workers of it."""
+        """The parent applied (``ok``) or refused a reload, before it tells the workers of it; or
+        deferred it, waiting for the file to be whole (``deferred``, before its result)."""
         at = self._results + RESULTS.index(result)
         self._slots[at] = (self._slots[at] + 1) & _MASK
         self.counted_at_fork[result] += 1
@@ -181,7 +183,7 @@ class Heartbeats:
     def results(self) -> dict[str, int]:
         """The parent's reloads by result so far: what ``switchyard_config_reload_total`` counts
         (gateway/server/reload.py), one per reload of the gateway's however many SIGHUPs a worker
-        got for them."""
+        got for them; and under ``deferred``, what ``switchyard_config_reload_deferred_total`` counts."""
         return {r: self._slots[self._results + i] for i, r in enumerate(RESULTS)}
 
     def next_told(self) -> int:

@@ -67,7 +67,7 @@ from aiohttp import web
 from prometheus_client import Counter, Gauge
 
 from gateway.aliases import Aliases, NoAliases
-from gateway.config.schema import Config, ConfigError, check_strategies, log_no_effect
+from gateway.config.schema import Config, ConfigError, Settling, check_strategies, log_no_effect
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
@@ -254,6 +254,10 @@ class ReloadMetrics:
         self.generation = Gauge("switchyard_config_generation",
                                 "The config generation serving new requests (1 at start, +1 per applied reload)",
                                 registry=registry)
+        self.deferred = Counter("switchyard_config_reload_deferred",
+                                "Config reloads that waited for the file to be left unchanged (server.reload_settle_s)",
+                                registry=registry)
+        self.deferred_count = 0
         self.counts = dict.fromkeys(RESULTS, 0)
         for r in RESULTS:
             self.reloads.labels(r)
@@ -263,6 +267,12 @@ class ReloadMetrics:
     def count(self, result: str) -> None:
         self.reloads.labels(result).inc()
         self.counts[result] += 1
+
+    def take_deferred(self, n: int) -> None:
+        """The deferred reloads brought up to ``n`` (never down): a --workers parent's."""
+        if n > self.deferred_count:
+            self.deferred.inc(n - self.deferred_count)
+            self.deferred_count = n
 
     def take(self, counts: dict[str, int]) -> None:
         """The counter brought up to ``counts`` (never down)."""
@@ -415,10 +425,37 @@ class Reloader:
             if loader is None:          # refused, as ``reload`` says why
                 return self.reload(trigger, parent_generation=parent_generation)
             try:
-                config = await asyncio.to_thread(loader)
+                config = await self._read_whole(trigger, loader)
             except Exception as e:      # nothing has changed
                 return self._refused_for(trigger, e)
             return self.reload(trigger, config, parent_generation)
+
+    async def _read_whole(self, trigger: str, loader: Callable[[], Config]) -> Config:
+        """``loader``'s config, read once the file is whole (``server.reload_settle_s``,
+        ``gateway.config.schema.Settling``) when it reads the file: in one process (a --workers
+        worker parses the text its parent read, once whole)."""
+        if self.parent_told is not None or loader is not self.loader or self.source is None:
+            return await asyncio.to_thread(loader)
+        settle_s = self.live.config.server.reload_settle_s
+        settling = Settling(self.source, settle_s, lambda: self._deferred(trigger, settle_s))
+        while True:
+            wait = settling.wait_s()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            try:
+                config = await asyncio.to_thread(loader)
+            except ConfigError:
+                if settling.changed():      # read while it was written (cut inside a character, say)
+                    continue
+                raise
+            if not settling.changed():
+                return config
+
+    def _deferred(self, trigger: str, settle_s: float) -> None:
+        self.m.take_deferred(self.m.deferred_count + 1)
+        log.info("config reload deferred", trigger=trigger, file=self.source, settle_s=settle_s,
+                 reason="the file changed within reload_settle_s: it is read once left unchanged")
 
     def _spawn(self, reloading: Coroutine[Any, Any, None]) -> None:
         """A reload a signal asked for, run as a task of the loop (kept until it ends)."""
@@ -443,6 +480,7 @@ class Reloader:
             return
         now = self.parent_results()
         self.m.take({r: now.get(r, 0) - self.results_base.get(r, 0) for r in RESULTS})
+        self.m.take_deferred(now.get("deferred", 0) - self.results_base.get("deferred", 0))
 
     def _refused(self, trigger: str, result: str, key_path: str | None, error: str) -> ReloadResult:
         self._count(result)

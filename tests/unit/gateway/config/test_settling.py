@@ -1,0 +1,63 @@
+"""A reload's wait for a config file written in place to be whole (``server.reload_settle_s``)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from gateway.config.schema import ConfigError, Settling
+
+
+def test_a_file_left_alone_is_read_at_once_and_one_just_written_waits(tmp_path):
+    f = tmp_path / "gw.yaml"
+    f.write_text("models: []\n")
+    old = time.time() - 120
+    os.utime(f, (old, old))
+    assert Settling(f, 60.0).wait_s() == 0.0
+    deferred: list[str] = []
+    f.write_text("models: [{name: m}]\n")
+    s = Settling(f, 60.0, lambda: deferred.append("once"))
+    assert 0 < s.wait_s() <= 60.0 and deferred == ["once"]
+    with open(f, "a") as w:                 # changed during the wait: another
+        w.write("# more\n")
+    assert 0 < s.wait_s() <= 60.0 and deferred == ["once"]
+
+
+def test_a_time_ahead_of_the_clock_is_read_once_unchanged_across_a_wait(tmp_path):
+    f = tmp_path / "gw.yaml"
+    f.write_text("models: []\n")
+    ahead = time.time() + 3600
+    os.utime(f, (ahead, ahead))
+    s = Settling(f, 60.0)
+    assert s.wait_s() == 60.0
+    assert s.wait_s() == 0.0            # unchanged across the wait
+    assert not s.changed()
+
+
+def test_a_change_while_it_was_read_reads_it_again(tmp_path):
+    f = tmp_path / "gw.yaml"
+    f.write_text("models: []\n")
+    old = time.time() - 120
+    os.utime(f, (old, old))
+    s = Settling(f, 60.0)
+    assert s.wait_s() == 0.0
+    with open(f, "a") as w:
+        w.write("# more\n")
+    assert s.changed() and s.waited
+    assert s.wait_s() > 0
+
+
+def test_a_file_that_keeps_changing_is_refused_and_no_regular_file_is_read_at_once(tmp_path):
+    f = tmp_path / "gw.yaml"
+    f.write_text("models: []\n")
+    s = Settling(f, 2.0, limit_s=1.0)      # three times the settle time, the longer
+    s.started -= 5.0                       # waited 5 s already: 2 s more is past the limit
+    with pytest.raises(ConfigError, match=r"<file>: still being written: it changed within 2 s again and again "
+                                          r"for 6 s, not read"):
+        s.wait_s()
+    os.mkfifo(tmp_path / "fifo")
+    assert Settling(tmp_path / "fifo", 60.0).wait_s() == 0.0
+    assert Settling(tmp_path / "missing", 60.0).wait_s() == 0.0       # the read says why
+    assert Settling(f, 0.0).wait_s() == 0.0                           # off
