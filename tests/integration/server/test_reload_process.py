@@ -29,9 +29,11 @@ TOKEN = "admin-token-for-workers"
 
 
 def config_text(port: int, urls: list[str], *, extra: str = "", log_level: str = "warning") -> str:
+    """A file these tests write and reload at once: read as it is (``reload_settle_s: 0``; the wait
+    for a file written in place is tested on its own)."""
     eps = ", ".join(f"'{u}'" for u in urls)
     return (f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-            f"server: {{drain_delay_s: 0, shutdown_grace_s: 5, log_level: {log_level}}}\n"
+            f"server: {{drain_delay_s: 0, shutdown_grace_s: 5, reload_settle_s: 0, log_level: {log_level}}}\n"
             "health: {interval_s: 0.5}\n"
             f"models: [{{name: m, engine: vllm, endpoints: [{eps}]}}]\n{extra}")
 
