@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import aiohttp
+import orjson
 
 from routers.session import decode_session_id
+from tests.support.edge import assert_openai_error, exchange, request
 from tests.support.factories import model_block, pd_model, pd_pair, roleset
 
 
@@ -159,3 +161,47 @@ async def test_pd_spreads_requests_over_equal_prefills_and_decodes(sims, gateway
                 prefills.add(r.headers["prefill-target-pod"])
                 decodes.add(r.headers["target-pod"])
     assert len(prefills) == 2 and len(decodes) == 2, (prefills, decodes)
+
+
+async def test_a_routing_strategy_header_sent_twice_with_two_strategies_is_400_on_the_fast_lane_and_off_it(
+        sims, gateway):
+    """A request carrying two ``routing-strategy`` lines (a client's own and one a proxy added, say)
+    that name two strategies is refused, a 400 naming the header, rather than routed by whichever
+    line a reader takes first; lines that name one strategy (spelt alike or not, a weighted list in
+    another order) route by it, as does one line beside an empty one; a model whose strategy is
+    locked reads none of them. The
+    same on the fast lane and on aiohttp's path (a query string leaves the request to it)."""
+    e, f, g = await sims("vllm", "m"), await sims("vllm", "m"), await sims("vllm", "locked")
+    gw = await gateway([model_block("m", "vllm", [e.url, f.url]),
+                        model_block("locked", "vllm", [g.url], lock_strategy="round-robin")])
+    edge = gw.runner.server.edge
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+
+    def twice(target: str, first: str, second: str) -> bytes:
+        raw = request("POST", target, body)
+        return raw.replace(b"\r\n\r\n", f"\r\nrouting-strategy: {first}\r\nRouting-Strategy: {second}\r\n\r\n".encode(), 1)
+
+    for target in ("/v1/chat/completions", "/v1/chat/completions?x=1"):
+        for first, second in (("random", "least-request"), ("least-request", "random"),
+                              ("prefix-cache:2,least-request", "least-request")):
+            lane = edge.lane_requests
+            ex = await exchange(gw.port, twice(target, first, second), until_close=False, responses=1)
+            err = assert_openai_error(ex.first, 400)
+            assert err["type"] == "invalid_request_error" and err["param"] == "routing-strategy", (target, err)
+            assert err["code"] == "invalid_routing_strategy" and "routing-strategy" in err["message"], err
+            assert ex.first.headers["x-error-routing"] == "true"
+            assert (edge.lane_requests - lane) == (0 if "?" in target else 1), target
+        for first, second, canonical in (("random", "random", "random"), ("Random", " random ", "random"),
+                                         ("random", "", "random"),     # an empty line names none
+                                         ("prefix-cache:4,least-request:2", "least-request,prefix-cache:2",
+                                          "prefix-cache:2,least-request")):
+            ex = await exchange(gw.port, twice(target, first, second), until_close=False, responses=1)
+            assert ex.first.status == 200, ex.first.body
+            assert ex.first.headers["routing-strategy"] == canonical, (target, first, second)
+        # a model whose strategy is locked reads no header: its lines, however many, change nothing
+        locked = body.replace(b'"model":"m"', b'"model":"locked"')
+        for first, second in (("random", "least-request"), ("no-such-strategy", "random")):
+            raw = twice(target, first, second).replace(body, locked).replace(
+                f"Content-Length: {len(body)}".encode(), f"Content-Length: {len(locked)}".encode())
+            ex = await exchange(gw.port, raw, until_close=False, responses=1)
+            assert ex.first.status == 200 and ex.first.headers["routing-strategy"] == "round-robin", ex.first.body
