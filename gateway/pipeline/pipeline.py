@@ -115,7 +115,7 @@ class Pipeline:
             model = self._enter(ireq.model)         # 404 unless known; counted in flight
             rec.model_known = True                  # metric labels name known models only
             legs = self.legs(model)                 # what its stages read of the model's config
-            spec, router = self.routing.strategy(ireq.model, request.headers.get("routing-strategy"),
+            spec, router = self.routing.strategy(ireq.model, self.routing.header(request.headers, ireq.model),
                                                  lora=ireq.lora is not None)   # 400 unless known; one spelling
             rec.strategy = spec                     # metric labels hold known models and strategies only
             adapter, checked, candidates = await self._admit(ctx, ticket, spec, router, legs.slo)   # 503, 429, 400

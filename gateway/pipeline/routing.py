@@ -127,6 +127,34 @@ class Routing:
             self._fits(model, header, found[0])
         return found
 
+    def header(self, headers: Any, model: str) -> str | None:
+        """The request's ``routing-strategy`` header. Sent on several lines (a client's own and one
+        a proxy added, say), they must name one strategy, however spelt (a weighted list's items in
+        any order); empty lines name none. Lines naming two are a 400: which one routes is not left
+        to whichever line a reader takes first. A model whose strategy is locked reads none."""
+        value = headers.get("routing-strategy")
+        if value is None:
+            return None
+        getall = getattr(headers, "getall", None)       # None for a plain mapping (a batch line's)
+        lines = getall("routing-strategy") if getall is not None else (value,)
+        if len(lines) == 1:
+            return value
+        m = self.config.model(model)
+        if m is not None and m.lock_strategy:
+            return value
+        named = [line for line in lines if line.strip()]
+        if len(named) < 2:
+            return named[0] if named else value
+        first = self.resolve(named[0].strip())[0]
+        for line in named[1:]:
+            if sorted(self.resolve(line.strip())[0].split(",")) != sorted(first.split(",")):
+                raise GatewayError(400, "the routing-strategy header is given more than once and its lines name "
+                                        f"different strategies ({echo(named[0].strip(), _ECHO_SPEC)} and "
+                                        f"{echo(line.strip(), _ECHO_SPEC)}); give it once",
+                                   param="routing-strategy", code="invalid_routing_strategy",
+                                   header=("x-error-routing", "true"), error_class=ErrorClass.ROUTING)
+        return named[0]
+
     def _fits(self, model: str, header: str, spelling: str) -> None:
         """A 400 when the header chose a whole-request strategy for a model all of whose endpoints
         are prefill and decode ones: only ``pd`` routes it, and no retry gets past that (a 503 with
