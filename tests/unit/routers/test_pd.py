@@ -81,6 +81,22 @@ def test_decode_fast_path_throughput_spread():
     assert router().route(req(), eps).endpoint is eps[1]
 
 
+@pytest.mark.parametrize("state", [
+    [{"metrics": {"running": 2}}, {"metrics": {"running": 40}}, {"metrics": {"running": 2}}],
+    [{"metrics": {"running": 10, "gen_throughput": 50.0}}, {"metrics": {"running": 12, "gen_throughput": 3000.0}},
+     {"metrics": {"running": 11, "gen_throughput": 50.0}}],
+    [{"in_flight": 0}, {"in_flight": 30}, {"in_flight": 0}]], ids=["running", "throughput", "no_metrics"])
+def test_decode_fast_path_breaks_ties_between_equal_decodes_at_random(state):
+    """Past the decode imbalance thresholds (running requests, generation throughput, or this
+    gateway's own count without metrics), two decodes equally least loaded are both picked over
+    many requests, as every other tie of the router is: the first listed took them all."""
+    p = ep(1, "prefill", "rs")
+    decodes = [ep(10 + i, "decode", "rs", **kw) for i, kw in enumerate(state)]
+    r = router()
+    picks = {r.route(req(), [p, *decodes]).endpoint for _ in range(64)}     # one of the two only: 2 in 2^64
+    assert picks == {decodes[0], decodes[2]}
+
+
 def test_decode_scoring_without_fast_path_uses_free_kv():
     # running {10,12}, throughput {100,200}: no fast path; the load_balancing score decides, and a
     # nearly full KV (0.8 → 20% free) makes the first decode worse than the second
