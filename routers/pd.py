@@ -314,15 +314,22 @@ class PDRouter(Router):
         if len(with_metrics) >= 2:
             runs = {d: self._running(d) for d in with_metrics}
             if max(runs.values()) - min(runs.values()) >= cfg.decode_imbalance_spread:
-                return min(with_metrics, key=runs.__getitem__)
+                return self._least(runs)
             thr = {d: t for d in with_metrics if (t := self._throughput(d)) is not None}
             if len(thr) >= 2 and max(thr.values()) - min(thr.values()) > cfg.decode_throughput_spread:
-                return min(thr, key=thr.__getitem__)
+                return self._least(thr)
         else:
             runs = {d: float(_in_flight(d) + d.pending_decode) for d in D}
             if max(runs.values()) - min(runs.values()) >= cfg.decode_imbalance_spread:
-                return min(D, key=runs.__getitem__)
+                return self._least(runs)
         return None
+
+    def _least(self, values: dict[Endpoint, float]) -> Endpoint:
+        """The endpoint of the lowest value; equal ones at random (``min`` took the first listed,
+        which then got every request while the imbalance lasted)."""
+        low = min(values.values())
+        lowest = [ep for ep, v in values.items() if v == low]
+        return lowest[0] if len(lowest) == 1 else self.ctx.rng.choice(lowest)
 
     def _prefill_scores(self, req: InferenceRequest, P: list[Endpoint],
                         cfg: PDRouteSettings) -> tuple[dict[Endpoint, float], dict[Endpoint, float]]:
