@@ -569,6 +569,60 @@ async def test_an_engine_removed_and_declared_again_counts_the_requests_it_still
     assert back.in_flight == 0
 
 
+async def test_prefill_and_decode_declared_anew_carry_the_pd_trackers_of_the_requests_they_still_run(
+        sims, gateway):
+    """A prefill and a decode a reload declares again at their URLs with other settings (and a
+    prefill a later reload removes and the next declares again) count a P/D request still running
+    on their engines in every tracker (prefills in flight, decodes pending, active and resident
+    prompt tokens), as they count its request in flight, and give them back when it ends: the next
+    pair is chosen by the engines' real load, not by endpoints that look idle."""
+    p, d = await pd_pair(sims, "vllm")
+    p2 = await sims("vllm", "m", role="prefill")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    reloader = reloader_of(gw)
+    pool = gw.gw.pool
+
+    def ep(url):
+        return next(e for e in pool.endpoints("m") if e.url == url)
+
+    def trackers(e):
+        return (e.in_flight, e.prefill_in_flight, e.pending_decode, e.token_active, e.token_kv)
+
+    def declare(*prefills):
+        raw = msgspec.to_builtins(reloader.live.config)
+        raw["models"] = [pd_model("vllm", [{"name": "rs-1", "prefill": [{"url": u, "max_prompt_tokens": 100_000 + i}
+                                                                          for i, u in enumerate(prefills)],
+                                            "decode": [{"url": d.url, "max_prompt_tokens": 100_000 + len(declared)}]}])]
+        declared.append(prefills)
+        assert reloader.reload("test", config_from_dict(raw, source="<test>")).result == "ok"
+
+    declared: list = []
+    first_p, first_d = ep(p.url), ep(d.url)
+    async with aiohttp.ClientSession() as s:
+        held = asyncio.create_task(s.post(gw.url + "/v1/chat/completions",
+                                          json={"model": "m", "messages": CHAT, "max_tokens": 3},
+                                          headers={"x-sim-fault": "prefill.hang=inf"}))
+        try:
+            await until(lambda: first_p.prefill_in_flight == 1)
+            before_p, before_d = trackers(first_p), trackers(first_d)
+            assert before_p[3] > 0 and before_p[4] > 0 and before_d[:3] == (1, 0, 1), (before_p, before_d)
+            declare(p.url)                          # both declared anew
+            anew_p, anew_d = ep(p.url), ep(d.url)
+            assert anew_p is not first_p and anew_d is not first_d
+            assert trackers(anew_p) == before_p and trackers(anew_d) == before_d
+            declare(p2.url)                         # the prefill removed ...
+            declare(p.url, p2.url)                  # ... and declared again
+            back = ep(p.url)
+            assert back is not anew_p and trackers(back) == before_p
+        finally:
+            held.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await held
+    await until(lambda: first_p.prefill_in_flight == 0 and first_d.in_flight == 0)
+    for e in (first_p, anew_p, back, first_d, anew_d, ep(d.url)):
+        assert trackers(e) == (0, 0, 0, 0.0, 0.0), (e.url, trackers(e))
+
+
 async def test_a_reload_that_changes_metrics_max_age_s_applies_it_to_the_engine_gauges(sims, gateway):
     """``routing.metrics_max_age_s`` reloads with the rest of ``routing``: the re-exported engine
     gauges (``switchyard_engine_*``) leave out a snapshot older than the live value. With one
