@@ -139,6 +139,12 @@ class Endpoint:
     def ready(self) -> bool:
         return self.healthy and not self.draining and not self.ejected
 
+    @property
+    def charged(self) -> bool:
+        """Whether requests still running hold a charge here (in flight, or a P/D tracker's)."""
+        return bool(self.in_flight or self.prefill_in_flight or self.pending_decode or self.token_active
+                    or self.token_kv)
+
     def fresh_metrics(self, max_age: float, now: float | None = None) -> EngineMetrics | None:
         """The metrics snapshot if it is younger than ``max_age`` seconds, else ``None``."""
         m = self.metrics
@@ -227,9 +233,14 @@ class EndpointPool:
 
     @staticmethod
     def succeeded(old: Endpoint, new: Endpoint) -> None:
-        """``new`` counts ``old``'s requests in flight, the same engine's, until they end: each
-        release follows ``successor`` (gateway/pipeline/ledger.py)."""
+        """``new`` counts ``old``'s requests in flight, the same engine's, until they end, and what
+        the P/D trackers hold of them (prefills in flight, decodes pending, prompt tokens active and
+        resident): each release follows ``successor`` (gateway/pipeline/ledger.py)."""
         new.in_flight += old.in_flight
+        new.prefill_in_flight += old.prefill_in_flight
+        new.pending_decode += old.pending_decode
+        new.token_active += old.token_active
+        new.token_kv += old.token_kv
         old.successor = new
 
     def live_names(self, model: str) -> set[str]:

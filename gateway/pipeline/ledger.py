@@ -74,7 +74,23 @@ class InFlight(Charge):
         ep.in_flight += int(amount)
 
 
-class PrefillInFlight(Charge):
+class Carried(Charge):
+    """A P/D tracker's charge: given back also on the endpoints a reload put in its endpoint's
+    place (``successor``), which took over what it held (``EndpointPool.succeeded``)."""
+
+    __slots__ = ()
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        ep: Endpoint | None = self.endpoint
+        while ep is not None:
+            self._add(ep, -self.amount)
+            ep = ep.successor
+
+
+class PrefillInFlight(Carried):
     __slots__ = ()
 
     @staticmethod
@@ -82,7 +98,7 @@ class PrefillInFlight(Charge):
         ep.prefill_in_flight += int(amount)
 
 
-class PendingDecode(Charge):
+class PendingDecode(Carried):
     __slots__ = ()
 
     @staticmethod
@@ -90,7 +106,7 @@ class PendingDecode(Charge):
         ep.pending_decode += int(amount)
 
 
-class TokenActive(Charge):
+class TokenActive(Carried):
     __slots__ = ()
 
     @staticmethod
@@ -98,7 +114,7 @@ class TokenActive(Charge):
         ep.token_active = max(0.0, ep.token_active + amount)
 
 
-class TokenKV(Charge):
+class TokenKV(Carried):
     __slots__ = ()
 
     @staticmethod

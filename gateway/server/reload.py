@@ -139,9 +139,10 @@ def sync_pool(pool: EndpointPool, config: Config) -> tuple[list[Endpoint], list[
         if successor is not None:
             pool.replaced(ep, successor)
     # one an earlier reload removed, declared again while requests from before still run on its
-    # engine: the new endpoint counts them until they end (what else routing knew of it went then)
+    # engine (a prefill's are in its P/D trackers only): the new endpoint counts them until they
+    # end (what else routing knew of it went then)
     for old, _ in pool.retired:
-        if old.source == "static" and old.in_flight and old.successor is None:
+        if old.source == "static" and old.charged and old.successor is None:
             successor = successors.get((old.model, old.url))
             if successor is not None:
                 pool.succeeded(old, successor)
