@@ -9,7 +9,10 @@
   down, is a restarted engine: its cache is empty, so ``restart_listeners`` drop what the gateway
   believed it held (prefix index, KV-event entries, sessions). A start time first seen is none.
 
-Both probe all endpoints concurrently each round and never let one slow engine delay the others.
+Both probe all endpoints concurrently each round, each endpoint's probe or scrape a task of its own
+under its own timeout: a round waits for them at most an interval, so an engine that answers slowly
+or never does not hold the others' (their snapshots stayed a whole timeout old), and an endpoint
+whose last one still waits is not asked again until it ends (``_round``).
 With several workers sharing the routing view (``view.share_monitoring``), a worker probes and
 scrapes only the endpoints it watches (``share.watches``), tells its siblings (``told_probe``,
 ``told_scrape``) and adopts theirs (``adopt_probe``, ``adopt_scrape``): each engine is probed and
@@ -21,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -52,6 +55,8 @@ class Monitor:
         self.health = health
         self.scrape = scrape
         self._tasks: list[asyncio.Task] = []
+        # the probes and scrapes under way, by (kind, endpoint): one of each per endpoint at a time
+        self._running: dict[tuple[str, int], asyncio.Task] = {}
         # the shared routing view when the workers share monitoring (gateway/view/service.py), else None
         self.share: Any = None
         # told of an endpoint right after its snapshot or its health changed (admission control)
@@ -68,12 +73,14 @@ class Monitor:
                                                    name="switchyard-scrape"))
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks, *self._running.values()]
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks.clear()
+        self._running.clear()
 
     @staticmethod
     async def _loop(interval: float, fn) -> None:
@@ -86,6 +93,31 @@ class Monitor:
                 log.exception("monitor round failed")
             await asyncio.sleep(interval)
 
+    async def _round(self, kind: str, eps: list[Endpoint], fn: Callable[[Endpoint], Awaitable[Any]],
+                     interval: float) -> None:
+        """``fn`` of each of ``eps`` in a task of its own, waited for at most ``interval``: one that
+        takes longer (its own timeout bounds it) goes on alone while the next rounds take the other
+        endpoints, and ``ep`` is left out of them until it ended."""
+        started = []
+        running = self._running
+        for ep in eps:
+            key = (kind, id(ep))        # the task holds ``ep``: its id is no other's while it runs
+            if key in running:
+                continue
+            t = asyncio.create_task(self._one(fn, ep), name=f"switchyard-{kind}")
+            running[key] = t
+            t.add_done_callback(lambda _, key=key: running.pop(key, None))
+            started.append(t)
+        if started:
+            await asyncio.wait(started, timeout=interval)
+
+    @staticmethod
+    async def _one(fn: Callable[[Endpoint], Awaitable[Any]], ep: Endpoint) -> None:
+        try:
+            await fn(ep)
+        except Exception:  # a bug in one endpoint's must not stop monitoring, nor go unlogged
+            log.exception("monitor round failed", endpoint=ep.name)
+
     # -- health ------------------------------------------------------------------------------
 
     async def probe_all(self) -> None:
@@ -94,8 +126,7 @@ class Monitor:
         if share is not None:
             stale = 2 * self.health.interval_s + self.health.timeout_s
             eps = [ep for ep in eps if share.watches(ep, "probe", stale)]
-        if eps:
-            await asyncio.gather(*(self.probe(ep) for ep in eps))
+        await self._round("probe", eps, self.probe, self.health.interval_s)
 
     async def probe(self, ep: Endpoint) -> bool:
         ok = False
@@ -166,8 +197,7 @@ class Monitor:
         if share is not None:
             stale = 2 * self.scrape.interval_s + self.scrape.timeout_s
             eps = [ep for ep in eps if share.watches(ep, "scrape", stale)]
-        if eps:
-            await asyncio.gather(*(self.scrape_one(ep) for ep in eps))
+        await self._round("scrape", eps, self.scrape_one, self.scrape.interval_s)
 
     async def scrape_one(self, ep: Endpoint) -> None:
         snapshot, known = None, 0
