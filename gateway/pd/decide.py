@@ -22,7 +22,8 @@ disaggregated, the behaviour before this rule existed):
 Running whole means, in order: on the chosen decode, if its engine computes a prompt itself when
 asked without the P/D fields (vLLM: a decode without ``kv_transfer_params`` prefills locally;
 SGLang's decode-mode server refuses a request without a bootstrap room); else on the least-loaded
-combined endpoint of the model; else the request is disaggregated anyway (``no_local_path``).
+combined endpoint of the model (equal ones at random); else the request is disaggregated anyway
+(``no_local_path``).
 
 A request that generates nothing (the Messages API's count_tokens) runs whole on the chosen decode
 (``no_generation``) before any rule, on either engine: it only renders and counts the prompt, which
@@ -38,6 +39,7 @@ reason=<reason>`` and logged as ``pd_mode``, ``pd_reason``, ``decode_uncached_to
 from __future__ import annotations
 
 import dataclasses
+import random
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -65,9 +67,10 @@ class PDDecisionMetrics:
 
 class PDDecider:
     def __init__(self, config: Config, index: PrefixIndex, metrics: PDDecisionMetrics,
-                 precise: PreciseIndex | None = None) -> None:
+                 precise: PreciseIndex | None = None, rng: random.Random | None = None) -> None:
         self.metrics = metrics
         self.precise = precise
+        self.rng = rng or random.Random()
         self._children: dict[tuple[str, str, str], Any] = {}
         self.reconfigure(config, index)
 
@@ -117,7 +120,8 @@ class PDDecider:
         combined = [c for c in candidates if c.role in WHOLE_ROLES and in_bucket(c, n)]
         if combined:
             low = min(c.in_flight + c.remote_in_flight for c in combined)
-            d.endpoint = next(c for c in combined if c.in_flight + c.remote_in_flight == low)
+            # equal ones at random, as the strategy's own ties (the first listed took them all)
+            d.endpoint = self.rng.choice([c for c in combined if c.in_flight + c.remote_in_flight == low])
             d.prefill = None
             self._record(ctx, "combined", reason, uncached)
             return combined

@@ -170,7 +170,7 @@ def build_generation(config: Config, services: Services, previous: Generation | 
     s.view.attach(routing.ctx)          # its index's insertions are shared, others' applied to it
     routing.observers, routing.claims = s.decision_observers, s.decision_claims   # shared by every generation
     pd = PDOrchestrator(config, s.upstream, s.relay, s.lifecycle.spawn, s.metrics, routing.ctx.rng, s.pool, s.retries)
-    decider = PDDecider(config, routing.ctx.prefix_index, s.pd_decision_metrics, s.kv_events)
+    decider = PDDecider(config, routing.ctx.prefix_index, s.pd_decision_metrics, s.kv_events, routing.ctx.rng)
     aliases = Aliases(config.aliases, s.pool, s.alias_metrics) if config.aliases else NO_ALIASES
     return Generation(config, routing, pd, decider, aliases, s)
 
