@@ -1,6 +1,7 @@
-"""The monitor's rounds beside an engine that never answers: each endpoint's health probe and
-/metrics scrape runs on its own, under its own timeout, so the other engines are probed and
-scraped every interval while it hangs, and it is not asked again before its last one ended."""
+"""The monitor's rounds beside an engine that never answers: each endpoint's health probe, /metrics
+scrape and LoRA discovery read of /v1/models runs on its own, under its own timeout, so the other
+engines are probed, scraped and read every interval while it hangs, and it is not asked again
+before its last one ended."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import contextlib
 
 from tests.support.factories import model_block
+from tests.support.http import sim_state
 from tests.support.metrics import metric
 from tests.support.waiting import wait_for
 
@@ -65,5 +67,30 @@ async def test_an_engine_that_never_answers_holds_no_other_engines_probes_or_scr
         assert await wait_for(fresh, timeout=10.0, interval=0.05), await counts()
         # asked once each: a probe or a scrape still waiting is not doubled by the next round
         assert sorted(silent.paths) == ["/health", "/metrics"], silent.paths
+    finally:
+        await silent.close()
+
+
+async def test_an_engine_that_never_answers_holds_no_other_engines_adapter_discovery(sims, gateway):
+    """LoRA discovery reads every endpoint's /v1/models each ``discovery_interval_s``: beside an
+    engine that never answers, the other engines are read every interval, and the silent one once."""
+    silent = Silent()
+    url = await silent.start()
+    try:
+        engines = [await sims("vllm", "m") for _ in range(2)]
+        await gateway([model_block("m", "vllm", [url, *(e.url for e in engines)])],
+                      health={"enabled": False}, scrape={"enabled": False, "timeout_s": 60.0},
+                      lora={"discovery_interval_s": 0.1})
+
+        async def reads() -> list[int]:
+            return [sum(1 for r in (await sim_state(e.url))["received"] if r["path"] == "/v1/models")
+                    for e in engines]
+
+        async def fresh() -> bool:
+            return min(await reads()) >= 5
+
+        # five rounds of the others' at 0.1 s apart; held by the silent engine, one round took 60 s
+        assert await wait_for(fresh, timeout=10.0, interval=0.05), await reads()
+        assert silent.paths == ["/v1/models"], silent.paths
     finally:
         await silent.close()
