@@ -92,6 +92,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import aiohttp
@@ -105,6 +106,7 @@ from gateway.observability.metrics import Counter, Histogram
 from gateway.pipeline.ledger import AdapterInFlight
 from gateway.request import body_bytes
 from gateway.resilience.outcome import key_refused
+from gateway.upstream.monitor import EndpointRounds
 from gateway.upstream.upstream import Upstream, UpstreamFailure, engine_key_refused, no_socket_error
 from handlers import adapter_for
 
@@ -176,6 +178,7 @@ class Lora:
         self._left: tuple[Endpoint, dict[str, dict]] | None = None     # the last endpoint forgotten, what it had
         self._task: asyncio.Task | None = None
         self._idle_task: asyncio.Task | None = None
+        self._reads = EndpointRounds("lora-discovery")      # each endpoint's /v1/models read under way
         # the shared routing view when the workers share discovery (view.share_monitoring), else None
         self.share: Any = None
 
@@ -721,6 +724,7 @@ class Lora:
                 except asyncio.CancelledError:
                     pass
         self._task = self._idle_task = None
+        await self._reads.stop()
 
     async def _idle_loop(self) -> None:
         """Every half ``idle_unload_s`` (within 50 ms..30 s; 1 s while it is 0, so a reload may turn it on)."""
@@ -759,8 +763,8 @@ class Lora:
         if share is not None:       # the endpoints this worker watches; the siblings tell of the others
             stale = 2 * self.settings.discovery_interval_s + (self.config.scrape.timeout_s or 2.0)
             eps = [ep for ep in eps if share.watches(ep, "models", stale)]
-        if eps:
-            await asyncio.gather(*(self._discover_one(session, ep) for ep in eps))
+        # each endpoint's read on its own: one engine that never answers holds no other's
+        await self._reads.run(eps, partial(self._discover_one, session), self.settings.discovery_interval_s)
         self.count_serving()
 
     def count_serving(self) -> None:

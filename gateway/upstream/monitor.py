@@ -12,7 +12,7 @@
 Both probe all endpoints concurrently each round, each endpoint's probe or scrape a task of its own
 under its own timeout: a round waits for them at most an interval, so an engine that answers slowly
 or never does not hold the others' (their snapshots stayed a whole timeout old), and an endpoint
-whose last one still waits is not asked again until it ends (``_round``).
+whose last one still waits is not asked again until it ends (``EndpointRounds``).
 With several workers sharing the routing view (``view.share_monitoring``), a worker probes and
 scrapes only the endpoints it watches (``share.watches``), tells its siblings (``told_probe``,
 ``told_scrape``) and adopts theirs (``adopt_probe``, ``adopt_scrape``): each engine is probed and
@@ -46,6 +46,47 @@ HEALTH_PATH = {"vllm": "/health", "sglang": "/health"}
 RESTART_MIN_S = 1.0
 
 
+class EndpointRounds:
+    """A periodic round's work on each endpoint (a probe, a scrape, a read of its adapters), each
+    a task of its own: ``run`` waits for them at most ``wait`` (the round's interval), so one that
+    takes longer (its own timeout bounds it) goes on alone while the next rounds take the other
+    endpoints, and its endpoint is left out of them until it ended. Waiting for all of them, one
+    engine that answered slowly or never held every other engine's for the whole timeout."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._running: dict[int, asyncio.Task] = {}     # by the endpoint's id: its task holds it
+
+    async def run(self, eps: list[Endpoint], fn: Callable[[Endpoint], Awaitable[Any]], wait: float) -> None:
+        started = []
+        running = self._running
+        for ep in eps:
+            key = id(ep)
+            if key in running:
+                continue
+            t = asyncio.create_task(self._one(fn, ep), name=f"switchyard-{self.what}")
+            running[key] = t
+            t.add_done_callback(lambda _, key=key: running.pop(key, None))
+            started.append(t)
+        if started:
+            await asyncio.wait(started, timeout=wait)
+
+    async def _one(self, fn: Callable[[Endpoint], Awaitable[Any]], ep: Endpoint) -> None:
+        try:
+            await fn(ep)
+        except Exception:  # a bug in one endpoint's must not stop the rounds, nor go unlogged
+            log.exception("monitor round failed", what=self.what, endpoint=ep.name)
+
+    async def stop(self) -> None:
+        tasks = list(self._running.values())
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._running.clear()
+
+
 class Monitor:
     def __init__(self, pool: EndpointPool, session: aiohttp.ClientSession, metrics: GatewayMetrics,
                  health: HealthConfig, scrape: ScrapeConfig) -> None:
@@ -55,8 +96,8 @@ class Monitor:
         self.health = health
         self.scrape = scrape
         self._tasks: list[asyncio.Task] = []
-        # the probes and scrapes under way, by (kind, endpoint): one of each per endpoint at a time
-        self._running: dict[tuple[str, int], asyncio.Task] = {}
+        # the probes and the scrapes under way: one of each per endpoint at a time
+        self._probes, self._scrapes = EndpointRounds("probe"), EndpointRounds("scrape")
         # the shared routing view when the workers share monitoring (gateway/view/service.py), else None
         self.share: Any = None
         # told of an endpoint right after its snapshot or its health changed (admission control)
@@ -73,14 +114,14 @@ class Monitor:
                                                    name="switchyard-scrape"))
 
     async def stop(self) -> None:
-        tasks = [*self._tasks, *self._running.values()]
-        for t in tasks:
+        for t in self._tasks:
             t.cancel()
-        for t in tasks:
+        for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks.clear()
-        self._running.clear()
+        await self._probes.stop()
+        await self._scrapes.stop()
 
     @staticmethod
     async def _loop(interval: float, fn) -> None:
@@ -93,31 +134,6 @@ class Monitor:
                 log.exception("monitor round failed")
             await asyncio.sleep(interval)
 
-    async def _round(self, kind: str, eps: list[Endpoint], fn: Callable[[Endpoint], Awaitable[Any]],
-                     interval: float) -> None:
-        """``fn`` of each of ``eps`` in a task of its own, waited for at most ``interval``: one that
-        takes longer (its own timeout bounds it) goes on alone while the next rounds take the other
-        endpoints, and ``ep`` is left out of them until it ended."""
-        started = []
-        running = self._running
-        for ep in eps:
-            key = (kind, id(ep))        # the task holds ``ep``: its id is no other's while it runs
-            if key in running:
-                continue
-            t = asyncio.create_task(self._one(fn, ep), name=f"switchyard-{kind}")
-            running[key] = t
-            t.add_done_callback(lambda _, key=key: running.pop(key, None))
-            started.append(t)
-        if started:
-            await asyncio.wait(started, timeout=interval)
-
-    @staticmethod
-    async def _one(fn: Callable[[Endpoint], Awaitable[Any]], ep: Endpoint) -> None:
-        try:
-            await fn(ep)
-        except Exception:  # a bug in one endpoint's must not stop monitoring, nor go unlogged
-            log.exception("monitor round failed", endpoint=ep.name)
-
     # -- health ------------------------------------------------------------------------------
 
     async def probe_all(self) -> None:
@@ -126,7 +142,7 @@ class Monitor:
         if share is not None:
             stale = 2 * self.health.interval_s + self.health.timeout_s
             eps = [ep for ep in eps if share.watches(ep, "probe", stale)]
-        await self._round("probe", eps, self.probe, self.health.interval_s)
+        await self._probes.run(eps, self.probe, self.health.interval_s)
 
     async def probe(self, ep: Endpoint) -> bool:
         ok = False
@@ -197,7 +213,7 @@ class Monitor:
         if share is not None:
             stale = 2 * self.scrape.interval_s + self.scrape.timeout_s
             eps = [ep for ep in eps if share.watches(ep, "scrape", stale)]
-        await self._round("scrape", eps, self.scrape_one, self.scrape.interval_s)
+        await self._scrapes.run(eps, self.scrape_one, self.scrape.interval_s)
 
     async def scrape_one(self, ep: Endpoint) -> None:
         snapshot, known = None, 0
