@@ -623,6 +623,31 @@ async def test_prefill_and_decode_declared_anew_carry_the_pd_trackers_of_the_req
         assert trackers(e) == (0, 0, 0, 0.0, 0.0), (e.url, trackers(e))
 
 
+async def test_an_engine_declared_anew_keeps_what_the_probes_and_the_scrapes_knew_of_it(sims, gateway, tmp_path):
+    """An endpoint a reload declares again at its URL with other settings is the same engine: one
+    the health probes took out stays out until a probe finds it up (it joined ready, and requests
+    went to an engine known to be down), and its last engine metrics stay its own until the next
+    scrape (the load strategies read none meanwhile)."""
+    up, down = await sims("vllm", "m"), await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [up.url, down.url])],
+                       health={"interval_s": 0.1, "timeout_s": 1.0}, scrape={"interval_s": 60.0})
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    pool = gw.gw.pool
+
+    def ep(url):
+        return next(e for e in pool.endpoints("m") if e.url == url)
+
+    await until(lambda: all(e.metrics is not None for e in pool.endpoints("m")))
+    snapshots = {e.url: e.metrics for e in pool.endpoints("m")}
+    await down.close()
+    await until(lambda: not ep(down.url).healthy, timeout=10)
+    f.write(models=[model_block("m", "vllm", [{"url": u, "max_prompt_tokens": 100_000} for u in (up.url, down.url)])])
+    assert f.reloader.reload("test").result == "ok"
+    anew_up, anew_down = ep(up.url), ep(down.url)
+    assert anew_down.source == "static" and not anew_down.healthy and not anew_down.ready
+    assert anew_up.healthy and anew_up.metrics is snapshots[up.url] and anew_down.metrics is snapshots[down.url]
+
+
 async def test_a_reload_that_changes_metrics_max_age_s_applies_it_to_the_engine_gauges(sims, gateway):
     """``routing.metrics_max_age_s`` reloads with the rest of ``routing``: the re-exported engine
     gauges (``switchyard_engine_*``) leave out a snapshot older than the live value. With one
