@@ -226,8 +226,14 @@ class EndpointPool:
     def replaced(self, old: Endpoint, new: Endpoint) -> None:
         """``new`` (added) takes the place of ``old`` (removed): the same engine under other settings.
         The requests still on ``old`` run on that engine: ``new`` counts them in flight until they
-        end (each release follows ``successor``), so the next decisions see the engine's load."""
+        end (each release follows ``successor``), so the next decisions see the engine's load. What
+        the health probes and the scrapes knew of the engine stays too: one found down is not ready
+        until a probe finds it up, and its last snapshot is read until the next scrape."""
         self.succeeded(old, new)
+        new.healthy, new.last_probe = old.healthy, old.last_probe
+        new.consecutive_failures, new.consecutive_successes = old.consecutive_failures, old.consecutive_successes
+        if new.metrics is None:     # engine-neutral once parsed; the next scrape replaces it
+            new.metrics = old.metrics
         for listener in self.replacement_listeners:
             listener(old, new)
 
