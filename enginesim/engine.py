@@ -291,6 +291,10 @@ class Engine:
             self.pools[seq.rank].commit(seq.alloc)
             seq.prefill_done_at = time.monotonic()
             self.metrics.on_prefill_done(seq)
+            if seq.params.max_tokens == 0:
+                # SGLang's prefill-only request (max_new_tokens 0): the prompt's KV, no token
+                self._finish(seq, "length", StepOutput((), "", "length"))
+                return
             await self._stall(seq.fault.stall_before_first)
             source = OutputSource(self.tokenizer, cfg.seed, seq.output_key, seq.prompt_ids)
             params = seq.params

@@ -35,10 +35,10 @@ class OpenAIRequest:
     cache_salt: str | None
     return_token_ids: bool = False
     max_tokens_null: bool = False  # a completion's max_tokens given as an explicit null
-    n: int = 1                     # choices asked for (more than one: a simulated aggregated vLLM only)
+    n: int = 1                     # choices asked for (more than one: a simulated aggregated engine only)
     echo: str | None = None        # ``echo``: the prompt's text a completion's answer begins with, the
                                    # last message's a vLLM chat's
-    # a vLLM completion's batch of prompts (a list of several): each prompt's ids and its echo
+    # a completion's batch of prompts (a list of several): each prompt's ids and its echo
     # (``prompt_ids`` and ``echo`` are the first's); empty for one prompt
     batch: tuple[tuple[list[int], str | None], ...] = ()
     logprobs: int | None = None    # vLLM: the top logprobs each generated token carries (0: its own only)
@@ -202,8 +202,8 @@ def chat_template_flags(body: dict[str, Any], vllm: bool) -> tuple[bool, bool]:
 
 def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm: bool = True,
                  several: bool = False) -> OpenAIRequest:
-    """``several``: the engine simulates ``n`` > 1 and, on vLLM, a completion's batch of prompts
-    (else it answers 501 to either)."""
+    """``several``: the engine simulates ``n`` > 1 and a completion's batch of prompts (else it
+    answers 501 to either)."""
     echo: str | None = None
     batch: tuple[tuple[list[int], str | None], ...] = ()
     echo_only = False
@@ -212,9 +212,14 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
         prompt_ids = chat_prompt_ids(body.get("messages"), tokenizer, agp, cont, rendered_tools(body.get("tools")))
         if vllm and bool_field(body, "echo", False):
             echo = _last_message_text(body["messages"], agp)
-        max_tokens = _int_field(body, "max_completion_tokens", 1)
-        if max_tokens is None:
-            max_tokens = _int_field(body, "max_tokens", 1)
+        if vllm:
+            max_tokens = _int_field(body, "max_completion_tokens", 1)
+            if max_tokens is None:
+                max_tokens = _int_field(body, "max_tokens", 1)
+        else:
+            # SGLang: ``max_completion_tokens or max_tokens``, so a max_completion_tokens of 0 is no
+            # bound at all and a max_tokens of 0 a prefill-only request (no token, finish "length")
+            max_tokens = _int_field(body, "max_completion_tokens", 0) or _int_field(body, "max_tokens", 0)
     else:
         if vllm and body.get("prompt_embeds") not in (None, []):
             # vLLM takes prompt_embeds in the place of (or beside) prompt, and serves them only when
@@ -224,7 +229,7 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
         if "prompt" not in body:
             raise ApiError(400, "1 validation error:\n  prompt: Field required", type_=_BAD, param="prompt")
         echoing = bool_field(body, "echo", False)
-        prompts = completion_prompts(body["prompt"], tokenizer) if several and vllm else None
+        prompts = completion_prompts(body["prompt"], tokenizer) if several else None
         if prompts is not None:
             batch = tuple((ids, _prompt_text(p, ids, tokenizer) if echoing else None)
                           for p, ids in zip(body["prompt"], prompts, strict=True))

@@ -181,31 +181,43 @@ class SglangApi:
                                several=self.engine.role.name == "aggregated")
             req = dataclasses.replace(req, logprobs=sglang_requested(body, kind))
             model = req.model if req.model is not None else "default"
-            self._check_total(len(req.prompt_ids), req.max_tokens)
-            max_tokens = req.max_tokens or self.cfg.max_tokens_default(kind)
+            prompts = [ids for ids, _ in req.batch] or [req.prompt_ids]
+            for ids in prompts:
+                self._check_total(len(ids), req.max_tokens)
+            # a max_tokens of 0 is a prefill-only request: the prompt runs, no token comes
+            max_tokens = req.max_tokens if req.max_tokens is not None else self.cfg.max_tokens_default(kind)
             params = SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
                                     ignore_eos=req.ignore_eos)
+            for ids in prompts[1:]:
+                self._check_length(len(ids))
             seq = self._submit(request, body, req.prompt_ids, params, req.stream)
             if kind == "chat" and self.cfg.tool_call_parser and req.n == 1:
                 seq.tool_calls = chat_tool_calls(body, sglang_call_id)
         except ApiError as exc:
             return exc.response(OPENAI)
-        # n > 1: SGLang's parallel sampling, a sequence of the same prompt per choice
+        # a batch of prompts, n choices each (SGLang's parallel sampling: a sequence of the same
+        # prompt per choice); choice ``prompt_i * n + j`` is prompt i's j-th, as SGLang indexes them
         seqs = [seq]
-        for j in range(1, req.n):
-            child = self.engine.new_sequence(
-                seq_id=seq.id, rid=f"{seq.rid}_{j}", prompt_ids=req.prompt_ids, params=params, stream=req.stream,
-                fault=seq.fault, cache_salt=seq.cache_salt, lora=seq.lora,
-                dp_rank=request_dp_rank(self.engine, request))
-            child.output_key += f"\0choice {j}"     # each choice samples its own tokens
-            child.trace_headers = seq.trace_headers
-            self.engine.submit(child)
-            seqs.append(child)
+        for p, ids in enumerate(prompts):
+            for j in range(req.n):
+                if p == 0 and j == 0:
+                    continue
+                child = self.engine.new_sequence(
+                    seq_id=seq.id, rid=f"{seq.rid}-{p}_{j}" if p else f"{seq.rid}_{j}", prompt_ids=ids,
+                    params=params, stream=req.stream, fault=seq.fault, cache_salt=seq.cache_salt, lora=seq.lora,
+                    dp_rank=request_dp_rank(self.engine, request))
+                if j:
+                    child.output_key += f"\0choice {j}"     # each choice samples its own tokens
+                child.trace_headers = seq.trace_headers
+                self.engine.submit(child)
+                seqs.append(child)
         try:
             if len(seqs) > 1:
+                # each choice's echo: its own prompt's text
+                echoes = [req.batch[i // req.n][1] if req.batch else req.echo for i in range(len(seqs))]
                 if req.stream:
-                    return await self._stream_choices(request, req, seqs, model)
-                return await self._complete_choices(request, req, seqs, model)
+                    return await self._stream_choices(request, req, seqs, model, echoes)
+                return await self._complete_choices(request, req, seqs, model, echoes)
             if req.stream:
                 return await self._stream(request, req, seq, model)
             return await self._complete(request, req, seq, model)
@@ -222,16 +234,21 @@ class SglangApi:
             return None
         return sglang_logprobs(self.engine.tokenizer, self.cfg.seed, ids, start, req.logprobs, req.kind)
 
-    def _usage_of(self, seqs: list[Sequence]) -> dict[str, Any]:
-        """The usage of several choices of one prompt: the prompt once, every choice's tokens."""
+    def _usage_of(self, seqs: list[Sequence], n: int) -> dict[str, Any]:
+        """The usage of several choices (``n`` per prompt): each prompt once, as its first choice
+        counts it (its cached tokens too), every choice's tokens (SGLang's ``UsageProcessor``)."""
         usage = self._usage(seqs[0])
+        prompt = sum(s.prompt_tokens for s in seqs[::n])
         done = sum(s.completion_tokens for s in seqs)
+        usage["prompt_tokens"] = prompt
         usage["completion_tokens"] = done
-        usage["total_tokens"] = seqs[0].prompt_tokens + done
+        usage["total_tokens"] = prompt + done
+        if usage["prompt_tokens_details"] is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(s.cached_tokens for s in seqs[::n])}
         return usage
 
     async def _complete_choices(self, request: web.Request, req: OpenAIRequest, seqs: list[Sequence],
-                                model: str) -> web.StreamResponse:
+                                model: str, echoes: list[str | None]) -> web.StreamResponse:
         """A whole answer of several choices: ``choices`` in index order, usage summed."""
         results = await asyncio.gather(*(collect(self.engine, request, s) for s in seqs))
         await slow_headers(self.engine, seqs[0].fault)
@@ -246,7 +263,7 @@ class SglangApi:
                 choice["message"] = {"role": "assistant", "content": result.text, "reasoning_content": None,
                                      "tool_calls": None}
             else:
-                choice["text"] = (req.echo or "") + result.text
+                choice["text"] = (echoes[i] or "") + result.text
             choice.update({"logprobs": self._logprobs(req, seq.output_ids, 0) if req.logprobs is not None else None,
                            "finish_reason": seq.finish_reason,
                            "matched_stop": self._matched_stop(seq)})
@@ -256,10 +273,10 @@ class SglangApi:
         seq = seqs[0]
         return json_response({"id": seq.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
                               "created": seq.created, "model": model, "choices": choices,
-                              "usage": self._usage_of(seqs), "metadata": {"weight_version": "default"}})
+                              "usage": self._usage_of(seqs, req.n), "metadata": {"weight_version": "default"}})
 
     async def _stream_choices(self, request: web.Request, req: OpenAIRequest, seqs: list[Sequence],
-                              model: str) -> web.StreamResponse:
+                              model: str, echoes: list[str | None]) -> web.StreamResponse:
         """A stream of several choices, as SGLang sends it: each chunk carries one choice (its
         ``index``), interleaved as their tokens come; a chat choice's role chunk with its first
         output, its finish in a chunk of its own. Headers go out with the first chunk."""
@@ -290,7 +307,7 @@ class SglangApi:
                 return self._logprobs(req, ids, start)
 
             first = [True] * len(seqs)
-            echo = [None if chat else req.echo] * len(seqs)
+            echo = [None if chat else e for e in echoes]
             while left:
                 i, out = await came.get()
                 if isinstance(out, Dropped):
@@ -330,7 +347,7 @@ class SglangApi:
             for p in pumps:
                 p.cancel()
         if req.include_usage:
-            usage = self._usage_of(seqs)
+            usage = self._usage_of(seqs, req.n)
             await writer.send({"id": seq.id, "object": obj, "created": seq.created, "model": model,
                                "choices": [], "usage": usage if chat else _drop_none(usage)})
         return await writer.done(partial(at_end, self.engine, request, seq.fault))
@@ -460,7 +477,7 @@ class SglangApi:
             min_new = sp.get("min_new_tokens") or 0
             if not isinstance(max_new, int) or not isinstance(min_new, int) or max_new < 0 or min_new < 0:
                 raise ApiError(400, "max_new_tokens and min_new_tokens must be non-negative integers")
-            params = SamplingParams(max_tokens=max(1, max_new), min_tokens=min_new,
+            params = SamplingParams(max_tokens=max_new, min_tokens=min_new,
                                     stop=parse_stop(sp.get("stop")), ignore_eos=bool(sp.get("ignore_eos")))
             stream = bool(body.get("stream", False))
             seq = self._submit(request, body, prompt_ids, params, stream)

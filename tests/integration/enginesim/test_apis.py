@@ -459,3 +459,82 @@ async def test_sglang_logprobs_ride_each_choice_and_chunk(sims):
         async with s.post(g.url + "/v1/completions", json={**cbody, "logprobs": 0}) as r:
             zero = (await r.json())["choices"][0]["logprobs"]
         assert len(zero["tokens"]) == 3 and zero["top_logprobs"] == []
+
+
+async def test_sglang_completion_batch_of_prompts_answers_each_prompts_choices(sims):
+    """SGLang's completions take a list of prompts (strings or token id lists) as a batch, as vLLM's
+    do: choice ``prompt_i * n + j`` is prompt i's j-th, each echoing its own prompt; usage counts
+    every prompt once (and its cached tokens once) and every choice's tokens; a stream sends each
+    choice in chunks of its own, then the usage."""
+    sg = await sims("sglang", "llama")
+    prompts = ["one prompt here", "and a second, longer prompt than that"]
+    async with aiohttp.ClientSession() as s:
+        async def prompt_tokens(prompt: str) -> int:
+            async with s.post(sg.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}) as r:
+                return (await r.json())["usage"]["prompt_tokens"]
+
+        n0, n1 = await prompt_tokens(prompts[0]), await prompt_tokens(prompts[1])
+        body = {"model": "llama", "prompt": prompts, "max_tokens": 2, "n": 2, "echo": True}
+        async with s.post(sg.url + "/v1/completions", json=body) as r:
+            whole = await r.json()
+            assert r.status == 200, whole
+        assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+        assert [c["text"].startswith(prompts[i // 2]) for i, c in enumerate(whole["choices"])] == [True] * 4
+        assert whole["choices"][0]["text"] != whole["choices"][1]["text"]     # each choice samples its own
+        usage = whole["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (n0 + n1, 8, n0 + n1 + 8)
+        # each prompt's cached tokens once: both were run once before, block by block
+        assert usage["prompt_tokens_details"]["cached_tokens"] <= n0 + n1
+        async with s.post(sg.url + "/v1/completions", json={"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 3}) as r:
+            ids_whole = await r.json()
+            assert r.status == 200, ids_whole
+        assert [c["index"] for c in ids_whole["choices"]] == [0, 1]
+        assert ids_whole["usage"]["prompt_tokens"] == 5 and ids_whole["usage"]["completion_tokens"] == 6
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with s.post(sg.url + "/v1/completions", json=body) as r:
+            raw = await r.read()
+            assert r.status == 200, raw
+    assert raw.endswith(b"data: [DONE]\n\n")
+    got = [d for _, d in sse_frames(raw[:-len(b"data: [DONE]\n\n")])]
+    chunks = [d for d in got if d["choices"]]
+    assert all(len(d["choices"]) == 1 for d in chunks)
+    texts: dict[int, str] = {}
+    for d in chunks:
+        texts[d["choices"][0]["index"]] = texts.get(d["choices"][0]["index"], "") + d["choices"][0]["text"]
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}     # same seed, same answers
+    ends = {d["choices"][0]["index"] for d in chunks if d["choices"][0]["finish_reason"] == "length"}
+    assert ends == {0, 1, 2, 3}
+    assert got[-1]["choices"] == [] and got[-1]["usage"]["prompt_tokens"] == n0 + n1
+    assert got[-1]["usage"]["completion_tokens"] == 8
+
+
+async def test_sglang_chat_max_tokens_0_is_prefill_only(sims):
+    """SGLang's chat takes ``max_completion_tokens or max_tokens`` as its max_new_tokens: a max_tokens
+    of 0 runs the prompt alone (prefill only: a 200 with no token, ``finish_reason: "length"``,
+    whole or streamed), a max_completion_tokens of 0 is no bound; ``/generate`` takes a
+    max_new_tokens of 0 alike. Its completions refuse a max_tokens of 0."""
+    sg = await sims("sglang", "llama")
+    body = {"model": "llama", "messages": MSGS, "max_tokens": 0}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(sg.url + "/v1/chat/completions", json=body) as r:
+            whole = await r.json()
+            assert r.status == 200, whole
+        choice = whole["choices"][0]
+        assert choice["message"]["content"] == "" and choice["finish_reason"] == "length"
+        assert whole["usage"]["completion_tokens"] == 0 and whole["usage"]["prompt_tokens"] > 0
+        async with s.post(sg.url + "/v1/chat/completions",
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            raw = await r.read()
+            assert r.status == 200, raw
+        got = [d for _, d in sse_frames(raw[:-len(b"data: [DONE]\n\n")])]
+        assert [c["delta"].get("content") for d in got for c in d["choices"]] == ["", None]
+        assert [c["finish_reason"] for d in got for c in d["choices"]] == [None, "length"]
+        assert got[-1]["usage"]["completion_tokens"] == 0
+        async with s.post(sg.url + "/v1/chat/completions",
+                          json={"messages": MSGS, "max_completion_tokens": 0, "max_tokens": 3}) as r:
+            assert (await r.json())["usage"]["completion_tokens"] == 3       # 0 or 3: 3
+        async with s.post(sg.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 0}}) as r:
+            gen = await r.json()
+        assert gen["output_ids"] == [] and gen["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+        async with s.post(sg.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 0}) as r:
+            assert r.status == 400
