@@ -112,6 +112,45 @@ def completion_logprobs(tokenizer: Any, seed: int, ids: list[int] | tuple[int, .
     return out
 
 
+def _prompt_candidates(tokenizer: Any, seed: int, prompt_ids: list[int], pos: int, k: int) -> list[tuple[int, float]]:
+    """The candidates at prompt position ``pos`` (at least 1), the prompt's token first (its values
+    apart from the generated tokens': a position of its own)."""
+    return _candidates(tokenizer, seed, prompt_ids[pos], -1 - pos, max(k, 1))
+
+
+def prompt_logprobs(tokenizer: Any, seed: int, prompt_ids: list[int], top: int) -> list[dict[str, Any] | None]:
+    """A vLLM choice's ``prompt_logprobs``: None for the first prompt token (nothing precedes it),
+    then per token its ``{token id: {logprob, rank, decoded_token}}`` of the prompt's token and the
+    ``top`` best (vLLM's ``Logprob`` objects, keyed by id)."""
+    out: list[dict[str, Any] | None] = [None]
+    for pos in range(1, len(prompt_ids)):
+        cands = _prompt_candidates(tokenizer, seed, prompt_ids, pos, top)
+        out.append({str(c): {"logprob": lp, "rank": rank, "decoded_token": tokenizer.piece(c)}
+                    for rank, (c, lp) in enumerate(cands, 1)})
+    return out
+
+
+def completion_prompt_logprobs(tokenizer: Any, seed: int, prompt_ids: list[int], top: int) -> dict[str, Any]:
+    """The prompt's part of an echoing vLLM completion's ``logprobs`` (``echo`` with ``logprobs``):
+    per prompt token its ``tokens``, ``token_logprobs`` and ``top_logprobs`` (None for the first:
+    nothing precedes it), ``text_offset`` counted from 0; the generated tokens' follow."""
+    out: dict[str, Any] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    offset = 0
+    for pos, tid in enumerate(prompt_ids):
+        token = tokenizer.piece(tid)
+        out["text_offset"].append(offset)
+        out["tokens"].append(token)
+        if pos == 0:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+        else:
+            cands = _prompt_candidates(tokenizer, seed, prompt_ids, pos, top)
+            out["token_logprobs"].append(cands[0][1])
+            out["top_logprobs"].append({tokenizer.piece(c): lp for c, lp in cands})
+        offset += len(token)
+    return out
+
+
 def sglang_requested(body: dict[str, Any], kind: str) -> int | None:
     """The top logprobs an SGLang request asks for (0: the sampled token's only), None for none:
     a chat's ``logprobs`` flag with its ``top_logprobs``, a completion's ``logprobs`` count."""

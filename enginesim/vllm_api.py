@@ -37,7 +37,14 @@ from enginesim.frontend import (
     request_fault,
     slow_headers,
 )
-from enginesim.logprobs import chat_logprobs, chat_requested, completion_logprobs, completion_requested
+from enginesim.logprobs import (
+    chat_logprobs,
+    chat_requested,
+    completion_logprobs,
+    completion_prompt_logprobs,
+    completion_requested,
+    prompt_logprobs,
+)
 from enginesim.lora import LoraError, LoraFull
 from enginesim.protocol import OpenAIRequest, chat_prompt_ids, lax_int, parse_openai, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
@@ -228,6 +235,33 @@ class VllmApi:
             return chat_logprobs(self.engine.tokenizer, self.cfg.seed, ids, start, req.logprobs)
         return completion_logprobs(self.engine.tokenizer, self.cfg.seed, ids, start, req.logprobs, offset)
 
+    def _echoed(self, req: OpenAIRequest, echo: str | None) -> bool:
+        """A completion that echoes its prompt and asks for logprobs: vLLM computes the prompt's
+        (its ``prompt_logprobs`` are the ``logprobs`` count) and answers them first."""
+        return req.kind == "completions" and echo is not None and req.logprobs is not None
+
+    def _echoed_logprobs(self, req: OpenAIRequest, seq: Sequence, ids: list[int] | tuple[int, ...],
+                         start: int) -> dict[str, Any]:
+        """An echoing completion's ``logprobs`` as vLLM writes them on its whole answer or first
+        chunk: the prompt's tokens (the first with null logprobs), then the generated ``ids`` (none
+        for ``max_tokens`` 0), ``text_offset`` counted from 0 over all of them."""
+        assert req.logprobs is not None
+        out = completion_prompt_logprobs(self.engine.tokenizer, self.cfg.seed, seq.prompt_ids, req.logprobs)
+        if not req.echo_only:
+            offset = sum(len(t) for t in out["tokens"])
+            tail = completion_logprobs(self.engine.tokenizer, self.cfg.seed, ids, start, req.logprobs, offset)
+            for key, values in tail.items():
+                out[key].extend(values)
+        return out
+
+    def _chunk_logprobs(self, req: OpenAIRequest, seq: Sequence, ids: list[int] | tuple[int, ...], start: int,
+                        offset: int, echo: str | None) -> dict[str, Any] | None:
+        """A stream chunk's ``logprobs``: its tokens' (their text from character ``offset``, after
+        the ``echo`` it begins with), the prompt's first on an echoing completion's first chunk."""
+        if self._echoed(req, echo):
+            return self._echoed_logprobs(req, seq, ids, start)
+        return self._logprobs(req, ids, start, offset + len(echo or ""))
+
     def _choice(self, req: OpenAIRequest, index: int, seq: Sequence, text: str, token_ids: bool,
                 echo: str | None = None) -> dict[str, Any]:
         """One choice of a whole answer, as vLLM writes it (``token_ids``: the sequence's and its
@@ -246,12 +280,20 @@ class VllmApi:
                 {"id": calls.ids[i], "type": "function",
                  "function": {"name": name, "arguments": calls.arguments(i, text)}}
                 for i, name in enumerate(calls.names)]
-        logprobs = None if calls is not None else self._logprobs(req, seq.output_ids, 0, len(echo or ""))
+        if calls is not None:
+            logprobs = None
+        elif self._echoed(req, echo):
+            logprobs = self._echoed_logprobs(req, seq, seq.output_ids, 0)
+        else:
+            logprobs = self._logprobs(req, seq.output_ids, 0, len(echo or ""))
         choice.update({"logprobs": logprobs, "finish_reason": _tool_finish(seq) if calls is not None else seq.finish_reason,
                        "stop_reason": self._stop_reason(seq),
                        "token_ids": list(seq.output_ids) if token_ids else None})
         if req.kind == "completions":
-            choice["prompt_logprobs"] = None
+            # echo with logprobs: vLLM computed the prompt's logprobs, and the choice carries them
+            choice["prompt_logprobs"] = (prompt_logprobs(self.engine.tokenizer, self.cfg.seed, seq.prompt_ids,
+                                                         req.logprobs)
+                                         if self._echoed(req, echo) and req.logprobs is not None else None)
             choice["prompt_token_ids"] = seq.prompt_ids if token_ids else None
         return choice
 
@@ -328,8 +370,8 @@ class VllmApi:
                     continue  # held back (maybe the start of a stop string); its ids still go out when asked
                 await writer.send(self._delta_chunk(chunk, chat, seq, out, req.include_usage,
                                                     req.return_token_ids, prompt_ids if first else None, echo=echo,
-                                                    logprobs=self._logprobs(req, out.token_ids, done,
-                                                                            offset + len(echo or ""))))
+                                                    logprobs=self._chunk_logprobs(req, seq, out.token_ids, done,
+                                                                                  offset, echo)))
                 done += len(out.token_ids)
                 offset += len(out.text) + len(echo or "")
                 first = False
@@ -473,8 +515,8 @@ class VllmApi:
                     done[i] += len(out.token_ids)
                     continue
                 await writer.send(self._delta_chunk(chunk, chat, seqs[i], out, req.include_usage, index=i,
-                                                    echo=echo[i], logprobs=self._logprobs(req, out.token_ids, done[i],
-                                                                                          offset[i] + len(echo[i] or ""))))
+                                                    echo=echo[i], logprobs=self._chunk_logprobs(
+                                                        req, seqs[i], out.token_ids, done[i], offset[i], echo[i])))
                 done[i] += len(out.token_ids)
                 offset[i] += len(out.text) + len(echo[i] or "")
                 echo[i] = None

@@ -358,7 +358,8 @@ async def test_vllm_logprobs_ride_each_choice_and_chunk(sims):
             raw = await r.read()
         chunks = [d for _, d in sse_frames(raw[:-len(b"data: [DONE]\n\n")])]
         offsets = [o for d in chunks if d["choices"] for o in d["choices"][0]["logprobs"]["text_offset"]]
-        assert offsets == [len("Once upon a time") + o for o in lp["text_offset"]]
+        # the echoed prompt's tokens come first, from 0; the generated ones' offsets follow its text
+        assert offsets[-3:] == [len("Once upon a time") + o for o in lp["text_offset"]] and offsets[0] == 0
         async with s.post(v.url + "/v1/completions", json={**cbody, "logprobs": -1}) as r:
             assert r.status == 400 and "positive" in (await r.json())["error"]["message"]
 
@@ -538,3 +539,52 @@ async def test_sglang_chat_max_tokens_0_is_prefill_only(sims):
         assert gen["output_ids"] == [] and gen["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
         async with s.post(sg.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 0}) as r:
             assert r.status == 400
+
+
+async def test_vllm_echo_with_logprobs_answers_the_prompts_logprobs_first(sims):
+    """A vLLM completion's ``echo`` with ``logprobs`` computes the prompt's logprobs (its
+    ``prompt_logprobs`` count is the ``logprobs`` one): the choice's ``logprobs`` hold the prompt's
+    tokens first (the first with null ``token_logprobs`` and ``top_logprobs``: nothing precedes it),
+    then the generated ones, ``text_offset`` counted from 0 over all; the choice's
+    ``prompt_logprobs`` are vLLM's ``Logprob`` objects keyed by token id. A stream's first chunk
+    carries the prompt's with its first token's, the same values as the whole answer's; with
+    ``max_tokens`` 0 only the prompt's come. The usage counts the generated tokens only."""
+    v = await sims("vllm", "llama")
+    prompt = "Once upon a time there was"
+    body = {"model": "llama", "prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 2}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(v.url + "/tokenize", json={"model": "llama", "prompt": prompt}) as r:
+            ids = (await r.json())["tokens"]
+        async with s.post(v.url + "/v1/completions", json=body) as r:
+            whole = await r.json()
+            assert r.status == 200, whole
+        async with s.post(v.url + "/v1/completions", json={**body, "stream": True}) as r:
+            raw = await r.read()
+        async with s.post(v.url + "/v1/completions", json={**body, "max_tokens": 0}) as r:
+            alone = await r.json()
+    choice = whole["choices"][0]
+    lp = choice["logprobs"]
+    n = len(ids)
+    assert len(lp["tokens"]) == n + 3 and "".join(lp["tokens"]) == choice["text"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
+    assert all(1 <= len(t) <= 2 for t in lp["top_logprobs"][1:])
+    offsets = [sum(len(t) for t in lp["tokens"][:i]) for i in range(n + 3)]
+    assert lp["text_offset"] == offsets
+    pl = choice["prompt_logprobs"]
+    assert len(pl) == n and pl[0] is None
+    for pos in range(1, n):
+        entry = pl[pos][str(ids[pos])]
+        assert entry["rank"] == 1 and entry["logprob"] == lp["token_logprobs"][pos]
+        assert entry["decoded_token"] == lp["tokens"][pos]
+    assert whole["usage"]["completion_tokens"] == 3
+    chunks = [d["choices"][0] for _, d in sse_frames(raw[:-len(b"data: [DONE]\n\n")]) if d["choices"]]
+    streamed: dict[str, list] = {k: [] for k in lp}
+    for c in chunks:
+        for k in lp:
+            streamed[k] += c["logprobs"][k]
+    assert streamed == lp
+    assert len(chunks[0]["logprobs"]["tokens"]) == n + 1 and "prompt_logprobs" not in chunks[0]
+    only = alone["choices"][0]
+    assert only["text"] == prompt and only["logprobs"] == {k: vals[:n] for k, vals in lp.items()}
+    assert only["prompt_logprobs"] == pl and alone["usage"]["completion_tokens"] == 1
