@@ -362,6 +362,41 @@ def test_oversized_event_passes_through_unscanned(monkeypatch):
         assert s.usage is None and s.token_events == 2 and s.finish_reason == "stop" and s.done
 
 
+def _echo_chunk(index: int, finish: str | None, tokens: int) -> bytes:
+    """A vLLM completion's first chunk of an ``echo`` with ``logprobs``: the prompt's text and
+    logprobs, with the first generated token's, in one event."""
+    lp = {"text_offset": list(range(tokens)), "token_logprobs": [None] + [-0.5] * (tokens - 1),
+          "tokens": [" w"] * tokens, "top_logprobs": [None] + [{" w": -0.5, " x": -2.0}] * (tokens - 1)}
+    choice = {"index": index, "text": " w" * tokens, "logprobs": lp, "finish_reason": finish,
+              "stop_reason": None}
+    return b"data: " + orjson.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+                                     "choices": [choice], "usage": {"prompt_tokens": tokens, "completion_tokens": 1,
+                                                                    "total_tokens": tokens + 1}}) + b"\n\n"
+
+
+@pytest.mark.parametrize("several", [False, True])
+def test_an_oversized_event_still_counts_its_token_and_its_finish(monkeypatch, several):
+    """An event past MAX_EVENT_BYTES passes unscanned, but what the log line and the TTFT need of
+    it is read from its head and its end: a vLLM completion's echo with logprobs (a long prompt's
+    logprobs in its first chunk, with its first token's; all of the answer with max_tokens 0) is its
+    first token, and its finish the answer's (each choice's, of several)."""
+    monkeypatch.setattr(sse, "MAX_EVENT_BYTES", 4096)
+    for index in (0, 1) if several else (0,):
+        big = _echo_chunk(index, "length", 400)
+        assert len(big) > 3 * 4096
+        data = big + DONE
+        s = ChoicesScanner(2) if several else SSEScanner()
+        out = [s.feed(data[i:i + 1000], float(i // 1000)) for i in range(0, len(data), 1000)] + [s.finish()]
+        assert b"".join(out) == data
+        assert s.token_events == 1 and s.first_token_at == 4.0, index      # its head came by 4 KiB in
+        assert s.done
+        if several:
+            assert s.finish_reasons == [None, "length"] if index else ["length"]
+            assert s.finish_reason == (None if index else "length")
+        else:
+            assert s.finish_reason == "length"
+
+
 # -- usage_tokens ----------------------------------------------------------------------------------
 
 
