@@ -44,8 +44,14 @@ import orjson
 
 # An event larger than this is not scanned (its bytes still pass through). It bounds the memory a
 # malformed upstream that never sends a blank line can pin. SGLang's native cumulative stream makes
-# large events on long generations, hence the generous size.
+# large events on long generations, hence the generous size. Of such an event only its head (the
+# first _BIG_HEAD bytes: its choice's index and whether it carries generated content) and its end
+# (the last _BIG_TAIL bytes, kept: its finish) are read: a vLLM completion's echo with logprobs
+# sends a long prompt's logprobs, tens of MB, in its first event, with its first token (and, with
+# max_tokens 0, its finish).
 MAX_EVENT_BYTES = 8 << 20
+_BIG_HEAD = 4096
+_BIG_TAIL = 4096
 
 # How many inter-token gaps ``itl`` keeps between drains; count, sum and max are always kept.
 ITL_KEEP = 4096
@@ -77,6 +83,8 @@ def as_lf(data: bytes | bytearray) -> bytes:
 _CONTENT_RE = re.compile(rb'"(?:content|text|reasoning_content|reasoning)"[ \t\r\n]*:[ \t\r\n]*"[^"]'
                          rb'|"tool_calls"[ \t\r\n]*:[ \t\r\n]*\[[ \t\r\n]*[^\] \t\r\n]')
 _FINISH_RE = re.compile(rb'"finish_reason"[ \t\r\n]*:[ \t\r\n]*[^n \t\r\n]')
+# a finish reason's value, read from the end of an event too large to decode
+_FINISH_VALUE_RE = re.compile(rb'"finish_reason"[ \t\r\n]*:[ \t\r\n]*"([^"\\]+)"')
 
 
 
@@ -268,7 +276,7 @@ class SSEScanner:
     __slots__ = (
         "strip_usage", "first_token_at", "last_token_at", "token_events", "itl", "usage", "finish_reason",
         "error", "done", "events",
-        "_buf", "_sent", "_skip", "_now", "_cr", "_lf_owed",
+        "_buf", "_sent", "_skip", "_now", "_cr", "_lf_owed", "_big_index",
     )
 
     def __init__(self, strip_usage: bool = False) -> None:
@@ -288,6 +296,7 @@ class SSEScanner:
         self._now = 0.0
         self._cr = False           # the stream ends lines with bare CRs: scanned as LFs (``as_lf``)
         self._lf_owed = False      # strip mode: a dropped usage chunk ended with the CR of a read, whose LF may come next
+        self._big_index = 0        # the choice the skipped event is of, read from its head
 
     # -- public -------------------------------------------------------------------------------
 
@@ -340,6 +349,7 @@ class SSEScanner:
         flags = 0
         if self._skip:
             self._skip = False
+            self._big_end(buf, 0, len(buf))
         else:
             ev = (as_lf(buf) if self._cr else bytes(buf)).rstrip(b"\r\n")
             if ev:
@@ -394,7 +404,7 @@ class SSEScanner:
             end = m.end()
             if self._skip:
                 self._skip = False
-                f = 0
+                f = self._big_end(scan, start, m.start())
             else:
                 f = self._event(scan, start, m.start())
                 flags |= f
@@ -430,16 +440,42 @@ class SSEScanner:
         if len(self._buf) > MAX_EVENT_BYTES:
             if held:
                 result += bytes(self._buf[self._sent:])
-            self._overflow()
+            flags |= self._overflow()
             self._sent = len(self._buf)
         if flags & _CONTENT:
             self._mark(now)
         return result
 
-    def _overflow(self) -> None:
-        # Give up scanning this event; keep 2 bytes so a boundary split across chunks is found.
+    def _overflow(self) -> int:
+        """Give up scanning this event (its head read on its first overflow: ``_CONTENT`` when it
+        carries generated content); keep its last bytes, for its finish and a boundary split
+        across chunks."""
+        flags = 0
+        if not self._skip:          # the buffer begins with the event
+            flags = self._big_head(self._buf, min(len(self._buf), _BIG_HEAD))
         self._skip = True
-        del self._buf[:-2]
+        del self._buf[:-_BIG_TAIL]
+        return flags
+
+    def _big_head(self, data: bytes | bytearray, end: int) -> int:
+        """The head ``data[:end]`` of an event too large to scan: the choice it is of, and
+        ``_CONTENT`` (counted as a token event) when it carries generated content."""
+        m = _INDEX_RE.search(data, 0, end)
+        self._big_index = int(m.group(1)) if m is not None else 0
+        if not _has_content(data[:end]):
+            return 0
+        self.token_events += 1
+        return _CONTENT
+
+    def _big_end(self, data: bytes | bytearray, start: int, end: int) -> int:
+        """The end ``data[start:end]`` of an event too large to scan (its last ``_BIG_TAIL`` bytes at
+        least): its choice's finish, when it names one."""
+        found = list(_FINISH_VALUE_RE.finditer(data, max(start, end - _BIG_TAIL), end))
+        if found:
+            last = found[-1]
+            self._read({"choices": [{"index": self._big_index,
+                                     "finish_reason": last.group(1).decode("utf-8", "replace")}]})
+        return 0
 
     def _mark(self, now: float) -> None:
         last = self.last_token_at
@@ -569,6 +605,12 @@ class ChoicesScanner(SSEScanner):
         flags = SSEScanner._event(self, data, start, end)
         if flags & _CONTENT and not self._zero:
             self._zero = _of_choice_zero(data, start, end)
+        return flags
+
+    def _big_head(self, data: bytes | bytearray, end: int) -> int:
+        flags = SSEScanner._big_head(self, data, end)
+        if flags & _CONTENT and not self._zero:
+            self._zero = self._big_index == 0
         return flags
 
     def _mark(self, now: float) -> None:
