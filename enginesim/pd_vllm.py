@@ -70,6 +70,14 @@ class Pinned:
     rank: int = 0      # the data-parallel rank whose pool holds them
 
 
+@dataclass(eq=False)
+class SharedPull:
+    """The one pull a decode request's choices share, and how many of them have not finished."""
+
+    pull: asyncio.Future[str | None] | None = None
+    left: int = 0
+
+
 @dataclass(frozen=True)
 class RemotePrefill:
     engine_id: str
@@ -123,6 +131,9 @@ class NixlRole(BaseRole):
         self.recomputed = 0
         self._listener: SideListener | None = None
         self._session: aiohttp.ClientSession | None = None
+        # decode, n > 1: the choices of one request carry the same kv_transfer_params and read the
+        # same remote blocks; one pull serves them (its outcome, and how many of them are left)
+        self._shared: dict[tuple[str, str, str], SharedPull] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -174,9 +185,13 @@ class NixlRole(BaseRole):
                             "KVTransfer", kv, reason)
                 seq.role_data["kv_invalid"] = reason
                 return
-            seq.role_data["remote_prefill"] = RemotePrefill(
+            remote = RemotePrefill(
                 engine_id=kv["remote_engine_id"], request_id=kv["remote_request_id"],
                 host=kv["remote_host"], port=kv["remote_port"], block_ids=kv.get("remote_block_ids"))
+            seq.role_data["remote_prefill"] = remote
+            key = (seq.id, remote.engine_id, remote.request_id)
+            self._shared.setdefault(key, SharedPull()).left += 1
+            seq.role_data["pull_key"] = key
 
     async def prefill(self, seq: Sequence, compute_s: float) -> None:
         remote: RemotePrefill | None = seq.role_data.get("remote_prefill")
@@ -187,7 +202,7 @@ class NixlRole(BaseRole):
         if seq.fault.kv_pull_fail:
             error: str | None = "simulated KV pull failure (x-sim-fault kv_pull_fail)"
         else:
-            error = await self._pull(remote)
+            error = await self._shared_pull(seq, remote)
         if error is not None:
             self.kv_failures += 1
             if self.cfg.kv_load_failure_policy == "fail":
@@ -198,12 +213,32 @@ class NixlRole(BaseRole):
             seq.role_data["recomputed"] = True
             await asyncio.sleep(compute_s)
             return
-        self.transfers += 1
         cfg = self.cfg
         await asyncio.sleep((cfg.ttft_base_ms + cfg.kv_transfer_ms_per_token * to_pull) / 1000.0)
         # vLLM counts every block it received as a prefix hit.
         seq.cached_tokens = seq.prompt_tokens
         seq.role_data["kv_transferred_tokens"] = to_pull
+
+    async def _shared_pull(self, seq: Sequence, remote: RemotePrefill) -> str | None:
+        """The pull of ``seq``'s blocks: the first of a request's choices pulls, the others (vLLM's
+        child requests of ``n`` > 1, all with the request's kv_transfer_params) read the same
+        blocks and share its outcome."""
+        shared = self._shared[seq.role_data["pull_key"]]
+        if shared.pull is not None:
+            return await asyncio.shield(shared.pull)
+        shared.pull = asyncio.ensure_future(self._pull(remote))
+        error = await asyncio.shield(shared.pull)
+        if error is None:
+            self.transfers += 1
+        return error
+
+    def on_finish(self, seq: Sequence) -> None:
+        key = seq.role_data.get("pull_key")
+        shared = self._shared.get(key) if key is not None else None
+        if shared is not None:
+            shared.left -= 1
+            if shared.left <= 0:
+                del self._shared[key]
 
     async def _pull(self, remote: RemotePrefill) -> str | None:
         """Pull (and so release) the remote blocks; the failure reason, or ``None`` on success."""

@@ -177,8 +177,14 @@ class SglangApi:
     async def _openai(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:
             body = await read_json(request, require_json=False)
-            req = parse_openai(body, kind, self.engine.tokenizer, vllm=False,
-                               several=self.engine.role.name == "aggregated")
+            req = parse_openai(body, kind, self.engine.tokenizer, vllm=False, several=True)
+            if self.engine.role.name != "aggregated" and (req.n > 1 or req.batch):
+                # SGLang sends a prompt's n samples (and the prefill-only request that caches its
+                # prefix first) with the prompt's one bootstrap room, so a P/D pair's rooms collide;
+                # a batch's prompts get rooms room + i, which is not simulated either
+                raise ApiError(501, "enginesim does not simulate n > 1 or batched prompts on a P/D role "
+                               "(SGLang's samples of a prompt share its bootstrap room)",
+                               param="n" if req.n > 1 else "prompt")
             req = dataclasses.replace(req, logprobs=sglang_requested(body, kind))
             model = req.model if req.model is not None else "default"
             prompts = [ids for ids, _ in req.batch] or [req.prompt_ids]

@@ -142,8 +142,12 @@ class VllmApi:
         engine = self.engine
         try:
             body = await read_json(request, require_json=True)
-            # n > 1: an aggregated engine's choices, each a sequence of its own, stepped together
-            req = parse_openai(body, kind, engine.tokenizer, several=engine.role.name == "aggregated")
+            # n > 1: the choices, each a sequence of its own, stepped together (on a P/D role each
+            # carries the request's kv_transfer_params, as vLLM's child requests do)
+            req = parse_openai(body, kind, engine.tokenizer, several=True)
+            if req.batch and engine.role.name != "aggregated":
+                raise ApiError(501, "enginesim serves one prompt per request on a P/D role; batched prompts "
+                               "are not simulated there", param="prompt")
             seed = body.get("seed")
             if isinstance(seed, float) and abs(seed) >= _I64:
                 # orjson reads an integer past 64 bits as a float: vLLM's parser reads its digits
@@ -190,6 +194,7 @@ class VllmApi:
                         dp_rank=dp_rank)
                     if j:
                         child.output_key += f"\0choice {j}"     # each choice samples its own tokens
+                    engine.role.accept(child, body)
                     seqs.append(child)
         except ApiError as exc:
             return exc.response(STYLE)
@@ -461,6 +466,8 @@ class VllmApi:
             body["prompt_logprobs"] = None
             body["prompt_token_ids"] = None
         body["kv_transfer_params"] = None
+        # a prefill's choices each keep their blocks for a decode; the answer names one choice's
+        body.update(self.engine.role.response_extras(seqs[0]))
         return json_response(body, headers=headers)
 
     async def _stream_choices(self, request: web.Request, req: OpenAIRequest, seqs: list[Sequence],

@@ -127,6 +127,45 @@ async def test_vllm_prefill_then_decode(make_sim: MakeSim, http: aiohttp.ClientS
     assert state["kv"]["used_blocks"] == 0
 
 
+async def test_vllm_choices_on_both_roles(make_sim: MakeSim, http: aiohttp.ClientSession) -> None:
+    """``n`` > 1 on vLLM's NIXL roles, as vLLM forks it into child requests that each carry the
+    request's kv_transfer_params: a prefill runs every choice and keeps each one's blocks for a
+    decode, its answer naming one choice's (the others stay pinned until their lease runs out); a
+    decode's choices read the same remote blocks, one pull for all, each counting the prompt as
+    cached; the usage counts the prompt once and every choice's tokens."""
+    p = await make_sim(engine="vllm", role="prefill", seed=1)
+    d = await make_sim(engine="vllm", role="decode", seed=2)
+    body = {"model": "pd-model", "messages": MESSAGES, "max_tokens": 4, "n": 2}
+    answer = await vllm_prefill(http, p, body, "req-n")
+    assert [c["finish_reason"] for c in answer["choices"]] == ["length", "length"]
+    n = answer["usage"]["prompt_tokens"]
+    assert answer["usage"]["completion_tokens"] == 2
+    kv = answer["kv_transfer_params"]
+    pinned = (await sim_state(p.url, http))["pd"]["pinned"]
+    assert len(pinned) == 2 and kv["remote_request_id"] in [x["remote_request_id"] for x in pinned]
+    status, out, _ = await call(http, d.url + "/v1/chat/completions", {**body, "kv_transfer_params": kv},
+                                {"X-Request-Id": "req-n"})
+    assert status == 200, out
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert out["choices"][0]["message"]["content"] != out["choices"][1]["message"]["content"]
+    assert (out["usage"]["prompt_tokens"], out["usage"]["completion_tokens"]) == (n, 8)
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == n
+    state = await sim_state(p.url, http)
+    assert state["pd"]["transfers"] == 1 and len(state["pd"]["pinned"]) == 1      # the other choice's
+    assert (await sim_state(d.url, http))["pd"]["transfers"] == 1
+    # streamed, from a prefill of one choice: both of the decode's read its blocks
+    kv = (await vllm_prefill(http, p, {**body, "n": 1}, "req-m"))["kv_transfer_params"]
+    status, events, _ = await call(http, d.url + "/v1/chat/completions",
+                                   {**body, "stream": True, "stream_options": {"include_usage": True},
+                                    "kv_transfer_params": kv})
+    assert status == 200 and events[-1] == "[DONE]"
+    assert {c["index"] for e in events[:-2] for c in e["choices"]} == {0, 1}
+    usage = events[-2]["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["prompt_tokens_details"]["cached_tokens"]) == \
+        (n, 8, n)
+    assert (await sim_state(p.url, http))["pd"]["transfers"] == 2
+
+
 async def test_vllm_messages_prefill_then_decode(make_sim: MakeSim, http: aiohttp.ClientSession) -> None:
     """vLLM's Messages API passes ``kv_transfer_params`` into the chat request it builds, and its
     non-streaming answer carries the chat answer's at top level (``messages_full_converter``): a
