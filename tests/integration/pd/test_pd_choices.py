@@ -1,0 +1,80 @@
+"""Requests of several choices (``n`` > 1) on a P/D model, with the openai SDK. vLLM forks them
+into child requests that each carry the request's kv_transfer_params: the prefill leg needs one
+choice (the prompt's KV is the same for every choice), the decode's choices read its blocks.
+SGLang sends a prompt's samples with the prompt's one bootstrap room, so its P/D legs cannot serve
+them: such a request runs whole on a combined endpoint, or is refused, never split."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.support.factories import pd_model, pd_pair, roleset
+from tests.support.http import openai_client, sim_state
+
+MSG = [{"role": "user", "content": "Disaggregated serving splits prefill from decode. " * 8}]
+
+
+def _posts(state: dict) -> list[dict]:
+    return [r["body"] for r in state["received"] if r["method"] == "POST"]
+
+
+async def test_vllm_choices_are_decoded_from_one_prefilled_choice(sims, gateway):
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    client = openai_client(gw)
+    with gw.gw.request_log.capture() as logs:
+        whole = await client.chat.completions.create(model="m", messages=MSG, max_tokens=4, n=3)
+        streamed: dict[int, str] = {}
+        usage = None
+        async for chunk in await client.chat.completions.create(model="m", messages=MSG, max_tokens=4, n=3,
+                                                                stream=True, stream_options={"include_usage": True}):
+            for c in chunk.choices:
+                streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+            usage = chunk.usage or usage
+    assert [c.index for c in whole.choices] == [0, 1, 2] and sorted(streamed) == [0, 1, 2]
+    n = whole.usage.prompt_tokens
+    assert whole.usage.completion_tokens == 12 and usage.prompt_tokens == n and usage.completion_tokens == 12
+    assert whole.usage.prompt_tokens_details.cached_tokens == n      # every choice's prompt came as KV
+    lines = [e for e in logs if e["event"] == "request"]
+    assert [(e["status"], e["prompt_tokens"], e["completion_tokens"], e["finish_reasons"]) for e in lines] == \
+        [(200, n, 12, ["length"] * 3)] * 2
+    # the prefill ran one choice a request, whose blocks the decode pulled: none is left pinned
+    ps, ds = await sim_state(p.url), await sim_state(d.url)
+    assert [b.get("n", 1) for b in _posts(ps)] == [1, 1]
+    assert [b["n"] for b in _posts(ds)] == [3, 3]
+    assert ps["pd"]["pinned"] == [] and ps["pd"]["transfers"] == 2
+    assert ps["counts"]["completed"] == 2
+
+
+@pytest.mark.parametrize("with_combined", [True, False])
+async def test_sglang_choices_run_whole_on_a_combined_endpoint_or_are_refused(sims, gateway, with_combined):
+    p, d = await pd_pair(sims, "sglang")
+    rs = roleset("sglang", p, d)
+    c = None
+    if with_combined:
+        c = await sims("sglang", "m")
+        rs["combined"] = [c.url]
+    gw = await gateway([pd_model("sglang", [rs], pd={"combined_load_ratio": 0})])
+    client = openai_client(gw)
+    with gw.gw.request_log.capture() as logs:
+        if with_combined:
+            raw = await client.chat.completions.with_raw_response.create(model="m", messages=MSG, max_tokens=4, n=2)
+            r = raw.parse()
+            assert [ch.index for ch in r.choices] == [0, 1] and r.usage.completion_tokens == 8
+            assert raw.headers["x-pd-decision"] == "combined; reason=several_choices"
+            assert raw.headers["target-pod"] == c.url.split("//")[1]
+            assert (await sim_state(c.url))["counts"]["completed"] == 2
+        else:
+            for stream in (False, True):
+                with pytest.raises(openai.BadRequestError) as ei:
+                    await client.chat.completions.create(model="m", messages=MSG, max_tokens=4, n=2, stream=stream)
+                err = ei.value
+                assert err.status_code == 400 and err.param == "n" and err.type == "invalid_request_error"
+                assert "n > 1" in err.message and "P/D" in err.message, err.message
+        # one choice is split as ever
+        one = await client.chat.completions.create(model="m", messages=MSG, max_tokens=4)
+        assert one.usage.completion_tokens == 4
+    assert not _posts(await sim_state(p.url))[:-1] and len(_posts(await sim_state(d.url))) == 1
+    lines = [e for e in logs if e["event"] == "request"]
+    assert lines[-1]["status"] == 200 and lines[-1]["pd_mode"] == "disaggregated"
