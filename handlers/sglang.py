@@ -223,6 +223,11 @@ class SGLangAdapter:
         return path in PATHS
 
     # a decode-mode server takes only requests with a bootstrap room: it never prefills by itself
+    # SGLang sends a prompt's n samples (and the prefill-only request caching its prefix first) with
+    # the prompt's one bootstrap room (TokenizerManager._handle_batch_request), so its P/D legs would
+    # pair them by a room they share: such a request is not split
+    pd_choices_refusal = ("SGLang sends a prompt's samples with its one bootstrap room, so its prefill and "
+                          "decode legs cannot pair them")
     decode_runs_whole = False
     # its OpenAI server awaits a stream's first chunk before it sends the head (an early error is
     # still an HTTP error)

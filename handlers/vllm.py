@@ -49,8 +49,12 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
     "remote_port": None,
 }
 
-# Dropped from the prefill: they conflict with max_tokens=1 / stream=false (kept for decode).
-_PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
+# Dropped from the prefill: they conflict with max_tokens=1 / stream=false (kept for decode), and
+# the choices asked (n, best_of): vLLM forks a request of several into child requests that each run
+# the prompt and keep its blocks for a decode, and the decode's choices all read the blocks its
+# kv_transfer_params name, so one choice is prefilled (more would stay pinned until their lease ran
+# out, VLLM_NIXL_ABORT_REQUEST_TIMEOUT)
+_PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens", "n", "best_of")
 
 
 def prefill_body(data: dict[str, Any], original: bytes = b"", messages: bool = False) -> bytes:
@@ -140,6 +144,8 @@ class VLLMAdapter:
     def serves(self, path: str) -> bool:
         return path in PATHS
 
+    # a request of several choices is split: its decode's choices all read the prefill's blocks
+    pd_choices_refusal = None
     # a decode without kv_transfer_params prefills the prompt itself (vLLM's proxy relies on it)
     decode_runs_whole = True
     head_with_first_token = False   # a stream's head goes out at once, before its first token

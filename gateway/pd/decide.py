@@ -25,6 +25,10 @@ SGLang's decode-mode server refuses a request without a bootstrap room); else on
 combined endpoint of the model (equal ones at random); else the request is disaggregated anyway
 (``no_local_path``).
 
+A request of several choices (``n`` > 1) on an engine whose pairs cannot serve it (SGLang: a
+prompt's samples share its bootstrap room) runs whole on the least-loaded combined endpoint
+(``several_choices``) before any rule, or is refused with 400 when the model has none.
+
 A request that generates nothing (the Messages API's count_tokens) runs whole on the chosen decode
 (``no_generation``) before any rule, on either engine: it only renders and counts the prompt, which
 a decode-mode server does without the scheduler that would want the P/D fields.
@@ -44,6 +48,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from gateway.endpoints import Endpoint
+from gateway.errors import GatewayError
 from gateway.observability.metrics import Counter
 from gateway.request import body_bytes
 from routers.pd import in_bucket
@@ -91,6 +96,9 @@ class PDDecider:
             d.prefill = None        # nothing to generate, no KV to move (count_tokens): whole on the decode
             self._record(ctx, "decode", "no_generation", None)
             return [decode]
+        why = engine.pd_choices_refusal
+        if why is not None and ireq.choices * ireq.fan > ireq.sequences:      # n > 1
+            return self._choices_whole(ctx, candidates, why)
         cfg = self.config.pd_for(ireq.model)
         uncached = self._uncached_on_events(ctx, decode)
         if uncached is None:
@@ -127,6 +135,21 @@ class PDDecider:
             return combined
         self._record(ctx, "disaggregated", "no_local_path", uncached)
         return candidates
+
+    def _choices_whole(self, ctx: RequestContext, candidates: list[Endpoint], why: str) -> list[Endpoint]:
+        """A request of several choices the engine's pairs cannot serve (``why``): whole on the
+        least-loaded combined endpoint, or refused (400) when the model has none."""
+        ireq, d = ctx.ireq, ctx.decision
+        assert ireq is not None and d is not None
+        combined = [c for c in candidates if c.role in WHOLE_ROLES and in_bucket(c, ireq.prompt_tokens_est)]
+        if not combined:
+            raise GatewayError(400, f"n > 1 is not served by P/D pairs of the model `{ireq.model}`, and it has no "
+                                    f"combined endpoint to run it whole: {why}", param="n")
+        low = min(c.in_flight + c.remote_in_flight for c in combined)
+        d.endpoint = next(c for c in combined if c.in_flight + c.remote_in_flight == low)
+        d.prefill = None
+        self._record(ctx, "combined", "several_choices", None)
+        return combined
 
     def _uncached_on_events(self, ctx: RequestContext, decode: Endpoint) -> int | None:
         """The prompt's tokens the decode's engine does not report holding, or None when its events

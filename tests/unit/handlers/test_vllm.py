@@ -22,6 +22,9 @@ def test_vllm_prefill_body_exact_fields():
     assert "stream_options" not in body and "min_tokens" not in body
     assert body["messages"] == CLIENT["messages"] and body["temperature"] == 0.2
     assert CLIENT["stream"] is True  # the client's dict is not modified
+    # one choice prefilled: the decode's choices all read its blocks
+    several = orjson.loads(vl.prefill_body({**CLIENT, "n": 3, "best_of": 4}))
+    assert "n" not in several and "best_of" not in several
 
 
 def test_vllm_decode_body_carries_params_with_rewritten_host():
