@@ -78,3 +78,25 @@ async def test_sglang_choices_run_whole_on_a_combined_endpoint_or_are_refused(si
     assert not _posts(await sim_state(p.url))[:-1] and len(_posts(await sim_state(d.url))) == 1
     lines = [e for e in logs if e["event"] == "request"]
     assert lines[-1]["status"] == 200 and lines[-1]["pd_mode"] == "disaggregated"
+
+
+async def test_a_vllm_batch_of_prompts_runs_whole_on_the_decode(sims, gateway):
+    """vLLM's prefill answers the kv_transfer_params of a batch's first prompt only, and its decode
+    would read those blocks for every prompt of the batch: a batch is not split, it runs whole on
+    the chosen decode (which prefills it), each prompt's choices in its answer."""
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    client = openai_client(gw)
+    prompts = ["Once upon a time", "The quick brown fox jumps over the lazy dog"]
+    for stream in (False, True):
+        raw = await client.completions.with_raw_response.create(model="m", prompt=prompts, max_tokens=3, n=2,
+                                                                stream=stream)
+        assert raw.headers["x-pd-decision"] == "decode; reason=several_prompts"
+        assert raw.headers["target-pod"] == d.url.split("//")[1]
+        answer = raw.parse()
+        got = [c.index for c in answer.choices] if not stream else \
+            sorted({c.index async for chunk in answer for c in chunk.choices})
+        assert got == [0, 1, 2, 3]
+    assert _posts(await sim_state(p.url)) == []
+    sent = _posts(await sim_state(d.url))
+    assert [b["prompt"] for b in sent] == [prompts, prompts] and not any("kv_transfer_params" in b for b in sent)
