@@ -145,9 +145,9 @@ class VllmApi:
             # n > 1: the choices, each a sequence of its own, stepped together (on a P/D role each
             # carries the request's kv_transfer_params, as vLLM's child requests do)
             req = parse_openai(body, kind, engine.tokenizer, several=True)
-            if req.batch and engine.role.name != "aggregated":
-                raise ApiError(501, "enginesim serves one prompt per request on a P/D role; batched prompts "
-                               "are not simulated there", param="prompt")
+            if req.batch and engine.role.name != "aggregated" and body.get("kv_transfer_params") is not None:
+                raise ApiError(501, "enginesim does not simulate a batch of prompts with kv_transfer_params",
+                               param="prompt")
             seed = body.get("seed")
             if isinstance(seed, float) and abs(seed) >= _I64:
                 # orjson reads an integer past 64 bits as a float: vLLM's parser reads its digits
