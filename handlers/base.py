@@ -83,9 +83,11 @@ class EngineAdapter(Protocol):
     # whether a decode endpoint computes a prompt itself when asked without the P/D fields
     decode_runs_whole: bool
 
-    # why the engine's P/D legs cannot serve a request of several choices (``n`` > 1), which then
-    # runs whole on a combined endpoint or is refused (gateway/pd/decide.py); None when they can
+    # why the engine's P/D legs cannot serve a request of several choices (``n`` > 1), or a
+    # completion's batch of prompts, which then runs whole (on the decode, a combined endpoint) or
+    # is refused (gateway/pd/decide.py); None when they can
     pd_choices_refusal: str | None
+    pd_prompts_refusal: str | None
 
     # whether a stream's head comes with its first token (SGLang's server awaits it before it
     # answers), rather than at once (vLLM's): the relay then takes the stream from that read

@@ -228,6 +228,7 @@ class SGLangAdapter:
     # pair them by a room they share: such a request is not split
     pd_choices_refusal = ("SGLang sends a prompt's samples with its one bootstrap room, so its prefill and "
                           "decode legs cannot pair them")
+    pd_prompts_refusal = None      # a batch's prompts get rooms room + i on both legs (GenerateReqInput)
     decode_runs_whole = False
     # its OpenAI server awaits a stream's first chunk before it sends the head (an early error is
     # still an HTTP error)

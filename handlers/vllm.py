@@ -146,6 +146,11 @@ class VLLMAdapter:
 
     # a request of several choices is split: its decode's choices all read the prefill's blocks
     pd_choices_refusal = None
+    # a batch of prompts is not: vLLM runs each prompt as a request of its own, and its answer
+    # carries the first one's kv_transfer_params (OpenAIServingCompletion), which the decode would
+    # give every prompt of the batch, reading the first prompt's blocks for all of them
+    pd_prompts_refusal = ("vLLM's prefill answers the KV transfer parameters of a batch's first prompt alone, "
+                          "which its decode would read for every prompt")
     # a decode without kv_transfer_params prefills the prompt itself (vLLM's proxy relies on it)
     decode_runs_whole = True
     head_with_first_token = False   # a stream's head goes out at once, before its first token

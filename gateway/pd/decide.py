@@ -25,9 +25,11 @@ SGLang's decode-mode server refuses a request without a bootstrap room); else on
 combined endpoint of the model (equal ones at random); else the request is disaggregated anyway
 (``no_local_path``).
 
-A request of several choices (``n`` > 1) on an engine whose pairs cannot serve it (SGLang: a
-prompt's samples share its bootstrap room) runs whole on the least-loaded combined endpoint
-(``several_choices``) before any rule, or is refused with 400 when the model has none.
+A completion's batch of prompts (``several_prompts``; vLLM: its prefill answers the first prompt's
+KV params alone) and a request of several choices (``several_choices``, ``n`` > 1; SGLang: a
+prompt's samples share its bootstrap room) on an engine whose pairs cannot serve them run whole,
+before any rule: on the chosen decode when its engine prefills by itself, else on the least-loaded
+combined endpoint, else they are refused with 400.
 
 A request that generates nothing (the Messages API's count_tokens) runs whole on the chosen decode
 (``no_generation``) before any rule, on either engine: it only renders and counts the prompt, which
@@ -96,9 +98,12 @@ class PDDecider:
             d.prefill = None        # nothing to generate, no KV to move (count_tokens): whole on the decode
             self._record(ctx, "decode", "no_generation", None)
             return [decode]
-        why = engine.pd_choices_refusal
-        if why is not None and ireq.choices * ireq.fan > ireq.sequences:      # n > 1
-            return self._choices_whole(ctx, candidates, why)
+        prompts = ireq.sequences // max(1, ireq.fan)
+        if prompts > 1 and engine.pd_prompts_refusal is not None:         # a batch of prompts
+            return self._whole(ctx, engine, candidates, "several_prompts", "a batch of prompts", "prompt",
+                               engine.pd_prompts_refusal)
+        if ireq.choices > prompts and engine.pd_choices_refusal is not None:       # n > 1
+            return self._whole(ctx, engine, candidates, "several_choices", "n > 1", "n", engine.pd_choices_refusal)
         cfg = self.config.pd_for(ireq.model)
         uncached = self._uncached_on_events(ctx, decode)
         if uncached is None:
@@ -136,19 +141,26 @@ class PDDecider:
         self._record(ctx, "disaggregated", "no_local_path", uncached)
         return candidates
 
-    def _choices_whole(self, ctx: RequestContext, candidates: list[Endpoint], why: str) -> list[Endpoint]:
-        """A request of several choices the engine's pairs cannot serve (``why``): whole on the
-        least-loaded combined endpoint, or refused (400) when the model has none."""
+    def _whole(self, ctx: RequestContext, engine: Any, candidates: list[Endpoint], reason: str, what: str,
+               param: str, why: str) -> list[Endpoint]:
+        """A request the engine's pairs cannot serve (``what``, ``why``): whole on the chosen decode
+        when its engine prefills by itself, else on the least-loaded combined endpoint, else
+        refused (400, naming ``param``)."""
         ireq, d = ctx.ireq, ctx.decision
         assert ireq is not None and d is not None
+        if engine.decode_runs_whole:
+            d.prefill = None
+            _without_kv_params(ctx)
+            self._record(ctx, "decode", reason, None)
+            return [d.endpoint]
         combined = [c for c in candidates if c.role in WHOLE_ROLES and in_bucket(c, ireq.prompt_tokens_est)]
         if not combined:
-            raise GatewayError(400, f"n > 1 is not served by P/D pairs of the model `{ireq.model}`, and it has no "
-                                    f"combined endpoint to run it whole: {why}", param="n")
+            raise GatewayError(400, f"{what} is not served by P/D pairs of the model `{ireq.model}`, and it has "
+                                    f"no combined endpoint to run it whole: {why}", param=param)
         low = min(c.in_flight + c.remote_in_flight for c in combined)
         d.endpoint = next(c for c in combined if c.in_flight + c.remote_in_flight == low)
         d.prefill = None
-        self._record(ctx, "combined", "several_choices", None)
+        self._record(ctx, "combined", reason, None)
         return combined
 
     def _uncached_on_events(self, ctx: RequestContext, decode: Endpoint) -> int | None:

@@ -215,9 +215,10 @@ async def test_a_prefill_that_refuses_the_clients_request_answers_with_its_own_s
     assert err.response.headers["prefill-target-pod"] == p.url.split("//")[1]
     sent = [r for r in (await sim_state(p.url))["received"] if r["method"] == "POST"]
     assert len(sent) == 1, sent               # answered once: not a server error to try again
-    with pytest.raises(openai.APIStatusError) as ei:       # the simulated P/D roles serve one prompt
-        await openai_client(gw).completions.create(model="m", prompt=["one", "two"], max_tokens=8)
-    assert ei.value.status_code == 501 and ei.value.body["param"] == "prompt", ei.value.body
+    with pytest.raises(openai.APIStatusError) as ei:       # what the engine does not implement
+        await openai_client(gw).chat.completions.create(
+            model="m", messages=MSG, max_tokens=8, extra_headers={"x-sim-fault": "prefill.error_after=0;error_code=501"})
+    assert ei.value.status_code == 501 and ei.value.body["code"] == 501, ei.value.body
     if engine == "vllm":
         assert (await sim_state(d.url))["counts"]["started"] == 0          # no decode leg at all
     else:
