@@ -100,3 +100,21 @@ async def test_a_vllm_batch_of_prompts_runs_whole_on_the_decode(sims, gateway):
     assert _posts(await sim_state(p.url)) == []
     sent = _posts(await sim_state(d.url))
     assert [b["prompt"] for b in sent] == [prompts, prompts] and not any("kv_transfer_params" in b for b in sent)
+
+
+async def test_vllm_prompt_logprobs_run_whole_on_the_decode(sims, gateway):
+    """Prompt logprobs (a completion's echo with logprobs, or prompt_logprobs) come from the
+    prompt's forward pass, which a decode that loads the prompt's KV does not run (vLLM reads no
+    cached prefix for them): such a request runs whole on the chosen decode, which answers them."""
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    client = openai_client(gw)
+    raw = await client.completions.with_raw_response.create(model="m", prompt="Once upon a time", max_tokens=2,
+                                                            echo=True, logprobs=2)
+    assert raw.headers["x-pd-decision"] == "decode; reason=prompt_logprobs"
+    lp = raw.parse().choices[0].logprobs
+    assert lp.token_logprobs[0] is None and len(lp.tokens) > 2
+    assert _posts(await sim_state(p.url)) == []
+    one = await client.completions.with_raw_response.create(model="m", prompt="Once upon a time", max_tokens=2,
+                                                            logprobs=2)
+    assert one.headers["x-pd-decision"].startswith("disaggregated")      # the answer's logprobs alone: split
