@@ -23,6 +23,17 @@ class BodyError(ValueError):
     endpoint is chosen."""
 
 
+@dataclass(frozen=True)
+class Unsplit:
+    """Why an engine's P/D pairs cannot serve a request, which then runs whole (gateway/pd/decide.py):
+    the decision's ``reason``, what of the request it is (``what``, the field ``param``) and why."""
+
+    reason: str
+    what: str
+    param: str
+    why: str
+
+
 class BadPrefillAnswer(ValueError):
     """A 200 prefill answer the decode cannot use (not JSON, not an object, bad params)."""
 
@@ -83,11 +94,11 @@ class EngineAdapter(Protocol):
     # whether a decode endpoint computes a prompt itself when asked without the P/D fields
     decode_runs_whole: bool
 
-    # why the engine's P/D legs cannot serve a request of several choices (``n`` > 1), or a
-    # completion's batch of prompts, which then runs whole (on the decode, a combined endpoint) or
-    # is refused (gateway/pd/decide.py); None when they can
-    pd_choices_refusal: str | None
-    pd_prompts_refusal: str | None
+    def unsplit(self, ireq: InferenceRequest) -> Unsplit | None:
+        """Why the engine's P/D legs cannot serve ``ireq`` (several choices, a batch of prompts,
+        prompt logprobs), which then runs whole, on the decode or a combined endpoint, or is
+        refused (gateway/pd/decide.py); None when they can."""
+        ...
 
     # whether a stream's head comes with its first token (SGLang's server awaits it before it
     # answers), rather than at once (vLLM's): the relay then takes the stream from that read

@@ -27,7 +27,7 @@ from gateway.apis.paths import (
 )
 from gateway.endpoints import Endpoint
 from gateway.request import CHAT, InferenceRequest, body_bytes, usage_stream_options
-from handlers.base import OPENAI_PATHS, AbortSpec, PDPlan, engine_message, openai_usage
+from handlers.base import OPENAI_PATHS, AbortSpec, PDPlan, Unsplit, engine_message, openai_usage
 from handlers.base import BodyError as _BodyError
 from handlers.continuation import TEXT
 
@@ -219,16 +219,20 @@ class SGLangAdapter:
 
     usage = staticmethod(openai_usage)     # OpenAI's usage object as it is: no frame around it
 
+    def unsplit(self, ireq: InferenceRequest) -> Unsplit | None:
+        """SGLang sends a prompt's n samples (and the prefill-only request caching its prefix first)
+        with the prompt's one bootstrap room (TokenizerManager._handle_batch_request), so its P/D
+        legs would pair them by a room they share: such a request is not split. A batch's prompts
+        get rooms room + i on both legs (GenerateReqInput), and are."""
+        if ireq.choices * ireq.fan > ireq.sequences:       # n > 1
+            return Unsplit("several_choices", "n > 1", "n", "SGLang sends a prompt's samples with its one "
+                           "bootstrap room, so its prefill and decode legs cannot pair them")
+        return None
+
     def serves(self, path: str) -> bool:
         return path in PATHS
 
     # a decode-mode server takes only requests with a bootstrap room: it never prefills by itself
-    # SGLang sends a prompt's n samples (and the prefill-only request caching its prefix first) with
-    # the prompt's one bootstrap room (TokenizerManager._handle_batch_request), so its P/D legs would
-    # pair them by a room they share: such a request is not split
-    pd_choices_refusal = ("SGLang sends a prompt's samples with its one bootstrap room, so its prefill and "
-                          "decode legs cannot pair them")
-    pd_prompts_refusal = None      # a batch's prompts get rooms room + i on both legs (GenerateReqInput)
     decode_runs_whole = False
     # its OpenAI server awaits a stream's first chunk before it sends the head (an early error is
     # still an HTTP error)

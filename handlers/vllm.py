@@ -22,7 +22,7 @@ from gateway.apis.paths import (
 )
 from gateway.endpoints import Endpoint
 from gateway.request import CHAT, InferenceRequest, body_bytes, usage_stream_options
-from handlers.base import OPENAI_PATHS, BadPrefillAnswer, PDPlan, engine_message, openai_usage
+from handlers.base import OPENAI_PATHS, BadPrefillAnswer, PDPlan, Unsplit, engine_message, openai_usage
 from handlers.continuation import TEXT, TOKEN, stop_strings, tools_on
 
 # `vllm serve` answers the Anthropic Messages API (vllm/entrypoints/anthropic/api_router.py) and
@@ -144,13 +144,24 @@ class VLLMAdapter:
     def serves(self, path: str) -> bool:
         return path in PATHS
 
-    # a request of several choices is split: its decode's choices all read the prefill's blocks
-    pd_choices_refusal = None
-    # a batch of prompts is not: vLLM runs each prompt as a request of its own, and its answer
-    # carries the first one's kv_transfer_params (OpenAIServingCompletion), which the decode would
-    # give every prompt of the batch, reading the first prompt's blocks for all of them
-    pd_prompts_refusal = ("vLLM's prefill answers the KV transfer parameters of a batch's first prompt alone, "
-                          "which its decode would read for every prompt")
+    def unsplit(self, ireq: InferenceRequest) -> Unsplit | None:
+        """A request of several choices is split (the decode's choices all read the prefill's
+        blocks). A batch of prompts is not: vLLM runs each prompt as a request of its own, and its
+        answer carries the first one's kv_transfer_params (OpenAIServingCompletion), which the
+        decode would give every prompt. Nor are prompt logprobs (a completion's echo with logprobs,
+        or prompt_logprobs): they come from the prompt's forward pass, which a decode that loads
+        the prompt's KV does not run (vLLM reads no cached prefix for them)."""
+        if ireq.sequences > ireq.fan:
+            return Unsplit("several_prompts", "a batch of prompts", "prompt",
+                           "vLLM's prefill answers the KV transfer parameters of a batch's first prompt alone, "
+                           "which its decode would read for every prompt")
+        data = ireq.data
+        if data.get("prompt_logprobs") is not None or (
+                ireq.path != CHAT and data.get("echo") is True and data.get("logprobs") is not None):
+            return Unsplit("prompt_logprobs", "prompt logprobs", "logprobs",
+                           "they come from the prompt's forward pass, which a decode that loads its KV does not run")
+        return None
+
     # a decode without kv_transfer_params prefills the prompt itself (vLLM's proxy relies on it)
     decode_runs_whole = True
     head_with_first_token = False   # a stream's head goes out at once, before its first token

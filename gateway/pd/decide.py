@@ -25,11 +25,12 @@ SGLang's decode-mode server refuses a request without a bootstrap room); else on
 combined endpoint of the model (equal ones at random); else the request is disaggregated anyway
 (``no_local_path``).
 
-A completion's batch of prompts (``several_prompts``; vLLM: its prefill answers the first prompt's
-KV params alone) and a request of several choices (``several_choices``, ``n`` > 1; SGLang: a
-prompt's samples share its bootstrap room) on an engine whose pairs cannot serve them run whole,
-before any rule: on the chosen decode when its engine prefills by itself, else on the least-loaded
-combined endpoint, else they are refused with 400.
+A request the engine's pairs cannot serve (its adapter's ``unsplit``) runs whole, before any rule:
+on the chosen decode when its engine prefills by itself, else on the least-loaded combined
+endpoint, else it is refused with 400. vLLM: a completion's batch of prompts (``several_prompts``:
+its prefill answers the first prompt's KV params alone) and prompt logprobs (``prompt_logprobs``:
+a decode that loads the prompt's KV does not run the forward pass they come from); SGLang: several
+choices (``several_choices``, ``n`` > 1: a prompt's samples share its bootstrap room).
 
 A request that generates nothing (the Messages API's count_tokens) runs whole on the chosen decode
 (``no_generation``) before any rule, on either engine: it only renders and counts the prompt, which
@@ -59,6 +60,7 @@ from routers.prefix_index import PrefixIndex
 if TYPE_CHECKING:
     from gateway.config.schema import Config
     from gateway.pipeline.context import RequestContext
+    from handlers.base import Unsplit
     from routers.base import PreciseIndex
 
 HEADER = "x-pd-decision"
@@ -98,12 +100,9 @@ class PDDecider:
             d.prefill = None        # nothing to generate, no KV to move (count_tokens): whole on the decode
             self._record(ctx, "decode", "no_generation", None)
             return [decode]
-        prompts = ireq.sequences // max(1, ireq.fan)
-        if prompts > 1 and engine.pd_prompts_refusal is not None:         # a batch of prompts
-            return self._whole(ctx, engine, candidates, "several_prompts", "a batch of prompts", "prompt",
-                               engine.pd_prompts_refusal)
-        if ireq.choices > prompts and engine.pd_choices_refusal is not None:       # n > 1
-            return self._whole(ctx, engine, candidates, "several_choices", "n > 1", "n", engine.pd_choices_refusal)
+        unsplit = engine.unsplit(ireq)
+        if unsplit is not None:
+            return self._whole(ctx, engine, candidates, unsplit)
         cfg = self.config.pd_for(ireq.model)
         uncached = self._uncached_on_events(ctx, decode)
         if uncached is None:
@@ -141,11 +140,11 @@ class PDDecider:
         self._record(ctx, "disaggregated", "no_local_path", uncached)
         return candidates
 
-    def _whole(self, ctx: RequestContext, engine: Any, candidates: list[Endpoint], reason: str, what: str,
-               param: str, why: str) -> list[Endpoint]:
-        """A request the engine's pairs cannot serve (``what``, ``why``): whole on the chosen decode
-        when its engine prefills by itself, else on the least-loaded combined endpoint, else
-        refused (400, naming ``param``)."""
+    def _whole(self, ctx: RequestContext, engine: Any, candidates: list[Endpoint], unsplit: Unsplit) -> list[Endpoint]:
+        """A request the engine's pairs cannot serve (``unsplit``): whole on the chosen decode when
+        its engine prefills by itself, else on the least-loaded combined endpoint, else refused
+        (400, naming the field)."""
+        reason = unsplit.reason
         ireq, d = ctx.ireq, ctx.decision
         assert ireq is not None and d is not None
         if engine.decode_runs_whole:
@@ -155,8 +154,8 @@ class PDDecider:
             return [d.endpoint]
         combined = [c for c in candidates if c.role in WHOLE_ROLES and in_bucket(c, ireq.prompt_tokens_est)]
         if not combined:
-            raise GatewayError(400, f"{what} is not served by P/D pairs of the model `{ireq.model}`, and it has "
-                                    f"no combined endpoint to run it whole: {why}", param=param)
+            raise GatewayError(400, f"{unsplit.what} is not served by P/D pairs of the model `{ireq.model}`, and it "
+                                    f"has no combined endpoint to run it whole: {unsplit.why}", param=unsplit.param)
         low = min(c.in_flight + c.remote_in_flight for c in combined)
         d.endpoint = next(c for c in combined if c.in_flight + c.remote_in_flight == low)
         d.prefill = None
