@@ -252,6 +252,32 @@ async def test_an_http10_request_with_transfer_encoding_is_answered_and_its_conn
         assert len(await gw.received()) == 1
 
 
+# a stream asked in HTTP/1.0 has no chunked framing: its end is the end of the connection
+HTTP10_STREAMS = [
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}]}, b"data: [DONE]"),
+    ("/v1/completions", {"prompt": "hi"}, b"data: [DONE]"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}]}, b"event: message_stop"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2}, b"event: response.completed"),
+]
+
+
+@on_both_loops
+async def test_a_stream_asked_in_http10_ends_with_its_connection_even_when_kept_alive_was_asked():
+    """HTTP/1.0 has no chunked coding: a stream's answer has no length and ends where the connection
+    does (RFC 1945 §7.2.2), ``Connection: keep-alive`` or not."""
+    async with edge_gateway(**SERVER) as gw:
+        for path, fields, last in HTTP10_STREAMS:
+            for keep in (b"Connection: keep-alive\r\n", b""):
+                body = orjson.dumps({"model": "m", "max_tokens": 2, "stream": True, **fields})
+                head = (b"POST " + path.encode() + b" HTTP/1.0\r\nHost: gateway.test\r\nContent-Type: application/json\r\n"
+                        + keep + b"Content-Length: %d\r\n\r\n" % len(body))
+                ex = await exchange(gw.port, head + body, wait=5.0)
+                assert ex.closed, f"{path} {keep!r}: the stream never ends: {ex.trailing[-200:]!r}"
+                assert [r.status for r in ex.responses] == [200], (path, keep)
+                assert last in ex.first.body, (path, ex.first.body[-300:])
+                assert "keep-alive" not in ex.first.headers.get("connection", "").lower()
+
+
 @on_both_loops
 async def test_no_header_target_or_field_makes_the_gateway_connect_outside_its_pool():
     """An absolute-form target naming another host is served by the pool (RFC 9112 §3.2.2: an
