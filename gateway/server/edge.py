@@ -427,6 +427,16 @@ def _e_closing(request: Any) -> None:
         request._cache["keep_alive"] = False
 
 
+def _unframed(request: web.BaseRequest, resp: web.StreamResponse) -> bool:
+    """An answer to HTTP/1.0 that ends where the connection does: a body of no told length (an
+    event stream; HTTP/1.0 has no chunked coding). aiohttp sends such a head without
+    ``Connection: keep-alive`` yet leaves the response's ``keep_alive`` as the request asked, so the
+    connection would stay open and the client would wait for the end of an answer that has no other
+    end (RFC 1945 §7.2.2)."""
+    return (hdrs.CONTENT_LENGTH not in resp.headers and request.method != "HEAD"
+            and resp.status >= 200 and resp.status not in (204, 304))
+
+
 class EdgeProtocol(web.RequestHandler):
     """aiohttp's HTTP/1.1 server protocol, with the edge's clocks, cap and error shape."""
 
@@ -905,6 +915,8 @@ class EdgeProtocol(web.RequestHandler):
                 resp.keep_alive = False
         try:
             out = await super().finish_response(request, resp, start_time)
+            if resp.keep_alive and request.version == HttpVersion10 and _unframed(request, resp):
+                resp.force_close()
             if not out[1] and not resp.keep_alive and not request.content.is_eof():
                 self._e_half_close()
             return out
