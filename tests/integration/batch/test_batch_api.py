@@ -442,6 +442,10 @@ async def test_truncated_and_malformed_uploads_and_bad_batch_requests(sims, gate
                             ({"input_file_id": "../etc"}, "input_file_id", "file_not_found"),
                             ({"endpoint": "/v1/responses"}, "endpoint", "invalid_value"),
                             ({"completion_window": "1h"}, "completion_window", "invalid_value"),
+                            ({"completion_window": ["24h"]}, "completion_window", "invalid_value"),
+                            ({"completion_window": {"24h": 1}}, "completion_window", "invalid_value"),
+                            ({"endpoint": ["/v1/chat/completions"]}, "endpoint", "invalid_value"),
+                            ({"endpoint": {}}, "endpoint", "invalid_value"),
                             ({"metadata": {"k": "v" * 600}}, "metadata", "invalid_value")):
         args = {"input_file_id": f.id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **kw}
         with pytest.raises(openai.BadRequestError) as ei:
