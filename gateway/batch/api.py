@@ -391,7 +391,7 @@ class BatchApi:
         if endpoint not in ENDPOINTS:
             raise _bad(f"endpoint must be one of {', '.join(ENDPOINTS)}", "endpoint", "invalid_value")
         window = body.get("completion_window")
-        if window not in COMPLETION_WINDOWS:
+        if not isinstance(window, str) or window not in COMPLETION_WINDOWS:
             raise _bad("completion_window must be '24h'", "completion_window", "invalid_value")
         metadata = body.get("metadata")
         if metadata is not None and not _metadata_ok(metadata):
