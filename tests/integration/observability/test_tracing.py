@@ -7,6 +7,7 @@ excluded paths, and requests unaffected by a collector that is down.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 
 import aiohttp
@@ -284,6 +285,22 @@ async def test_a_traceparent_that_is_not_valid_starts_a_new_trace_and_costs_the_
     sent = [t["traceparent"] for t in (await sim_state(sim.url))["traceparents"]]
     assert [t.split("-")[1] for t in sent] == [r.trace_id for r in roots]
     assert all(t["tracestate"] is None for t in (await sim_state(sim.url))["traceparents"])
+
+
+async def test_w3c_headers_that_are_not_valid_write_nothing_to_the_log(sims, gateway, receiver, caplog):
+    """A malformed ``tracestate`` member, a ``tracestate`` over 512 characters, a ``traceparent``
+    over 512: ignored as W3C Trace Context says, and quietly, as a malformed ``traceparent`` is; a
+    warning a request quoting the client's header would let any client write the gateway's log."""
+    rx = receiver
+    sim = await sims("vllm", "m")
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}], tracing=traced(rx))
+    caplog.set_level(logging.WARNING)
+    for headers in ({"traceparent": traceparent(), "tracestate": "not a member, k=v"},
+                    {"traceparent": traceparent(), "tracestate": "k=v," * 200},
+                    {"traceparent": traceparent() + "-" + "0" * 600, "tracestate": "k=v"}):
+        status, _, _ = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 1}, headers)
+        assert status == 200, headers
+    assert [r.getMessage()[:120] for r in caplog.records if r.name.startswith("opentelemetry.trace")] == []
 
 
 async def test_watchdog_and_abort_are_events(sims, gateway, receiver):
