@@ -343,6 +343,11 @@ class Record(Protocol):
 # -- the enabled implementation ------------------------------------------------------------------
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+# the W3C header parser's warnings (a tracestate member that does not parse, a traceparent or a
+# tracestate over 512 characters) are about a client's headers, which are ignored as W3C Trace
+# Context says: one a request, quoting the header, they would let any client write the log
+for _name in ("opentelemetry.trace.propagation.tracecontext", "opentelemetry.trace.span"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 
 class _HeaderGetter(Getter):
