@@ -7,10 +7,28 @@ the log collector reads ``switchyard: cannot listen on …{"event": …}`` as on
 from __future__ import annotations
 
 import io
+import logging
 import sys
+
+import pytest
+import structlog
 
 from gateway.__main__ import main
 from tests.support.writes import Writes
+
+
+@pytest.fixture(autouse=True)
+def logging_as_before():
+    """``main`` configures structlog and the root logger to write to the stderr these tests
+    replace: put back what was there, or the tests that run after in the same process log into a
+    stream nobody reads (and a test reading its own log lines finds none)."""
+    config = structlog.get_config()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    structlog.configure(**config)
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def stderr_writes(monkeypatch, argv: list[str]) -> tuple[int, list[bytes]]:
