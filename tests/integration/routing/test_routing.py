@@ -205,3 +205,40 @@ async def test_a_routing_strategy_header_sent_twice_with_two_strategies_is_400_o
                 f"Content-Length: {len(body)}".encode(), f"Content-Length: {len(locked)}".encode())
             ex = await exchange(gw.port, raw, until_close=False, responses=1)
             assert ex.first.status == 200 and ex.first.headers["routing-strategy"] == "round-robin", ex.first.body
+
+
+async def test_a_caller_header_sent_twice_with_two_values_is_400_on_the_fast_lane_and_off_it(sims, gateway):
+    """``user``, ``x-session-id``, ``x-session-key`` and ``x-aibrix-session-key`` name one caller or
+    session each: two lines of one of them naming two values (a client's own and one a proxy
+    added, say) are refused, a 400 naming the header, rather than routed and accounted by whichever
+    line a reader takes first; the same value twice is served. On every API's parser, on the fast
+    lane and on aiohttp's path (a query string leaves the request to it)."""
+    e, f = await sims("vllm", "m"), await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [e.url, f.url], strategy="session-affinity")])
+    edge = gw.runner.server.edge
+    msgs = [{"role": "user", "content": "hi"}]
+    bodies = {"/v1/chat/completions": {"model": "m", "messages": msgs, "max_tokens": 1},
+              "/v1/messages": {"model": "m", "messages": msgs, "max_tokens": 1},
+              "/v1/responses": {"model": "m", "input": "hi", "max_output_tokens": 1}}
+
+    def twice(target: str, body: bytes, name: str, first: str, second: str) -> bytes:
+        raw = request("POST", target, body)
+        return raw.replace(b"\r\n\r\n", f"\r\n{name}: {first}\r\n{name.title()}: {second}\r\n\r\n".encode(), 1)
+
+    for path, data in bodies.items():
+        body = orjson.dumps(data)
+        for target in (path, path + "?x=1"):
+            for name in ("user", "x-session-id", "x-session-key", "x-aibrix-session-key"):
+                lane = edge.lane_requests
+                ex = await exchange(gw.port, twice(target, body, name, "alice", "bob"), until_close=False,
+                                    responses=1)
+                assert ex.first.status == 400, (target, name, ex.first.status, ex.first.body[:300])
+                err = orjson.loads(ex.first.body)["error"]      # Anthropic's shape nests it too
+                assert err["type"] == "invalid_request_error", (target, name, err)
+                assert name in err["message"], (target, err)
+                if path != "/v1/messages":
+                    assert err["param"] == name, (target, err)
+                assert (edge.lane_requests - lane) == (0 if "?" in target else 1), target
+                ex = await exchange(gw.port, twice(target, body, name, "alice", "alice"), until_close=False,
+                                    responses=1)
+                assert ex.first.status == 200, (target, name, ex.first.body[:300])
