@@ -79,7 +79,21 @@ def caller_headers(headers: Any) -> tuple[str | None, str | None, str | None]:
     user, sid, key, aibrix = map(headers.get, _CALLER_HEADERS)     # looked up in C
     if user is None and sid is None and key is None and aibrix is None:     # the usual request: no call more
         return None, None, None
+    getall = getattr(headers, "getall", None)       # None for a plain mapping (a batch line's): one value a name
+    if getall is not None:
+        for name, value in zip(_CALLER_HEADERS, (user, sid, key, aibrix), strict=True):
+            if value is not None and len(lines := getall(name)) > 1:
+                one_value(lines, name)
     return header_text(user), header_text(sid), header_text(key or aibrix)
+
+
+def one_value(lines: list[str], name: str) -> None:
+    """A 400 when a header that names one thing comes on lines naming different values (a
+    client's own and one a proxy added, say): which one counts is not left to whichever line a
+    reader takes first. The same value repeated names one."""
+    if any(line != lines[0] for line in lines):
+        raise GatewayError(400, f"the {name} header is given more than once with different values; give it once",
+                           param=name, code="ambiguous_header", error_class="validation")
 
 
 class WholeBody:
