@@ -123,3 +123,14 @@ async def test_a_sibling_that_restarted_or_went_silent_is_not_awaited():
     lora.adopt_load_started(ep, "a", "g/1", 9)
     now[0] += 1.5                                                             # not heard for peer_ttl_s
     assert await lora._await_sibling("m", "a", [ep]) is ep and not lora._sibling_loads
+
+
+def test_target_breaks_ties_at_random_and_keeps_to_the_least_loaded():
+    lora, eps = make(cap=0, n=3)
+    picks = {lora.target(eps, "a").url for _ in range(200)}
+    assert picks == {ep.url for ep in eps}                      # equal: each of them, not the first listed
+    eps[0].in_flight = 1
+    picks = {lora.target(eps, "a").url for _ in range(200)}
+    assert picks == {eps[1].url, eps[2].url}                    # the busier one never
+    eps[1].adapters.served = {"b": "m"}                         # fewer adapters held breaks the tie first
+    assert {lora.target(eps, "a").url for _ in range(50)} == {eps[2].url}
