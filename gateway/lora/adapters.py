@@ -90,6 +90,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import random
 import time
 from collections.abc import Callable
 from functools import partial
@@ -156,6 +157,7 @@ class Lora:
         self.upstream = upstream
         self.metrics = metrics
         self.clock = clock
+        self.random = random.random       # breaks ties between equally loaded endpoints in ``target``
         # set by a reload that changes discovery_interval_s: the loop takes the new period at once
         self._rediscover = asyncio.Event()
         self.reconfigure(config)
@@ -314,9 +316,10 @@ class Lora:
         return c
 
     def target(self, candidates: list[Endpoint], adapter: str) -> Endpoint | None:
-        """Where to load ``adapter``: the least-loaded ready endpoint not cooling down, among those
-        with room under ``max_adapters_per_endpoint`` (else those with an adapter to unload) and
-        then those with a free slot if any has one."""
+        """Where to load ``adapter``: the least-loaded ready endpoint not cooling down (fewest
+        requests in flight, then fewest adapters held, then at random), among those with room under
+        ``max_adapters_per_endpoint`` (else those with an adapter to unload) and then those with a
+        free slot if any has one."""
         now = self.clock()
         usable = [ep for ep in candidates if ep.ready and self._cooling(ep, adapter, now) is None]
         cap = self.settings.max_adapters_per_endpoint
@@ -325,8 +328,19 @@ class Lora:
                       or [ep for ep in usable if self._victim(ep, adapter) is not None])
         if not usable:
             return None
-        free = [ep for ep in usable if _free_slot(ep)]
-        return min(free or usable, key=lambda ep: (ep.in_flight + ep.remote_in_flight, len(ep.adapters.served)))
+        best: Endpoint | None = None
+        low = None
+        ties = 0
+        rand = self.random
+        for ep in [ep for ep in usable if _free_slot(ep)] or usable:
+            load = (ep.in_flight + ep.remote_in_flight, len(ep.adapters.served))
+            if low is None or load < low:
+                best, low, ties = ep, load, 1
+            elif load == low:       # equals picked at random, as the routers do (reservoir sampling)
+                ties += 1
+                if rand() * ties < 1.0:
+                    best = ep
+        return best
 
     async def _load(self, model: str, adapter: str, path: str, candidates: list[Endpoint]) -> Endpoint:
         refused: list[Endpoint] = []        # refused the load as full, with nothing to unload there
