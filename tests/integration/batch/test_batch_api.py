@@ -1204,3 +1204,34 @@ async def test_without_batch_the_files_and_batches_paths_say_the_api_is_off_and_
         async with s.get(gw.url + "/v1/filesystem") as r:
             body = await r.json()
             assert (r.status, body["error"]["message"]) == (404, "unknown path /v1/filesystem"), body
+
+
+async def test_the_lines_in_flight_series_of_a_model_a_reload_removed_goes_once_none_runs(sims, gateway, tmp_path):
+    """``switchyard_batch_lines_in_flight{model}``: a model that ran batch lines keeps its series (0
+    between batches) while it is served; once a reload removes it, and no line of it runs, its series
+    goes, as admission's gauges of a removed model do; lines naming no model leave none either."""
+    import msgspec
+
+    from gateway.server.app import RELOAD_KEY
+
+    a, b = await sims("vllm", "m"), await sims("vllm", "gone")
+    gw = await gateway([model_block("m", "vllm", [a.url]), model_block("gone", "vllm", [b.url])],
+                       batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    rows = lines("/v1/chat/completions", 3)
+    rows[1]["body"]["model"] = "gone"
+    rows[2]["body"]["model"] = "made-up"
+    f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    bt = await run_to_end(c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                     completion_window="24h")).id)
+    assert (bt.request_counts.completed, bt.request_counts.failed) == (2, 1)
+    text = await gw.metrics_text()
+    assert sample(text, "switchyard_batch_lines_in_flight", model="gone") == 0
+    reloader = gw.runner.app[RELOAD_KEY]
+    config = reloader.live.config
+    assert reloader.reload("test", msgspec.structs.replace(
+        config, models=[m for m in config.models if m.name != "gone"])).result == "ok"
+    text = await gw.metrics_text()
+    flying = {line.split('model="')[1].split('"')[0] for line in text.splitlines()
+              if line.startswith("switchyard_batch_lines_in_flight{")}
+    assert flying == {"m"}, flying
