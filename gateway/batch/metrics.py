@@ -5,7 +5,8 @@
 - ``switchyard_batch_lines_total{model, outcome}``: lines answered (``completed``: a 200; ``failed``:
   anything else, including the unanswered lines of a cancelled or expired batch), tries that
   will be tried again (``retried``) and lines stopped for an interactive request (``preempted``);
-- ``switchyard_batch_lines_in_flight{model}``: lines running now;
+- ``switchyard_batch_lines_in_flight{model}``: lines running now, for the models served (0 between
+  batches) and those a reload removed while their lines ran, until none runs;
 - ``switchyard_batch_queue_age_seconds``: age of the oldest unfinished batch (0: none);
 - ``switchyard_batches_finished_total{status}``: batches that reached a final state;
 - ``switchyard_batch_runner_failures_total``: times the runner failed on a fault of its own and was
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -25,7 +27,7 @@ STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "e
 
 
 class BatchMetrics(Collector):
-    def __init__(self, registry) -> None:
+    def __init__(self, registry, present: Callable[[], Iterable[str]] = tuple) -> None:
         self.lines_total = Counter("switchyard_batch_lines", "Batch lines answered (completed, failed) and "
                                    "tries to be tried again (retried)", ["model", "outcome"], registry=registry)
         self.finished = Counter("switchyard_batches_finished", "Batches that reached a final state",
@@ -36,6 +38,7 @@ class BatchMetrics(Collector):
         self.counts: dict[str, int] = {}
         self.oldest: float | None = None      # created_at of the oldest unfinished batch (unix seconds)
         self.lines_in_flight: dict[str, int] = {}
+        self.present = present                # the models served now: a gone one's series goes at 0
         registry.register(self)
 
     def set_overview(self, counts: dict[str, int], oldest: float | None) -> None:
@@ -66,6 +69,12 @@ class BatchMetrics(Collector):
             for s in STATUSES:
                 by_status.add_metric([s], self.counts.get(s, 0))
             age.add_metric([], max(0.0, time.time() - self.oldest) if self.oldest is not None else 0.0)
+        gone = [m for m, n in self.lines_in_flight.items() if not n]
+        if gone:
+            present = set(self.present())
+            for model in gone:
+                if model not in present:      # removed (or '-', no model), none of its lines running
+                    del self.lines_in_flight[model]
         for model, n in self.lines_in_flight.items():
             flying.add_metric([model], n)
         yield from (by_status, flying, age)

@@ -80,7 +80,7 @@ class BatchService:
                  pairs: Callable[[str], bool] = lambda model: False) -> None:
         self.cfg = cfg
         self.db = BatchDb(os.path.abspath(cfg.dir))
-        self.metrics = BatchMetrics(registry)
+        self.metrics = BatchMetrics(registry, pool.models)
         self.api = BatchApi(cfg, self.db, tenancy, self._changed)
         self.pool = pool
         self._signals = dict(engine_signals=engine_signals, metrics_max_age=metrics_max_age,
