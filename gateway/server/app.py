@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 import orjson
 import structlog
 from aiohttp import HttpVersion11, hdrs, web
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from gateway.apis.anthropic_models import (
     ANTHROPIC_VERSION,
@@ -499,8 +500,10 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
         body = metrics.render()
         if siblings is not None:        # the whole gateway: every worker's figures merged
             body = await siblings.metrics(body)
-        return web.Response(body=body, content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Options": "nosniff"})
+        # the text format 0.0.4 (every name is a legacy one), named as prometheus_client's handler
+        # names it for a scrape that asks no other format; OpenMetrics is not offered
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4,
+                                                "X-Content-Type-Options": "nosniff"})
 
     app.router.add_get("/v1/models", models)
     app.router.add_get(r"/v1/models/{model_id:[\s\S]+}", model)     # the rest of the path, line breaks included
