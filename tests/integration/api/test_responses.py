@@ -1035,3 +1035,31 @@ async def test_gateway_history_refuses_a_resent_assistant_or_reasoning_item(gate
         assert r3.output_text == "answer 3"
         assert len(inputs) == 3             # no refused request reached the engine
         assert [i["content"] for i in inputs[2]] == ["one", "answer 1", "two", "answer 2", "three"]
+
+
+async def test_a_record_key_of_another_type_is_a_503_that_says_so_not_unreachable(sims, gateway, redis_server):
+    """Redis answers WRONGTYPE when a response's record key holds another type (another application
+    wrote it): the 503 says the store holds a key of another type under the response's name, not
+    that the store is unreachable (it answered), and tells nothing of what that key holds."""
+    import redis.asyncio as aioredis
+
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], state={"redis_url": redis_server.url})
+    c = openai_client(gw)
+    r = await c.responses.create(model="m", input="Hello", max_output_tokens=3)
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        keys = [k async for k in client.scan_iter(match=f"*{r.id}*")]
+        assert keys, "no record of the response in Redis"
+        for k in keys:
+            await client.delete(k)
+            await client.hset(k, "secret-field", "secret-value")
+    finally:
+        await client.aclose()
+    for call in (c.responses.retrieve(r.id), c.responses.delete(r.id)):
+        with pytest.raises(openai.APIStatusError) as got:
+            await call
+        assert got.value.status_code == 503
+        err = got.value.body
+        assert "another type" in err["message"] and "unreachable" not in err["message"], err
+        assert "secret" not in err["message"], err
