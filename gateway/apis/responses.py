@@ -168,9 +168,26 @@ def _answered_before_start(record: dict[str, Any], ep: Endpoint) -> bool:
     return created.__class__ in (int, float) and created + 1.0 < started
 
 
-def _store_unreachable() -> GatewayError:
-    """The 503 of a call that met the state store unreachable, at its lookup or at its deletion."""
-    return GatewayError(503, "the Responses state store is unreachable", code="service_unavailable",
+# what a 503 says of a store that answered but refused the call (``StoreUnavailable.reason``): it is
+# not unreachable. Nothing of the key's name or of what it holds: those are the operator's
+_REFUSED = {
+    "wrongtype": "the Responses state store holds a key of another type under this response's name (not a "
+                 "record the gateway wrote), so it refuses the gateway's command",
+    "noperm": "the Responses state store refuses the gateway's command (its ACL user lacks a permission)",
+    "readonly": "the Responses state store refuses writes (a read-only replica)",
+    "oom": "the Responses state store refuses writes (out of memory)",
+    "misconf": "the Responses state store refuses writes (its RDB save failed)",
+    "noreplicas": "the Responses state store refuses writes (fewer replicas than min-replicas-to-write)",
+}
+
+
+def _store_unreachable(e: StoreUnavailable | None = None) -> GatewayError:
+    """The 503 of a call that met the state store unreachable, or refusing it, at its lookup or at
+    its deletion."""
+    reason = e.reason if e is not None else "unreachable"
+    message = _REFUSED.get(reason) or ("the Responses state store is unreachable" if reason == "unreachable"
+                                        else "the Responses state store answers an error")
+    return GatewayError(503, message, code="service_unavailable",
                         headers={"Retry-After": "1"}, header=("x-error-state-unavailable", "true"),
                         error_class=ErrorClass.STATE_UNAVAILABLE)
 
@@ -512,7 +529,10 @@ class ResponsesApi(ApiShape):
         if now - self._unreachable_at < UNREACHABLE_LOG_S:
             self._unreachable_quiet += 1
             return
-        log.warning(event, error=str(e), since_last=self._unreachable_quiet)
+        reason = getattr(e, "reason", "unreachable")
+        if reason != "unreachable":     # Redis answered: refused the call, not out of reach
+            event = event.replace("unreachable", "refuses the call")
+        log.warning(event, error=str(e), reason=reason, since_last=self._unreachable_quiet)
         self._unreachable_at, self._unreachable_quiet = now, 0
 
     async def _lookup(self, store, kind: str, rid: str, user: str | None,
@@ -525,7 +545,7 @@ class ResponsesApi(ApiShape):
         except StoreUnavailable as e:
             self.m.lookups.labels(kind, "unavailable").inc()
             self._unreachable(e)
-            raise _store_unreachable() from None
+            raise _store_unreachable(e) from None
         value = self._readable(kind, rid, raw) if raw is not None else None
         if value is None or (self.auth_on and value.get("user") != user):
             found = elsewhere() if elsewhere is not None else None
@@ -691,7 +711,7 @@ class ResponsesApi(ApiShape):
             await store.delete(rid)
         except StoreUnavailable as e:
             self._unreachable(e)
-            raise _store_unreachable() from None
+            raise _store_unreachable(e) from None
         return {"id": rid, "object": "response", "deleted": True}
 
     async def _read_bounded(self, rec: RequestRecord, ep: Endpoint, r: aiohttp.ClientResponse) -> bytes:

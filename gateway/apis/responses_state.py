@@ -23,14 +23,30 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
-from gateway.state.redis import CALL_FAILED, UNAVAILABLE, Client, PoolTimeout, close_client, held_loop_timeout
+from redis.exceptions import RedisError
+
+from gateway.state.redis import (
+    CALL_FAILED,
+    UNAVAILABLE,
+    Client,
+    PoolTimeout,
+    close_client,
+    held_loop_timeout,
+    refusal,
+)
 
 TRIES = 3                       # a call sent at most this often (see the module's description)
 RETRY_PAUSES_S = (0.05, 0.25)   # before the second and the third
 
 
 class StoreUnavailable(Exception):
-    """The backing store could not answer."""
+    """The backing store could not answer. ``reason``: ``unreachable``, or why a Redis that
+    answered refused the call (gateway/state/redis.py ``refusal``: ``wrongtype``, ``noperm``,
+    ``readonly``, ...; ``error`` for another error it answered)."""
+
+    def __init__(self, message: str = "", reason: str = "unreachable") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class MemoryStore:
@@ -183,7 +199,9 @@ class RedisStore:
                 raise asyncio.CancelledError from None
             if isinstance(e, TimeoutError) and failed is not None:
                 e = failed                          # the bound ran out between tries: the last failure
-            raise StoreUnavailable(f"{type(e).__name__}: {e}") from None
+            answered = isinstance(e, RedisError) and not isinstance(e, UNAVAILABLE)
+            raise StoreUnavailable(f"{type(e).__name__}: {e}",
+                                   (refusal(e) or "error") if answered else "unreachable") from None
 
     async def put(self, key: str, value: bytes) -> None:
         await self._call(lambda: self.client.set(self.prefix + key, value, px=self.ttl_ms))
