@@ -165,6 +165,30 @@ async def test_error_answer_keeps_the_clients_request_id():
 
 
 @on_both_loops
+async def test_an_x_request_id_sent_twice_with_two_values_is_not_taken():
+    """Two x-request-id lines giving different ids name no one id: the answer carries a fresh one,
+    as for an id the gateway cannot keep, rather than the first line's (a proxy's line and a
+    client's disagreeing), on the fast lane and off it, on an inference path, the gateway's own
+    paths and its error answers; the same id twice is the client's id."""
+    async with edge_gateway(**SERVER) as gw:
+        def twice(method: str, target: str, body: bytes | None, first: str, second: str) -> bytes:
+            raw = request(method, target, body)
+            return raw.replace(b"\r\n\r\n", f"\r\nx-request-id: {first}\r\nX-Request-Id: {second}\r\n\r\n".encode(), 1)
+
+        for method, target, body, status in (("POST", CHAT, BODY, 200), ("POST", CHAT + "?x=1", BODY, 200),
+                                             ("GET", "/health", None, 200), ("POST", "/v1/nope", b"{}", 404)):
+            ex = await exchange(gw.port, twice(method, target, body, "req-a", "req-b"), until_close=False,
+                                responses=1)
+            assert ex.first.status == status, (target, ex.first.body[:200])
+            rid = ex.first.headers["request-id"]
+            assert rid not in ("req-a", "req-b") and len(rid) == 32, (target, rid)
+            assert ex.first.headers["x-request-id"] == rid
+            ex = await exchange(gw.port, twice(method, target, body, "req-a", "req-a"), until_close=False,
+                                responses=1)
+            assert ex.first.status == status and ex.first.headers["request-id"] == "req-a", target
+
+
+@on_both_loops
 async def test_pipelined_requests_are_answered_in_order():
     async with edge_gateway(**SERVER) as gw:
         other = orjson.dumps({"model": "m", "prompt": "x", "max_tokens": 1})
