@@ -42,6 +42,20 @@ CHARS_PER_TOKEN = 4
 MAX_CHOICES = 128
 
 
+def given_request_id(headers: Any) -> str | None:
+    """The client's ``x-request-id``. Lines giving different ids (a client's own and one a proxy
+    added, say) name no one id: they are read joined, as RFC 9110 joins a field's lines ("a, b"),
+    which ``request_id_from`` does not keep, so the request gets a fresh id rather than whichever
+    line a reader takes first; the same id repeated is that id."""
+    value = headers.get("x-request-id")
+    if value is None:
+        return None
+    getall = getattr(headers, "getall", None)       # None for a plain mapping: one value a name
+    if getall is not None and len(lines := getall("x-request-id")) > 1 and any(line != value for line in lines):
+        return ", ".join(lines)
+    return value
+
+
 def request_id_from(header_value: str | None) -> str:
     if header_value and _SANE_REQUEST_ID.match(header_value):
         return header_value

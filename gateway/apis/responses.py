@@ -64,7 +64,7 @@ from gateway.pipeline.context import (
     safe_header_value,
     take_edge_answer,
 )
-from gateway.request import request_id_from
+from gateway.request import given_request_id, request_id_from
 from gateway.resilience.outcome import key_refused
 from gateway.state.redis import redis_client
 from gateway.tenants import Tenancy
@@ -620,7 +620,7 @@ class ResponsesApi(ApiShape):
     async def by_id(self, request: web.Request) -> web.StreamResponse:
         rid = request.match_info["response_id"]
         action = request.match_info.get("action") or request.method.lower()
-        given = request.headers.get("x-request-id")
+        given = given_request_id(request.headers)
         request_id = request_id_from(given)
         rec = RequestRecord(request_id=request_id, path=request.path, started=time.perf_counter(),
                             route=BY_ID + ("/" + action if action in ("cancel", "input_items") else ""),

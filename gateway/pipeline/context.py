@@ -29,7 +29,7 @@ from gateway.observability.logs import RequestLog
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import NO_TRACE, Trace
 from gateway.pipeline.ledger import NO_CHARGES, Charges
-from gateway.request import InferenceRequest, request_id_from
+from gateway.request import InferenceRequest, given_request_id, request_id_from
 from handlers.base import PDPlan
 from routers.base import Decision
 from routers.registry import strategy_label
@@ -198,6 +198,8 @@ class RequestContext:
     @classmethod
     def start(cls, request: web.Request) -> RequestContext:
         given = request.headers.get("x-request-id")
+        if given is not None:       # sent: lines giving different ids name none (given_request_id)
+            given = given_request_id(request.headers)
         rid = request_id_from(given)
         # from the moment its head came whole: its handler's start, or, for a request the fast lane
         # held until its body was in (gateway/server/lane.py), the time the lane took then

@@ -44,7 +44,7 @@ from gateway.observability.tracing import Tracing
 from gateway.pipeline.context import safe_header_value
 from gateway.pipeline.generation import Generation, Services, build_generation, build_services
 from gateway.pipeline.pipeline import Pipeline, not_listed_yet
-from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, request_id_from
+from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, given_request_id, request_id_from
 from gateway.server.admin import add_tenancy
 from gateway.server.cors import add_vary
 from gateway.server.edge import (
@@ -146,7 +146,7 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_l
         return resp
 
     def _answer(request: web.Request, e: Exception) -> web.Response | None:
-        rid = request_id_from(request.headers.get("x-request-id"))
+        rid = request_id_from(given_request_id(request.headers))
         if isinstance(e, web.HTTPException):
             if e.status < 400:
                 return None
@@ -169,7 +169,7 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_l
                     headers["Allow"] = e.headers["Allow"]
                 resp = error_response(e.status, shaped(request, err), headers)
             if request_log is not None and resp.status in (404, 405, 413, 501):
-                log_edge_answer(rid, request.headers.get("x-request-id"), request.path, request.method,
+                log_edge_answer(rid, given_request_id(request.headers), request.path, request.method,
                                 resp.status, msg, head_started(request), request_log,
                                 extra=getattr(request, "log_fields", None))
             return resp
@@ -177,7 +177,7 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_l
             if e.status == 413 and request_log is not None:
                 # a body over its limit found as it came (a chunked upload past batch.max_file_bytes):
                 # logged as the edge's 413 to a told length is, though the API's other answers are not
-                log_edge_answer(rid, request.headers.get("x-request-id"), request.path, request.method,
+                log_edge_answer(rid, given_request_id(request.headers), request.path, request.method,
                                 413, e.message, head_started(request), request_log,
                                 extra=getattr(request, "log_fields", None))
             return error_response(e.status, shaped(request, e), {"request-id": rid, "x-request-id": rid, **e.headers})
@@ -198,7 +198,7 @@ async def _identified(request: web.Request, response: web.StreamResponse) -> Non
     headers = response.headers
     rid = headers.get("request-id")
     if rid is None:
-        rid = headers["request-id"] = request_id_from(request.headers.get("x-request-id"))
+        rid = headers["request-id"] = request_id_from(given_request_id(request.headers))
     if "x-request-id" not in headers:
         headers["x-request-id"] = rid
 

@@ -51,7 +51,7 @@ from typing import Any, ClassVar
 from aiohttp import hdrs, web
 
 from gateway.pipeline import whole
-from gateway.request import request_id_from
+from gateway.request import given_request_id, request_id_from
 
 MAX_AGE_S = 7200        # how long a browser may keep a preflight's answer (Chromium's own bound)
 
@@ -188,7 +188,7 @@ def preflight(request: web.BaseRequest, policy: CorsPolicy, methods: str, refuse
     allowed = policy.allow_origin(request.headers.get(hdrs.ORIGIN))
     if allowed is None:
         return refused(request)
-    rid = request_id_from(request.headers.get("x-request-id"))
+    rid = request_id_from(given_request_id(request.headers))
     headers = {"request-id": rid, "x-request-id": rid, hdrs.ACCESS_CONTROL_ALLOW_ORIGIN: allowed, hdrs.ACCESS_CONTROL_ALLOW_METHODS: methods,
                hdrs.ACCESS_CONTROL_MAX_AGE: str(MAX_AGE_S),
                hdrs.VARY: "Origin, Access-Control-Request-Method, Access-Control-Request-Headers"}

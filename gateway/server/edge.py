@@ -115,7 +115,7 @@ from gateway.observability.logs import RequestLog
 from gateway.observability.metrics import Counter as RequestCounter
 from gateway.pipeline.context import EDGE_ANSWER, RequestRecord, log_answer, safe_header_value
 from gateway.pipeline.whole import WrittenAnswer, write_whole
-from gateway.request import request_id_from
+from gateway.request import given_request_id, request_id_from
 from gateway.server import lane
 from gateway.server.cors import (
     OUTCOMES,
@@ -1020,7 +1020,7 @@ class EdgeProtocol(web.RequestHandler):
         request = self._e_request
         if request is None or request.writer.output_size > 0 or self.transport is None:
             return None
-        return request_id_from(request.headers.get("x-request-id"))
+        return request_id_from(given_request_id(request.headers))
 
     def _e_request_path(self) -> str | None:
         request = self._e_request
@@ -1050,7 +1050,7 @@ class EdgeProtocol(web.RequestHandler):
 
         def unclaimed(_: Any = None) -> None:
             if request.pop(EDGE_ANSWER, None) is not None:
-                self._e_logged(rid, request.headers.get("x-request-id"), request.method, request.path, status,
+                self._e_logged(rid, given_request_id(request.headers), request.method, request.path, status,
                                message, request, started)
 
         task = request.task
@@ -1214,7 +1214,7 @@ class EdgeProtocol(web.RequestHandler):
             self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
         else:
             log.debug("bad request", status=status, error=text, peer=request.remote)
-        given = request.headers.get("x-request-id")
+        given = given_request_id(request.headers)
         rid = request_id_from(given)
         path = self._e_line_path() if self._e_unparsed else request.path
         headers = {"request-id": rid, "x-request-id": rid}
@@ -1256,7 +1256,7 @@ class EdgeProtocol(web.RequestHandler):
 def _closing_error(request: web.BaseRequest, status: int, message: str, code: str,
                    headers: dict[str, str] | None = None, param: str | None = None,
                    type_: str | None = None) -> web.Response:
-    rid = request_id_from(request.headers.get("x-request-id"))
+    rid = request_id_from(given_request_id(request.headers))
     body = _shaped_body(request.path, status, message, type_ or _error_type(status), code, param,   # Anthropic's on its paths
                         request.headers)
     resp = error_response(status, body, {"request-id": rid, "x-request-id": rid, **(headers or {})})
@@ -1323,7 +1323,7 @@ def api_methods(router: web.UrlDispatcher) -> str:
 def server_options(request: web.BaseRequest, allow: str) -> web.Response:
     """RFC 9110 §9.3.7: ``OPTIONS *`` asks about the server in general, not about a resource: a 200
     with the methods it serves and no content; the connection stays open for the next request."""
-    rid = request_id_from(request.headers.get("x-request-id"))
+    rid = request_id_from(given_request_id(request.headers))
     return web.Response(status=200, headers={"Allow": allow, "request-id": rid, "x-request-id": rid})
 
 
@@ -1506,7 +1506,7 @@ def _cors_refusal(request: web.BaseRequest) -> str:
 def cors_refused(request: web.BaseRequest) -> web.Response:
     """A preflight from an origin ``server.cors_allowed_origins`` does not list: a 403 in the path's
     API shape, without CORS's headers, so the browser keeps the page from calling."""
-    rid = request_id_from(request.headers.get("x-request-id"))
+    rid = request_id_from(given_request_id(request.headers))
     body = _shaped_body(request.path, 403, _cors_refusal(request), None, "cors_origin_not_allowed")
     return error_response(403, body, {"request-id": rid, "x-request-id": rid})
 
@@ -1557,7 +1557,7 @@ def logged_refusal(request: web.BaseRequest, resp: web.Response, request_log: Re
             message = orjson.loads(resp.body)["error"]["message"]
         except (TypeError, ValueError, KeyError):
             message = None
-        log_edge_answer(resp.headers["request-id"], request.headers.get("x-request-id"), request.path,
+        log_edge_answer(resp.headers["request-id"], given_request_id(request.headers), request.path,
                         request.method, resp.status, message, head_started(request), request_log,
                         extra=getattr(request, "log_fields", None))
     return resp
@@ -1568,7 +1568,7 @@ def _log_preflight(request: web.BaseRequest, resp: web.Response, result: str, st
     """A preflight's request log line: what a request line says of an answer without a model or an
     endpoint, with ``method`` (OPTIONS) and ``cors`` (``preflight_allowed``, ``preflight_refused``);
     its request id is the one its answer carries."""
-    given = request.headers.get("x-request-id")
+    given = given_request_id(request.headers)
     rid = resp.headers.get("request-id") or request_id_from(given)
     rec = RequestRecord(rid, request.path, started, status=resp.status,
                         request_id_replaced=given is not None and given != rid)

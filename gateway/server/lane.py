@@ -48,7 +48,7 @@ from aiohttp.http import HttpVersion11
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.pipeline import whole
-from gateway.request import WholeBody
+from gateway.request import WholeBody, given_request_id
 
 HOLD_BYTES = 65536      # bytes of a next request held while one runs, before reading pauses
 HOLD_BODY = 1 << 20     # the largest body the lane waits for when it comes after its head
@@ -182,7 +182,8 @@ class Pending:
     def __init__(self, path: str, headers: CIMultiDictProxy[str], keep_alive: bool, start: int, need: int,
                  data: bytes) -> None:
         self.path, self.headers, self.keep_alive, self.start, self.need = path, headers, keep_alive, start, need
-        self.rid: str | None = headers.get("x-request-id")
+        rid = headers.get("x-request-id")
+        self.rid: str | None = given_request_id(headers) if rid is not None else None
         self.data = bytearray(data)
         self.head_read = 0.0            # when its head came whole (``time.perf_counter``): set as it is held
 
