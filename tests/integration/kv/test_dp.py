@@ -205,3 +205,26 @@ async def test_a_burst_on_one_new_prefix_follows_the_first_request_to_its_rank(s
     assert len(burst) == 4 and len(set(burst)) == 1, burst
     assert list(sim.engine.asked_ranks)[-4:] == burst
     assert st.rank_in_flight == [0, 0]
+
+
+async def test_a_client_rank_sent_twice_with_two_ranks_is_400(sims, gateway):
+    """A model that lets a client's own X-data-parallel-rank through: two lines naming two ranks are
+    refused, a 400 naming the header, rather than run on whichever line a reader takes first; the
+    same rank twice runs on it, on the fast lane and off it."""
+    import orjson
+
+    from tests.support.edge import exchange, request
+
+    sim = await sims("vllm", model="m", data_parallel_size=2)
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url],
+                         "kv_events": {"enabled": False, "client_rank": True}}])
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    for target in ("/v1/chat/completions", "/v1/chat/completions?x=1"):
+        for first, second, status in (("0", "1", 400), ("1", "1", 200)):
+            raw = request("POST", target, body).replace(
+                b"\r\n\r\n", f"\r\nX-data-parallel-rank: {first}\r\nx-data-parallel-rank: {second}\r\n\r\n".encode(), 1)
+            ex = await exchange(gw.port, raw, until_close=False, responses=1)
+            assert ex.first.status == status, (target, first, second, ex.first.body[:300])
+            if status == 400:
+                err = orjson.loads(ex.first.body)["error"]
+                assert err["param"] == "x-data-parallel-rank" and err["type"] == "invalid_request_error", err
