@@ -24,6 +24,7 @@ from typing import Any
 
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.ledger import RankInFlight
+from gateway.request import one_value
 from gateway.upstream.upstream import DP_RANK_HEADER
 
 
@@ -46,6 +47,9 @@ def pin(ctx: RequestContext, kv: Any, adapter: Any, client_rank: bool) -> None:
     if client_rank:
         given = ireq.headers.get(DP_RANK_HEADER)
         if given is not None:
+            getall = getattr(ireq.headers, "getall", None)      # None for a plain mapping (a batch line's)
+            if getall is not None and len(lines := getall(DP_RANK_HEADER)) > 1:
+                one_value(lines, DP_RANK_HEADER)    # lines naming two ranks: a 400
             ctx.dp_rank = (ep, adapter.dp_rank_header, given)
             return
     if kv is None:

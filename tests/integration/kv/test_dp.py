@@ -228,3 +228,6 @@ async def test_a_client_rank_sent_twice_with_two_ranks_is_400(sims, gateway):
             if status == 400:
                 err = orjson.loads(ex.first.body)["error"]
                 assert err["param"] == "x-data-parallel-rank" and err["type"] == "invalid_request_error", err
+    page = await gw.metrics_text()
+    assert 'switchyard_in_flight_requests{model="m"} 0.0' in page        # the refused ones hold nothing
+    assert all(ep.in_flight == 0 for ep in gw.gw.pool.endpoints("m"))
