@@ -1,0 +1,97 @@
+"""Directory change notices: a key created, changed or revoked on one replica reaches every worker of
+every other replica at once, not at its next sync. Two real gateway processes of two workers each,
+sharing a real redis-server, with a sync interval far longer than the tests wait."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+import yaml
+
+from tests.support.gateway_process import gateway_process, metric_total, post_new
+from tests.support.ports import listen_port
+from tests.support.tenancy import CHAT, KEYS
+from tests.support.waiting import wait_for
+
+ADMIN = "admin-token-notices-1"
+BODY = {"model": "m", "messages": CHAT, "max_tokens": 1}
+# longer than any wait below: what reaches a replica in these tests came by a notice, not a sync
+SLOW_SYNC = {"sync_interval_s": 30, "replica_ttl_s": 90, "timeout_s": 2.0}
+BOUND_S = 5.0        # generous: a notice lands in milliseconds, on a machine many tests share
+
+
+def _config(tmp_path, name: str, port: int, engine: str, redis_url: str):
+    cfg = tmp_path / f"{name}.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "listen": {"host": "127.0.0.1", "port": port},
+        "server": {"drain_delay_s": 0, "log_level": "warning"},
+        "auth": {**KEYS, "admin_token": ADMIN},
+        "state": {"redis_url": redis_url, **SLOW_SYNC, "replica_id": name},
+        "models": [{"name": "m", "engine": "vllm", "endpoints": [engine]}]}))
+    return cfg
+
+
+async def _statuses(port: int, key: str, n: int = 8) -> list[int]:
+    """What ``n`` requests, each on a connection of its own (so on either worker), got with ``key``."""
+    got = await asyncio.gather(*(post_new(port, "/v1/chat/completions", BODY, {"Authorization": f"Bearer {key}"})
+                                 for _ in range(n)))
+    return [g[0] for g in got]
+
+
+async def _everywhere(ports: list[int], key: str, status: int) -> bool:
+    for p in ports:
+        if any(s != status for s in await _statuses(p, key)):
+            return False
+    return True
+
+
+@pytest.mark.timeout(120)
+async def test_a_key_made_or_revoked_on_one_replica_holds_at_once_on_every_worker_of_the_others(
+        sims, tmp_path, redis_server):
+    sim = await sims("vllm", "m")
+    pa, pb = listen_port(), listen_port()
+    ca = _config(tmp_path, "a", pa, sim.url, redis_server.url)
+    cb = _config(tmp_path, "b", pb, sim.url, redis_server.url)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    key = "sk-notice-dana-0123456789"
+    async with gateway_process(ca, pa, "--workers", "2", ready_workers=2, admin_token=ADMIN), \
+            gateway_process(cb, pb, "--workers", "2", ready_workers=2, admin_token=ADMIN):
+        # the key tried before it exists: every worker that met it remembers the store did not know it
+        assert set(await _statuses(pb, key)) == {401}
+        status, _, created = await post_new(pa, "/admin/keys", {"user": "dana", "key": key}, admin)
+        assert status == 201, created
+        assert await wait_for(lambda: _everywhere([pa, pb], key, 200), timeout=BOUND_S), \
+            "a key made on one replica is refused on another"
+        status = await _delete(pa, f"/admin/keys/{created['id']}", admin)
+        assert status == 200
+        assert await wait_for(lambda: _everywhere([pa, pb], key, 401), timeout=BOUND_S), \
+            "a key revoked on one replica is still served on another"
+        for port in (pa, pb):            # each worker of each replica applied the notices
+            pages = await _per_worker_metrics(port)
+            assert len(pages) == 2
+            for page in pages.values():
+                assert metric_total(page, "switchyard_directory_notices_total") >= 2
+
+
+async def _delete(port: int, path: str, headers: dict[str, str]) -> int:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
+            s.delete(f"http://127.0.0.1:{port}{path}", headers=headers) as r:
+        await r.read()
+        return r.status
+
+
+async def _per_worker_metrics(port: int, workers: int = 2) -> dict[int, str]:
+    """``/metrics`` as each worker answers it: {pid: page}. A keep-alive connection stays with the
+    worker that accepted it, so the status page then the metrics on one connection are one worker's."""
+    found: dict[int, str] = {}
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    async with asyncio.timeout(20):
+        while len(found) < workers:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), headers=headers) as s:
+                async with s.get(f"http://127.0.0.1:{port}/status.json") as r:
+                    pid = (await r.json())["gateway"]["pid"]
+                async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                    found[pid] = await r.text()
+    return found
