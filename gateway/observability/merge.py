@@ -89,6 +89,7 @@ COUNTER_RULES: dict[str, str] = {
     "switchyard_state_outages": MAX,        # the shared state became unreachable or refused writes
     "switchyard_state_heartbeat_lost": MAX,  # the shared state lost the heartbeats (a restart, a flush)
     "switchyard_view_redis_lost": MAX,      # the routing view's Redis stream was lost
+    "switchyard_directory_notices": MAX,    # a directory change every worker reads and applies to its mirror
     "switchyard_config_reload": MAX,        # a reload: the parent signals every worker, each applies it
     "switchyard_config_reload_deferred": MAX,   # the parent's, which reads the file for every worker
     # an endpoint's breaker moved: the worker that decided tells its siblings, which adopt the same

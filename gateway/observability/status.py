@@ -359,7 +359,8 @@ class StatusBoard:
         t = src.tenancy
         auth = src.config.auth
         out: dict[str, Any] = {"enabled": t is not None, "auth": auth.on, "backend": None, "state_up": None,
-                               "state_down_reason": None, "default_user": None, "model_rps": {}, "users": [], "truncated": 0}
+                               "state_down_reason": None, "directory_version": None,
+                               "directory_notices_up": None, "default_user": None, "model_rps": {}, "users": [], "truncated": 0}
         if t is None:
             return out
         d = t.directory
@@ -367,6 +368,8 @@ class StatusBoard:
         out["backend"] = "redis" if state.remote else "memory"
         out["state_up"] = state.healthy
         out["state_down_reason"] = state.down_reason
+        out["directory_version"] = t.directory_version
+        out["directory_notices_up"] = t.notices.up if t.notices is not None else None
         if d.default_user is not None:
             out["default_user"] = _limits(d.default_user)
         out["model_rps"] = dict(t.model_rps)

@@ -14,7 +14,8 @@ Routes exist only when ``auth.admin_token`` (or ``auth.admin_token_env``) is con
     PATCH  /admin/keys/{id}             change {user, name}
     DELETE /admin/keys/{id}             revoke
 
-Writes go to the state backend (Redis: visible to every replica within ``state.sync_interval_s``);
+Writes go to the state backend (Redis: every replica's workers read the change's notice and take
+it in at once, gateway/tenants/notices.py; the sync every ``state.sync_interval_s`` is the backstop);
 every admin request first brings the directory up to date (with Redis, by what changed since its
 version), so it always acts on the store's current state.
 Config-defined keys are read-only here; a config user can be overridden (PUT) but not deleted.

@@ -29,7 +29,9 @@ in-flight (TTL ``replica_ttl_s``); ``P:users``, ``P:keys`` (SHA-256 digest → r
 fields each version changed, scored by version, trimmed to the last ``LOG_VERSIONS``), so a replica
 whose mirror is a few versions behind reads only what changed since, not the whole directory;
 ``P:keyindex`` (the keys by user, for a user's delete) and ``P:keyindex:at`` (the version it is
-current at).
+current at); ``P:dirnotes`` (a stream of the versions written, its last hundred or so: every process
+of every replica blocks reading it, ``gateway.tenants.notices``, and brings its mirror up to date as
+soon as a change is written).
 
 On a Redis Cluster every one of these keys carries the hash tag ``{P}`` (``{P}:rpm:<user>``...),
 so that a script's keys — and the per-replica keys the sync script computes — share one slot;
@@ -231,7 +233,7 @@ return #KEYS - 1
 DIRECTORY = """
 -- KEYS: 1 users hash, 2 keys hash, 3 directory version, 4 change log, 5 the keys' index by user
 -- (a zset of '<user> <digest>', every score 0, read by lexical range), 6 the directory version the
--- index was last made current at
+-- index was last made current at, 7 the change notices (a stream every replica reads)
 -- ARGV: 1 this write's tag (random), 2 the versions the log keeps, then quadruples
 -- (op, hash 1|2, field, value): op S sets the field, D deletes it, N sets it only
 -- if it is absent (a create), X only if it is present (a change), R deletes it only if it is
@@ -245,7 +247,9 @@ DIRECTORY = """
 -- user's delete takes every key the user has when it runs, one made a moment ago elsewhere included.
 -- The new version goes in the change log with every field it wrote or deleted, as members
 -- '<version>:<tag>:<hash>:<field>' (and '<version>:<tag>:0:', so that no version is missing from it),
--- and versions older than the log keeps are dropped from it.
+-- and versions older than the log keeps are dropped from it. The new version is also added to the
+-- change notices, whose short tail is all Redis keeps: a replica reading them takes the change in
+-- at once (what changed, it reads from the log).
 -- The index is kept by every write of this script; a directory written by anything else since the
 -- index's version (a replica of an older release, a restore) has it made again from the keys hash
 -- first, once, so that a user's delete never misses a key.
@@ -332,6 +336,7 @@ for _, c in ipairs(changed) do
 end
 if #members > 0 then redis.call('ZADD', KEYS[4], unpack(members)) end
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', version - tonumber(ARGV[2]))
+redis.call('XADD', KEYS[7], 'MAXLEN', '~', 100, '*', 'v', version)
 return {version, removed}
 """
 
@@ -457,6 +462,7 @@ class RedisState:
         self.k_users, self.k_keys, self.k_version = f"{p}:users", f"{p}:keys", f"{p}:version"
         self.k_log = f"{p}:dirlog"
         self.k_key_index, self.k_key_index_at = f"{p}:keyindex", f"{p}:keyindex:at"
+        self.k_notes = f"{p}:dirnotes"
         self._p = p
         self.up = False
         self.refused = ""                           # why Redis refuses writes (oom, readonly, ...)
@@ -1010,7 +1016,8 @@ class RedisState:
         With Sentinel or a Cluster the answer waits until a replica has it (``WAIT 1``, up to
         most of ``timeout_s``): a key the admin API has shown once must survive a failover."""
         args: list = [secrets.token_hex(4), LOG_VERSIONS, *(x for op in ops for x in op)]
-        keys = [self.k_users, self.k_keys, self.k_version, self.k_log, self.k_key_index, self.k_key_index_at]
+        keys = [self.k_users, self.k_keys, self.k_version, self.k_log, self.k_key_index, self.k_key_index_at,
+                self.k_notes]
         out = await self._call(self._write_and_wait(keys, args))
         return int(out[1]) if isinstance(out, list) else None
 

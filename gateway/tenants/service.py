@@ -42,6 +42,7 @@ from gateway.state.urls import redis_mode
 from gateway.tenants.directory import AmbiguousKey, Directory, KeyRecord, key_digest, presented_key
 from gateway.tenants.limits import AdmitQuery, rate_headers, rejection
 from gateway.tenants.memory import MemoryState
+from gateway.tenants.notices import DirectoryNotices
 from gateway.tenants.redis_state import RedisState, StateUnavailable, trouble
 
 if TYPE_CHECKING:
@@ -118,6 +119,10 @@ class TenancyMetrics:
                                       "(Redis restarted empty or was flushed, or the replica was silent past "
                                       "replica_ttl_s): its concurrency slots published again", ["mode"],
                                       registry=r)
+        self.notices = Counter("switchyard_directory_notices",
+                               "Directory change notices (an API key or user made, changed or revoked on any "
+                               "replica) read from the shared state and applied to this gateway's mirror",
+                               registry=r)
         self.latency = Histogram("switchyard_state_admit_seconds",
                                  "Time of the limit check (one Redis round trip with the Redis backend)",
                                  buckets=ROUTING_BUCKETS, registry=r)
@@ -150,6 +155,10 @@ class Tenancy:
                      if self.cfg.redis_url
                      else MemoryState())
         self.state = state
+        # with Redis, what another replica writes to the directory is read as it is written
+        self.notices = (DirectoryNotices(self.cfg, state.k_notes, self._on_notices,
+                                         on_pool_timeout=metrics.state_pool_timeouts.labels("tenancy").inc)
+                        if isinstance(state, RedisState) else None)
         self.m.state_up.set(1 if state.healthy else 0)
         self._version: str | None = None          # the store's directory version the mirror has
         self._tag: str | None = None              # ... and the tag of the write that made it
@@ -162,6 +171,12 @@ class Tenancy:
         self._sync_task: asyncio.Task | None = None
         self._fail_open_count = 0
         self._fail_open_logged = 0.0
+
+    @property
+    def directory_version(self) -> int | None:
+        """The store's directory version this process's mirror has (None: not read yet)."""
+        v = self._version
+        return int(v) if v is not None and v.isdigit() else None
 
     def set_worker(self, index: int, count: int) -> None:
         """This process is worker ``index`` of ``count`` (``--workers``), before it starts: each worker
@@ -204,8 +219,12 @@ class Tenancy:
                         redis_url=_redact(self.cfg.redis_url), policy=self.policy,
                         reason=self._sync_reason or "unreachable", error=self._sync_error)
         self._sync_task = asyncio.create_task(self._sync_loop(), name="tenancy-sync")
+        if self.notices is not None:
+            self.notices.start()
 
     async def stop(self) -> None:
+        if self.notices is not None:
+            await self.notices.stop()
         if self._sync_task is not None:
             self._sync_task.cancel()
             await asyncio.wait([self._sync_task], timeout=max(1.0, self.cfg.timeout_s * 4))
@@ -259,6 +278,16 @@ class Tenancy:
             self._version, self._tag = version, tag
             self._mirrored += 1
             self._unknown.clear()
+
+    async def _on_notices(self, n: int) -> None:
+        """``n`` directory change notices read (0: reading the notices starts, or starts again):
+        the mirror is brought up to date, whoever wrote the change."""
+        before = self._version
+        await self.refresh()
+        if n:
+            self.m.notices.inc(n)
+            if self._version != before:
+                log.info("directory change applied from a notice", version=self._version, notices=n)
 
     async def _sync_loop(self) -> None:
         interval = self.cfg.sync_interval_s
