@@ -125,6 +125,49 @@ async def one_view_of_limits_keys_and_responses(sims, gateway, url: str) -> None
     assert (again.id, again.output_text) == (created.id, created.output_text)
 
 
+async def changes_reach_the_other_at_once(sims, gateway, url: str) -> None:
+    """Two gateways whose sync comes every 30 s: a key made through one's admin API (after the
+    other was asked for it and answered 401), a user's limit set, and the key revoked, each reach the
+    other by the directory's change notices, in far less time than a sync."""
+    import openai
+
+    from gateway.tenants.directory import key_digest
+
+    sim = await sims("vllm", "m")
+    cfg = blocks(url, {})
+    cfg["state"].update({"sync_interval_s": 30, "replica_ttl_s": 90, "timeout_s": 5.0})
+    a = await gateway([model_block("m", "vllm", [sim.url])], **cfg)
+    b = await gateway([model_block("m", "vllm", [sim.url])], **cfg)
+    await until(lambda: a.gw.tenancy.notices.up and b.gw.tenancy.notices.up, timeout=FAILOVER_S)
+    key = "sk-notice-erin-0123456789"
+    digest = key_digest(key)
+    try:
+        await chat(b, key)
+        raise AssertionError("an unknown key was served")
+    except openai.AuthenticationError:
+        pass
+    directory = b.gw.tenancy.directory
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    async with aiohttp.ClientSession(headers=admin) as s:
+        async with s.post(a.url + "/admin/keys", json={"user": "erin", "key": key}) as resp:
+            assert resp.status == 201
+            created = await resp.json()
+        await until(lambda: directory.key(digest) is not None, timeout=5)
+        assert (await chat(b, key)).choices
+        async with s.put(a.url + "/admin/users/erin", json={"rpm": 7}) as resp:
+            assert resp.status == 201
+        await until(lambda: (lim := directory.limits_for("erin")) is not None and lim.rpm == 7, timeout=5)
+        async with s.delete(a.url + f"/admin/keys/{created['id']}") as resp:
+            assert resp.status == 200
+    await until(lambda: directory.key(digest) is None, timeout=5)
+    try:
+        await chat(b, key)
+        raise AssertionError("a revoked key was served")
+    except openai.AuthenticationError:
+        pass
+    assert _metric(await b.metrics_text(), "switchyard_directory_notices_total") >= 3
+
+
 async def failover_mid_run(sims, gateway, url: str, kill_primary: Callable[[], object], mode: str) -> None:
     """A client keeps sending through two gateways while the primary holding their state is
     SIGKILLed and replaced: nobody gets an error, the gateways count the outage, come back to the

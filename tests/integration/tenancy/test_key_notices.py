@@ -8,6 +8,7 @@ import asyncio
 
 import aiohttp
 import pytest
+import redis.asyncio as aioredis
 import yaml
 
 from tests.support.gateway_process import gateway_process, metric_total, post_new
@@ -68,11 +69,16 @@ async def test_a_key_made_or_revoked_on_one_replica_holds_at_once_on_every_worke
         assert status == 200
         assert await wait_for(lambda: _everywhere([pa, pb], key, 401), timeout=BOUND_S), \
             "a key revoked on one replica is still served on another"
-        for port in (pa, pb):            # each worker of each replica applied the notices
-            pages = await _per_worker_metrics(port)
-            assert len(pages) == 2
-            for page in pages.values():
-                assert metric_total(page, "switchyard_directory_notices_total") >= 2
+        r = aioredis.Redis.from_url(redis_server.url)
+        try:
+            version = int(await r.get("switchyard:version"))
+        finally:
+            await r.aclose()
+        for port in (pa, pb):            # each worker of each replica took both changes in by their notices
+            views = await _per_worker(port)
+            assert [(v["tenants"]["directory_version"], v["tenants"]["directory_notices_up"])
+                    for pid, v in views.items() if pid] == [(version, True)] * 2
+            assert metric_total(views[0], "switchyard_directory_notices_total") >= 2
 
 
 async def _delete(port: int, path: str, headers: dict[str, str]) -> int:
@@ -82,16 +88,18 @@ async def _delete(port: int, path: str, headers: dict[str, str]) -> int:
         return r.status
 
 
-async def _per_worker_metrics(port: int, workers: int = 2) -> dict[int, str]:
-    """``/metrics`` as each worker answers it: {pid: page}. A keep-alive connection stays with the
-    worker that accepted it, so the status page then the metrics on one connection are one worker's."""
-    found: dict[int, str] = {}
+async def _per_worker(port: int, workers: int = 2) -> dict:
+    """The status page as each worker answers it, by pid, and under 0 the gateway's ``/metrics``
+    (its workers' merged)."""
+    found: dict = {}
     headers = {"Authorization": f"Bearer {ADMIN}"}
     async with asyncio.timeout(20):
         while len(found) < workers:
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), headers=headers) as s:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True), headers=headers) as s:
                 async with s.get(f"http://127.0.0.1:{port}/status.json") as r:
-                    pid = (await r.json())["gateway"]["pid"]
-                async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
-                    found[pid] = await r.text()
+                    view = await r.json()
+            found[view["gateway"]["pid"]] = view
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                found[0] = await r.text()
     return found

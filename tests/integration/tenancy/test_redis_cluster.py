@@ -10,12 +10,21 @@ import openai
 from gateway.config.schema import StateConfig
 from gateway.state.redis import shared_prefix
 from tests.support.factories import model_block
-from tests.support.redis_failover import failover_mid_run, one_view_of_limits_keys_and_responses
+from tests.support.redis_failover import (
+    changes_reach_the_other_at_once,
+    failover_mid_run,
+    one_view_of_limits_keys_and_responses,
+)
 
 
 async def test_two_gateways_share_limits_keys_and_responses_on_a_cluster(sims, gateway, redis_cluster):
     await one_view_of_limits_keys_and_responses(sims, gateway, redis_cluster.url)
 
+
+
+async def test_a_key_made_or_revoked_through_one_gateway_holds_at_once_on_the_other_on_a_cluster(
+        sims, gateway, redis_cluster):
+    await changes_reach_the_other_at_once(sims, gateway, redis_cluster.url)
 
 async def test_a_cluster_primary_killed_mid_run(sims, gateway, redis_cluster):
     # the primary of the slot every tenancy key shares: the one that matters

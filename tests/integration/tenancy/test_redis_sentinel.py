@@ -5,12 +5,21 @@ killed mid-run."""
 from __future__ import annotations
 
 from tests.support.factories import model_block
-from tests.support.redis_failover import failover_mid_run, one_view_of_limits_keys_and_responses
+from tests.support.redis_failover import (
+    changes_reach_the_other_at_once,
+    failover_mid_run,
+    one_view_of_limits_keys_and_responses,
+)
 
 
 async def test_two_gateways_share_limits_keys_and_responses_through_sentinel(sims, gateway, redis_sentinel):
     await one_view_of_limits_keys_and_responses(sims, gateway, redis_sentinel.url)
 
+
+
+async def test_a_key_made_or_revoked_through_one_gateway_holds_at_once_on_the_other_through_sentinel(
+        sims, gateway, redis_sentinel):
+    await changes_reach_the_other_at_once(sims, gateway, redis_sentinel.url)
 
 async def test_a_sentinel_primary_killed_mid_run(sims, gateway, redis_sentinel):
     await failover_mid_run(sims, gateway, redis_sentinel.url, redis_sentinel.kill_primary, "sentinel")
