@@ -105,7 +105,8 @@ class DirectoryNotices:
             except Exception as e:          # the mirror's update failed (the state down): the same
                 _stop_if_cancelled()
                 self._mark(False, f"{type(e).__name__}: {e}")
-            # a Redis that restarted numbers its stream afresh: the position is taken again
+            # the position is taken again (a Redis restarted empty, a promoted replica that had not
+            # all of the stream): what was missed meanwhile is read from the change log
             self.last_id = None
             await asyncio.sleep(RETRY_S)
 

@@ -1175,3 +1175,37 @@ async def test_the_status_page_of_a_gateway_with_workers_shows_all_its_requests_
         for s in sessions:
             await s.close()
         await interrupt([proc], 15)
+
+
+async def test_directory_notices_are_read_again_after_a_redis_restart(sims, gateway, redis_server):
+    """A Redis that restarts (empty) stops every replica's reader of the directory's notices; each
+    reads again by itself once Redis is back, and takes the next change in as it is written."""
+    a, b, admin = await _two_admin_replicas(sims, gateway, redis_server)
+    readers = [g.gw.tenancy.notices for g in (a, b)]
+    async with aiohttp.ClientSession(headers=admin) as s:
+        for i in range(3):
+            async with s.post(a.url + "/admin/keys", json={"user": f"u{i}"}) as r:
+                assert r.status == 201
+        redis_server.kill()
+        assert await wait_for(lambda: not any(n.up for n in readers), timeout=10)
+        redis_server.start()
+        assert await wait_for(lambda: all(n.up for n in readers) and a.gw.tenancy.state.up and b.gw.tenancy.state.up,
+                              timeout=10)
+        before = await _notices(b)
+        async with s.post(a.url + "/admin/keys", json={"user": "erin"}) as r:
+            assert r.status == 201
+            created = await r.json()
+
+
+    async def read_by_b() -> bool:
+        return await _notices(b) > before
+    assert await wait_for(read_by_b, timeout=5)
+    assert b.gw.tenancy.directory.key_by_id(created["id"]) is not None
+
+
+async def _notices(gw) -> float:
+    """The directory change notices the gateway applied."""
+    for line in (await gw.metrics_text()).splitlines():
+        if line.startswith("switchyard_directory_notices_total "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
