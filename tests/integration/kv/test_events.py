@@ -10,9 +10,10 @@ import orjson
 import pytest
 
 from enginesim.tiny_tokenizer import TINY_DIR
+from gateway.kv import events as kv_events
 from gateway.request import CHAT, parse
 from tests.support.enginesim import restart_sim
-from tests.support.http import openai_client
+from tests.support.http import openai_client, post
 from tests.support.metrics import metric
 from tests.support.waiting import until
 
@@ -315,3 +316,50 @@ async def test_a_batch_heard_again_is_taken_for_a_restart_and_the_index_is_rebui
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "three"}]
     ireq = parse(CHAT, orjson.dumps({"model": "m", "messages": messages, "max_tokens": 2}), {}, "t")
     assert kv.match(ireq, [st.ep])[0][st.ep] >= r.usage.prompt_tokens_details.cached_tokens > 0
+
+
+async def test_a_gateway_started_beside_an_idle_engine_routes_on_its_cache_at_once(sims, gateway, clients):
+    """An engine cached a conversation's blocks before the gateway started and publishes nothing
+    since: the gateway asks the engine's replay socket when its SUB socket connects, so the next
+    turn is routed on the engine's blocks at once, not on the approximate index until the engine
+    happens to publish again."""
+    (sim,) = await _sims(sims, 1)
+    r = await post(sim, {"model": "m", "max_tokens": 2,
+                         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "one"}]})
+    assert r.status == 200
+    pub = sim.engine.kv_events
+    published = pub.seq
+    assert published > 0 and sim.engine.pool.cached_blocks > 0
+    gw = await _gateway(gateway, sim)
+    kv, st = _state(gw)
+    await until(lambda: len(st.emap) == sim.engine.pool.cached_blocks)
+    assert pub.seq == published                  # the engine published nothing since
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "two"}]
+    ireq = parse(CHAT, orjson.dumps({"model": "m", "messages": messages, "max_tokens": 2}), {}, "t")
+    depths, _, fallback = kv.match(ireq, [st.ep])
+    r2 = await clients(gw).chat.completions.create(model="m", messages=messages, max_tokens=2)
+    assert not fallback and depths[st.ep] == r2.usage.prompt_tokens_details.cached_tokens > 0
+    text = _render(gw)
+    assert metric(text, "switchyard_kv_events_replayed_batches_total", model="m") == published
+    assert metric(text, "switchyard_kv_events_replays_total", model="m", result="ok") >= 1
+    assert 'reason="kv_events_fallback"' not in text
+
+
+async def test_a_gap_before_a_reconnect_is_replayed_at_once_on_an_idle_stream(sims, gateway, clients, monkeypatch):
+    """A batch the gateway never heard, then the connection dropped and made again (here by a
+    message over the size bound, made small for the test), and the engine idle since: the gateway
+    asks the replay socket at the reconnect for what came after the last batch it applied, so the
+    index holds the missed blocks without waiting for a next batch to show the gap."""
+    monkeypatch.setattr(kv_events, "MAX_MESSAGE_BYTES", 64 << 10)
+    sim, gw, kv, st, client = await _indexed(sims, gateway, clients)
+    pub = sim.engine.kv_events
+    pub.drop_next = 1                  # the next batch is buffered for replay but never published
+    await _chat(client, "four " * 60)
+    published = pub.seq
+    assert len(st.emap) < sim.engine.pool.cached_blocks
+    pub._send((pub.topic, published.to_bytes(8, "big"), b"x" * (128 << 10)))    # refused: reconnect
+    await until(lambda: len(st.emap) == sim.engine.pool.cached_blocks)
+    assert pub.seq == published
+    text = _render(gw)
+    assert metric(text, "switchyard_kv_events_replayed_batches_total", model="m") >= 1
+    assert metric(text, "switchyard_kv_events_restarts_total", model="m") == 0

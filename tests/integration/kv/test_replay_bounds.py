@@ -342,3 +342,37 @@ async def test_a_replay_lets_the_loop_run_between_stretches_of_its_batches():
         assert len(steps) >= 40 // per and max(steps) <= per * blocks
     finally:
         server.cancel()
+
+
+async def test_a_catch_up_applies_each_batch_once_and_takes_another_history_for_a_restart():
+    """At a connection the subscriber asks the replay socket for what it has not heard. At first
+    contact it applies the engine's buffer, and drops the messages held meanwhile that the replay
+    brought (each batch applied once); at a reconnect, an engine whose replay does not hold the
+    last batch heard is a new one: its entries are cleared and its history taken up from 0."""
+    port = listen_port()
+    history = [(0, stored(1)), (1, stored(2)), (2, stored(3))]
+
+    async def answer(send) -> None:
+        for seq, payload in history:
+            await send(seq, payload)
+        await send(-1, b"")
+
+    server = await replay_server(port, answer)
+    try:
+        sub, registry = subscriber(port, timeout=5)
+        sub.ask_catch_up()
+        sub._backlog.extend([(1, history[1][1]), (3, stored(4))])      # held while it runs
+        await asyncio.wait_for(sub.catch_up(), 30)                  # a hang guard, not a timing
+        assert sorted(sub.st.emap) == [1, 2, 3] and sub.expected == 3
+        assert [seq for seq, _ in sub._backlog] == [kv_events.CATCH_UP, 3]
+        assert registry.get_sample_value("switchyard_kv_events_replayed_batches_total", {"model": "m"}) == 3
+        sub._backlog.clear()
+
+        history[:] = [(0, stored(7))]          # the engine restarted: its buffer holds another batch 0
+        sub._catch_up_queued = False
+        await asyncio.wait_for(sub.catch_up(), 30)
+        assert sorted(sub.st.emap) == [7] and sub.expected == 1
+        assert registry.get_sample_value("switchyard_kv_events_restarts_total", {"model": "m"}) == 1
+    finally:
+        server.cancel()
+
