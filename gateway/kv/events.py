@@ -17,8 +17,10 @@ filtered by ``topic``, reading ``(topic, seq, payload)`` messages (``gateway.kv.
   ``(seq, payload)`` back, ending with seq -1) for what it missed and applies it in order. Without
   a replay port, or when the engine's buffer no longer holds the start, the endpoint's entries are
   cleared (a partial history would point requests at blocks the engine may have dropped).
-* On its first message the subscriber replays from 0 when it can, to learn what the engine cached
-  before the gateway started.
+* Each time the SUB socket connects (the first time, and after every reconnect) the subscriber
+  asks the replay socket for what it has not heard (``Subscriber.catch_up``): an idle engine
+  publishes nothing, so neither a first contact nor a gap would show until its next batch. A first
+  message past 0 with no catch-up before it still replays from 0.
 * A sequence number lower than expected means a new publisher: the engine restarted, and its
   entries are cleared; its stream is then taken up as at first contact, replayed from 0 when the
   number is past 0 (what the new engine published before the socket connected again). A restarted engine that publishes nothing (no request came) is found by
@@ -91,6 +93,8 @@ MAX_MESSAGE_BYTES = 8 << 20
 # behind it, as behind a replay. Smaller ones (an engine step's events, tens of KB) take no more
 # than a millisecond or two at once
 STRETCH_BYTES = 64 << 10
+# the backlog's mark for a catch-up (``Subscriber.catch_up``), where a message's sequence number goes
+CATCH_UP = -2
 # a malformed message is counted every time, and warned of at most once in this many seconds
 BAD_LOG_EVERY_S = 10.0
 # a stretch of a cleared endpoint's entries whose unlinking raised (a bug) is tried again at the
@@ -107,8 +111,15 @@ class KVEventsMetrics:
         self.fallbacks = Counter("switchyard_kv_events_fallbacks",
                                  "Endpoints (or requests) routed on the approximate index instead of events",
                                  ["model", "reason"], registry=registry)
-        self.replays = Counter("switchyard_kv_events_replays", "Replays asked of an engine after a gap",
-                               ["model", "result"], registry=registry)
+        self.replays = Counter("switchyard_kv_events_replays",
+                               "Replays asked of an engine: after a gap, and at each connection of its publisher's "
+                               "socket (catch-up)", ["model", "result"], registry=registry)
+        self.replayed = Counter("switchyard_kv_events_replayed_batches",
+                                "Event batches applied from an engine's replay socket (not heard live)", ["model"],
+                                registry=registry)
+        self.gaps = Counter("switchyard_kv_events_gaps",
+                            "Sequence gaps seen on an engine's live stream (messages missed; replayed, or the "
+                            "entries cleared)", ["model"], registry=registry)
         self.restarts = Counter("switchyard_kv_events_restarts",
                                 "Engines seen restarting (sequence numbers started again); entries cleared",
                                 ["model"], registry=registry)
@@ -228,6 +239,8 @@ class Subscriber:
         self._bad_logged_at = -float("inf")        # the last "bad message" warning (time.monotonic)
         self._bad_since = 0                         # bad messages since, not warned of one by one
         self._wake: asyncio.Future | None = None
+        self._last: bytes | None = None            # the payload of message expected - 1, once applied
+        self._catch_up_queued = False
         s = st.settings
         host = st.ep.host
         self.ipv6 = ":" in host
@@ -268,13 +281,14 @@ class Subscriber:
         if self.ipv6:
             sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.SUBSCRIBE, self.st.settings.topic.encode())
+        # watched before it connects: its first connection is caught up as every later one is
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sock.connect(self.pub_addr)
         loop = asyncio.get_running_loop()
         fd = sock.getsockopt(zmq.FD)
         self._sock = sock
         self._wake = loop.create_future()
         loop.add_reader(fd, self._readable)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         rejoin = loop.create_task(self._rejoin(sock, monitor), name=f"kv-events rejoin {self.name}")
         log.info("kv events subscribed", endpoint=self.st.ep.name, model=self.st.ep.model, address=self.pub_addr,
                  rank=self.rank)
@@ -287,14 +301,18 @@ class Subscriber:
                 while backlog:
                     seq, payload = backlog[0]
                     try:
-                        await self.on_message(seq, payload)
+                        if seq == CATCH_UP:
+                            await self.catch_up()
+                        else:
+                            await self.on_message(seq, payload)
                     except WireError as e:
                         self._bad(e)
                     except Exception:
-                        self._failed(seq)
+                        self._failed(None if seq == CATCH_UP else seq)
                     if self._overflowed:        # what came meanwhile was dropped: take it up again
                         self._overflowed = False
                         backlog.clear()
+                        self._catch_up_queued = False
                         self.clear()
                         self.expected = None
                         break
@@ -312,14 +330,34 @@ class Subscriber:
     async def _rejoin(self, sock: Any, monitor: Any) -> None:
         """Connect again after each disconnect: libzmq reconnects by itself after a connection
         error (the engine went away), not after a protocol error, which a message over
-        ``MAX_MESSAGE_BYTES`` is; without this, one such message ended the stream for good."""
+        ``MAX_MESSAGE_BYTES`` is; without this, one such message ended the stream for good. Each
+        connection made (the first, and every one after) asks the engine's replay socket for what
+        this subscriber has not heard (``catch_up``): an idle engine publishes nothing that would
+        show a gap or a first contact."""
         import zmq
+        from zmq.utils.monitor import parse_monitor_message
 
         while True:
-            await monitor.recv_multipart()       # a disconnect: the only event asked for
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.ask_catch_up()
+                continue
             with contextlib.suppress(zmq.ZMQError):
                 sock.disconnect(self.pub_addr)
             sock.connect(self.pub_addr)
+
+    def ask_catch_up(self) -> None:
+        """Queue a catch-up (``catch_up``) behind the messages already held, the messages arriving
+        meanwhile held behind it, so the order is kept."""
+        if self.replay_addr is None or self._catch_up_queued:
+            return
+        if len(self._backlog) >= BACKLOG_MAX:
+            self._overflow()
+            return
+        self._catch_up_queued = True
+        self._backlog.append((CATCH_UP, b""))
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
 
     def _readable(self) -> None:
         """Receive and apply what the socket holds (at most ``_DRAIN`` messages, then again soon)."""
@@ -411,6 +449,7 @@ class Subscriber:
             if seq > 0 and self.replay_addr:        # learn what the engine cached before we listened
                 await self.replay(0, seq, first=True)
         elif seq > self.expected:
+            self.m.metrics.gaps.labels(self.st.ep.model).inc()
             await self.replay(self.expected, seq)
         if len(payload) <= STRETCH_BYTES:
             self._accept(seq, payload)
@@ -418,6 +457,7 @@ class Subscriber:
         if seq != self.expected:
             self._renew(seq)
         self.expected = seq + 1
+        self._last = payload
         await self.apply_stretched(self.decoder.decode(payload, self.rank))
 
     def _accept(self, seq: int, payload: bytes) -> None:
@@ -425,6 +465,7 @@ class Subscriber:
         if seq != self.expected:
             self._renew(seq)
         self.expected = seq + 1     # received: one that does not decode is skipped, not a gap
+        self._last = payload
         self.apply(self.decoder.decode(payload, self.rank))
 
     def _renew(self, seq: int) -> None:
@@ -470,8 +511,6 @@ class Subscriber:
 
     async def replay(self, start: int, until: int, first: bool = False) -> None:
         """Fetch and apply batches ``start .. until-1`` from the replay socket; on failure clear."""
-        import zmq
-
         model = self.st.ep.model
         if not self.replay_addr:
             if not first:
@@ -480,21 +519,40 @@ class Subscriber:
                             rank=self.rank, missed_from=start, to=until)
                 self.clear()
             return
+        got, result = await self._fetch(start, until, contiguous_from=None if first else start)
+        complete = result == "ok" and bool(got) and got[0][0] == start and got[-1][0] == until - 1
+        if not complete and result == "ok":
+            result = "incomplete"
+        if not complete and not first:
+            self.clear()       # what was missed is unknown: start from what comes next
+            log.warning("kv events: replay could not fill the gap; entries cleared", endpoint=self.st.ep.name,
+                        rank=self.rank, missed_from=start, to=until, result=result)
+        if complete or first:
+            await self._apply_replayed(got)
+        self.m.metrics.replays.labels(model, result).inc()
+
+    async def _fetch(self, start: int, until: int | None,
+                     contiguous_from: int | None) -> tuple[list[tuple[int, bytes]], str]:
+        """Ask the replay socket for the batches from ``start`` (below ``until`` when given): the
+        ``(seq, payload)`` kept, in order, each once, and how it went (``ok``, ``failed``,
+        ``too_large``). The first kept must be ``contiguous_from`` when given, else any from
+        ``start`` on (the engine sends what its buffer still holds, from where it begins)."""
+        import zmq
+
         sock = self.m.zctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         if self.ipv6:
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(self.replay_addr)
-        # the batches ``start .. until-1`` in order, each once; what else comes is not kept. The
-        # first contact (``first``) replays from 0: the engine sends what its buffer still holds,
-        # from where it begins. Bounded in frames, bytes and time: frames already received resolve
-        # ``recv`` without a loop turn, so the deadline is checked here, and the loop let run
+        # what else comes is not kept. Bounded in frames, bytes and time: frames already received
+        # resolve ``recv`` without a loop turn, so the deadline is checked here, and the loop let run
         got: list[tuple[int, bytes]] = []
         result = "ok"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.st.settings.replay_timeout_s
-        nxt: int | None = None if first else start        # the seq the next kept frame must have
+        nxt = contiguous_from              # the seq the next kept frame must have
+        end = until if until is not None else 1 << 63
         size = n = 0
         try:
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
@@ -509,7 +567,7 @@ class Subscriber:
                     seq = seq_of(frames[-2])
                     if seq == END_SEQ:
                         break
-                    if not start <= seq < until or (nxt is not None and seq != nxt):
+                    if not start <= seq < end or (nxt is not None and seq != nxt):
                         continue                    # out of range, repeated or out of order
                     got.append((seq, frames[-1]))
                     nxt = seq + 1
@@ -521,31 +579,107 @@ class Subscriber:
             result = "failed"
         finally:
             sock.close(0)
-        complete = result == "ok" and nxt == until and bool(got) and got[0][0] == start
-        if not complete and result == "ok":
-            result = "incomplete"
-        if not complete and not first:
-            self.clear()       # what was missed is unknown: start from what comes next
-            log.warning("kv events: replay could not fill the gap; entries cleared", endpoint=self.st.ep.name,
-                        rank=self.rank, missed_from=start, to=until, result=result)
-        if complete or first:
-            # other requests' turns between stretches: of about STRETCH_BYTES of batches (at most
-            # 256 of them), as a live message over that size is applied in stretches
-            size = k = 0
-            for _, payload in got:
-                try:
-                    if len(payload) <= STRETCH_BYTES:
-                        self.apply(self.decoder.decode(payload, self.rank))
-                    else:
-                        await self.apply_stretched(self.decoder.decode(payload, self.rank))
-                except WireError as e:          # skipped as a live one is, and counted
-                    self._bad(e)
-                size += len(payload)
-                k += 1
-                if size >= STRETCH_BYTES or k == 256:
-                    size = k = 0
-                    await asyncio.sleep(0)
-        self.m.metrics.replays.labels(model, result).inc()
+        return got, result
+
+    async def _apply_replayed(self, got: list[tuple[int, bytes]]) -> None:
+        """Apply replayed batches in order; other requests' turns between stretches of about
+        STRETCH_BYTES of them (at most 256), as a live message over that size is applied in stretches."""
+        size = k = 0
+        for _, payload in got:
+            try:
+                if len(payload) <= STRETCH_BYTES:
+                    self.apply(self.decoder.decode(payload, self.rank))
+                else:
+                    await self.apply_stretched(self.decoder.decode(payload, self.rank))
+            except WireError as e:          # skipped as a live one is, and counted
+                self._bad(e)
+            size += len(payload)
+            k += 1
+            if size >= STRETCH_BYTES or k == 256:
+                size = k = 0
+                await asyncio.sleep(0)
+        if got:
+            self._last = got[-1][1]
+            self.m.metrics.replayed.labels(self.st.ep.model).inc(len(got))
+
+    async def catch_up(self) -> None:
+        """At each connection of the SUB socket (``_rejoin``), learn from the replay socket what was
+        not heard: an engine publishes only when its cache changes, so a gateway started (or
+        reconnected) beside an idle engine otherwise knew nothing of it until its next batch.
+
+        * At first contact: every batch the engine's buffer holds, applied in order; the stream goes
+          on after the last.
+        * Later (a reconnect): from the last batch applied, ``expected - 1``. The engine sending it
+          back alike is the same engine: what came after it is applied. Anything else (no such batch,
+          another payload, a buffer that moved on past it) is a new engine or a history that cannot be
+          joined: the entries are cleared and the stream taken up as at first contact.
+        * A replay that fails (no answer in ``replay_timeout_s``) changes nothing: the next message
+          shows a gap or a first contact, as before.
+
+        The messages held meanwhile that the replay brought already are dropped (each is applied
+        once); any other goes on as it would have."""
+        self._catch_up_queued = False
+        model, name = self.st.ep.model, self.st.ep.name
+        epoch = self._epoch
+        first = self.expected is None
+        start = 0 if first else self.expected - 1
+        got, result = await self._fetch(start, None, contiguous_from=None)
+        if self._epoch != epoch or self._overflowed:
+            return                              # taken up again meanwhile: this answer is stale
+        if result != "ok":
+            self.m.metrics.replays.labels(model, result).inc()
+            log.warning("kv events: catch-up replay failed", endpoint=name, rank=self.rank, start=start,
+                        result=result)
+            return
+        replayed = dict(got)
+        if not first:
+            if got and got[0][0] == start and self._last is not None and got[0][1] == self._last:
+                got = got[1:]
+            elif got and got[0][0] > start:
+                # the buffer moved on past the last batch heard (or a new engine's did): what came
+                # between is unknown; what the buffer holds is taken up as at first contact
+                log.warning("kv events: reconnected past the replay's buffer; entries cleared", endpoint=name,
+                            rank=self.rank, expected=self.expected, replay_from=got[0][0])
+                self.clear()
+                self.expected = None
+                self._last = None
+                self.fresh_at = time.time()
+                first = True
+            else:
+                log.warning("kv events: engine restarted (its replay does not hold the last batch heard)",
+                            endpoint=name, rank=self.rank, expected=self.expected,
+                            replay_from=got[0][0] if got else None)
+                self.m.metrics.restarts.labels(model).inc()
+                self.clear()
+                self.expected = None
+                self._last = None
+                self.fresh_at = time.time()
+                first = True
+                got, result = await self._fetch(0, None, contiguous_from=None)
+                if self._epoch != epoch or self._overflowed:
+                    return
+                replayed = dict(got)
+                if result != "ok":
+                    self.m.metrics.replays.labels(model, result).inc()
+                    return
+        if first and got and self.fresh_at is None:
+            self.fresh_at = time.time()
+        if got:
+            self.expected = got[-1][0] + 1
+            await self._apply_replayed(got)
+        whole = not first or not got or got[0][0] == 0
+        self.m.metrics.replays.labels(model, "ok" if whole else "incomplete").inc()
+        if got:
+            log.info("kv events: caught up", endpoint=name, rank=self.rank, first=first,
+                     replay_from=got[0][0], batches=len(got), expected=self.expected)
+        # the messages held behind the catch-up that the replay brought: heard already
+        backlog = self._backlog
+        if len(backlog) > 1 and replayed:
+            head = backlog.popleft()
+            kept = [(seq, p) for seq, p in backlog if replayed.get(seq) != p]
+            backlog.clear()
+            backlog.append(head)
+            backlog.extend(kept)
 
 
 class KVEventsManager:
@@ -738,6 +872,7 @@ class KVEventsManager:
             sub.expected = None        # its next message is a first contact: replayed from 0, not a restart
             sub.fresh_at = None
             sub._epoch += 1            # a large message being applied is left
+            sub.ask_catch_up()         # what the new engine published before now (an idle one: nothing)
 
     # -- sibling workers (gateway.view.service) ----------------------------------------------------
 

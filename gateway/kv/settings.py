@@ -19,7 +19,7 @@ class KVEventsConfig(Block):
 
     enabled: Annotated[bool, Meta(description="Subscribe to every endpoint's KV-cache events (vLLM/SGLang --kv-events-config); needs the model's tokenizer.")] = False
     port: Annotated[_Port, Meta(description="Port of the engine's event publisher (ZMQ PUB), on the endpoint's host.")] = 5557
-    replay_port: Annotated[_Port | None, Meta(description="Port of the engine's replay socket, to fetch missed events; null: no replay (a gap clears the endpoint's entries).")] = None
+    replay_port: Annotated[_Port | None, Meta(description="Port of the engine's replay socket (vLLM's replay_endpoint), asked for what the gateway has not heard each time it connects to the publisher (at start, so an idle engine's cache is known at once, and after a reconnect) and after a gap; null: no replay (a gap clears the endpoint's entries).")] = None
     topic: Annotated[str, Meta(description="Subscription topic prefix (empty: every topic).")] = ""
     stall_timeout_s: Annotated[_Seconds, Meta(description="When a request needed new blocks and no event came for this long, the endpoint falls back to the approximate prefix index, in seconds.")] = 10.0
     speculative_ttl_s: Annotated[_Seconds, Meta(description="A routed request's new blocks count as held by its endpoint for this long, or until events confirm them, in seconds.")] = 10.0

@@ -82,10 +82,12 @@ async def test_both_ranks_are_indexed_and_a_gap_replays_on_its_rank_only(sims, g
         await _chat(client, pubs, 1, "gamma")
         await _chat(client, pubs, 1, "delta")
         await until(lambda: _indexed(st, sim))
-        assert [p.replays_served for p in pubs.ranks] == [0, 1]
+        # one replay each rank's connection asked (catch-up), and one for rank 1's gap
+        assert [p.replays_served for p in pubs.ranks] == [1, 2]
         assert [s.expected for s in subs] == [p.seq for p in pubs.ranks]
         text = await gw.metrics_text()
-        assert 'switchyard_kv_events_replays_total{model="m",result="ok"} 1.0' in text
+        assert 'switchyard_kv_events_gaps_total{model="m"} 1.0' in text
+        assert 'switchyard_kv_events_replays_total{model="m",result="ok"}' in text
     finally:
         await client.close()
 

@@ -155,8 +155,9 @@ async def test_restarted_engine_clears_its_entries(sims, gateway, clients):
 
 async def test_restarted_engine_that_publishes_nothing_is_cleared_from_its_scrapes(sims, gateway, clients):
     """A restarted engine sent no request publishes no event, so its sequence never goes back: the
-    scrape that reads its new process_start_time_seconds clears its entries, and its stream is
-    taken up again as at first contact (not a second restart)."""
+    scrape that reads its new process_start_time_seconds clears its entries, or the catch-up at the
+    SUB socket's reconnect does first (the new engine's replay does not hold the last batch heard),
+    and its stream is taken up again as at first contact (not a second restart)."""
     (sim,) = await _sims(sims, 1)
     gw = await _gateway(gateway, sim)
     kv, st = _state(gw)
@@ -176,7 +177,7 @@ async def test_restarted_engine_that_publishes_nothing_is_cleared_from_its_scrap
         await until(lambda: 0 < len(st.emap) == restarted.engine.pool.cached_blocks)
         text = await gw.metrics_text()
         assert metric(text, "switchyard_engine_restarts_total", model="m") == 1
-        assert metric(text, "switchyard_kv_events_restarts_total", model="m") == 0
+        assert metric(text, "switchyard_kv_events_restarts_total", model="m") <= 1   # whichever saw it first
     finally:
         await restarted.close()
 
