@@ -376,3 +376,17 @@ async def test_a_catch_up_applies_each_batch_once_and_takes_another_history_for_
     finally:
         server.cancel()
 
+
+def test_a_store_of_no_full_block_or_an_implausible_block_size_leaves_the_endpoints_block_size():
+    """The endpoint's block size keys every request routed to it: a ``BlockStored`` naming a huge
+    block size (no engine's is over a few thousand tokens) is malformed, and one whose tokens fill
+    none of its blocks keys nothing, so neither changes it; requests keep matching the blocks the
+    engine holds."""
+    sub, registry = subscriber()
+    sub._sock = FakeSub([[b"", (0).to_bytes(8, "big"), stored(1, 2)],
+                          [b"", (1).to_bytes(8, "big"), batch([block_stored([7], None, [5], block_size=1 << 40)])],
+                          [b"", (2).to_bytes(8, "big"), batch([block_stored([8], None, [5, 6], block_size=4096)])]])
+    sub._readable()
+    assert sub.expected == 3 and sorted(sub.st.emap) == [1, 2]
+    assert sub.st.block_size == 16 and sub.m.index.block_size([sub.st.ep]) == 16
+    assert registry.get_sample_value("switchyard_kv_events_decode_errors_total", {"model": "m"}) == 1
