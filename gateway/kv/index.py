@@ -386,7 +386,8 @@ class EventIndex:
         bs = ev.block_size
         if bs <= 0:
             return 0
-        st.block_size = bs
+        if len(ev.token_ids) >= bs:     # a full block: a store of none tells no block size
+            st.block_size = bs
         h = self._chain_start(st, ev, bs)
         if h is None:
             return 1
@@ -545,7 +546,8 @@ class EventIndex:
         if old is not None and ev.parent_block_hash is not None:
             self._unstale(st, old, (ev.parent_block_hash,))
         if bs > 0:
-            st.block_size = bs
+            if len(ev.token_ids) >= bs:
+                st.block_size = bs
             h = self._chain_start(st, ev, bs)
         if h is None:                   # nothing to key (an orphan, or a block size that is none)
             if ranked is not None:

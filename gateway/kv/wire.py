@@ -50,6 +50,10 @@ END_SEQ = -1
 # xxhash of a block); a longer one is malformed, as the index holds every hash it is sent, and
 # ``max_blocks_per_endpoint`` hashes of a message's size each would be gigabytes
 MAX_HASH_BYTES = 256
+# the largest block size taken from an engine: vLLM's are 1 to 256 tokens (a hybrid model's attention
+# blocks, sized to match its state's pages, larger), SGLang's pages as small. A larger one (a billion)
+# makes its message malformed: the endpoint's block size keys every request routed to it
+MAX_BLOCK_SIZE = 1 << 16
 BlockHash = int | bytes | tuple      # (rank, hash) for data-parallel ranks > 0
 _Hash = int | Annotated[bytes, Meta(max_length=MAX_HASH_BYTES)]      # a hash on the wire
 _Rank = Annotated[int, Meta(ge=0)]
@@ -214,7 +218,7 @@ def _typed_batch(raw: Any, arrays: bool, rank: int | None) -> Batch:
                     ev.lora_name = str(ev.lora_id)
                 if ev.extra_keys is not None:
                     _extra(ev.extra_keys)
-                if ev.block_size <= 0:
+                if not 0 < ev.block_size <= MAX_BLOCK_SIZE:
                     _block_size(ev.block_size)
     batch_rank = raw.data_parallel_rank
     tag = rank if rank is not None else batch_rank
@@ -312,8 +316,8 @@ def _plain(v: list, depth: int) -> bool:
 def _block_size(v: Any) -> int:
     if v.__class__ is float and v.is_integer():
         v = int(v)
-    if v.__class__ is not int or v <= 0:
-        raise WireError(f"block_size must be a positive integer, got {v!r}"[:80])
+    if v.__class__ is not int or not 0 < v <= MAX_BLOCK_SIZE:
+        raise WireError(f"block_size must be an integer from 1 to {MAX_BLOCK_SIZE}, got {v!r}"[:80])
     return v
 
 

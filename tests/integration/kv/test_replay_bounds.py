@@ -379,7 +379,7 @@ async def test_a_catch_up_applies_each_batch_once_and_takes_another_history_for_
 
 def test_a_store_of_no_full_block_or_an_implausible_block_size_leaves_the_endpoints_block_size():
     """The endpoint's block size keys every request routed to it: a ``BlockStored`` naming a huge
-    block size (no engine's is over a few thousand tokens) is malformed, and one whose tokens fill
+    block size (over 65,536 tokens: no engine's is near) is malformed, and one whose tokens fill
     none of its blocks keys nothing, so neither changes it; requests keep matching the blocks the
     engine holds."""
     sub, registry = subscriber()
