@@ -390,3 +390,26 @@ def test_a_store_of_no_full_block_or_an_implausible_block_size_leaves_the_endpoi
     assert sub.expected == 3 and sorted(sub.st.emap) == [1, 2]
     assert sub.st.block_size == 16 and sub.m.index.block_size([sub.st.ep]) == 16
     assert registry.get_sample_value("switchyard_kv_events_decode_errors_total", {"model": "m"}) == 1
+
+
+async def test_a_catch_up_over_the_byte_bound_keeps_the_newest_batches(monkeypatch):
+    """An engine's whole buffer (vLLM keeps 10,000 batches, tens of MB on a busy engine) can be over
+    a replay's byte bound: at first contact the catch-up keeps the newest batches within it, the
+    ones that tell what the engine holds now, and the stream goes on after them."""
+    monkeypatch.setattr(kv_events, "REPLAY_MAX_BYTES", 3 * len(stored(1)))
+    port = listen_port()
+
+    async def answer(send) -> None:
+        for seq in range(10):
+            await send(seq, stored(seq + 1))
+        await send(-1, b"")
+
+    server = await replay_server(port, answer)
+    try:
+        sub, registry = subscriber(port, timeout=5)
+        await asyncio.wait_for(sub.catch_up(), 30)                  # a hang guard, not a timing
+        assert sorted(sub.st.emap) == [8, 9, 10] and sub.expected == 10
+        assert registry.get_sample_value("switchyard_kv_events_replays_total",
+                                         {"model": "m", "result": "incomplete"}) == 1
+    finally:
+        server.cancel()
