@@ -531,12 +531,14 @@ class Subscriber:
             await self._apply_replayed(got)
         self.m.metrics.replays.labels(model, result).inc()
 
-    async def _fetch(self, start: int, until: int | None,
-                     contiguous_from: int | None) -> tuple[list[tuple[int, bytes]], str]:
+    async def _fetch(self, start: int, until: int | None, contiguous_from: int | None,
+                     newest: bool = False) -> tuple[list[tuple[int, bytes]], str]:
         """Ask the replay socket for the batches from ``start`` (below ``until`` when given): the
         ``(seq, payload)`` kept, in order, each once, and how it went (``ok``, ``failed``,
         ``too_large``). The first kept must be ``contiguous_from`` when given, else any from
-        ``start`` on (the engine sends what its buffer still holds, from where it begins)."""
+        ``start`` on (the engine sends what its buffer still holds, from where it begins). Over
+        ``REPLAY_MAX_BYTES``, ``newest`` drops the oldest kept instead of stopping (a catch-up: the
+        newest batches tell what the engine holds now)."""
         import zmq
 
         sock = self.m.zctx.socket(zmq.DEALER)
@@ -547,7 +549,7 @@ class Subscriber:
         sock.connect(self.replay_addr)
         # what else comes is not kept. Bounded in frames, bytes and time: frames already received
         # resolve ``recv`` without a loop turn, so the deadline is checked here, and the loop let run
-        got: list[tuple[int, bytes]] = []
+        got: deque[tuple[int, bytes]] = deque()
         result = "ok"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.st.settings.replay_timeout_s
@@ -572,6 +574,9 @@ class Subscriber:
                     got.append((seq, frames[-1]))
                     nxt = seq + 1
                     size += len(frames[-1])
+                    if newest:
+                        while size > REPLAY_MAX_BYTES:
+                            size -= len(got.popleft()[1])
                     if len(got) > REPLAY_MAX_FRAMES or size > REPLAY_MAX_BYTES:
                         result = "too_large"
                         break
@@ -579,7 +584,7 @@ class Subscriber:
             result = "failed"
         finally:
             sock.close(0)
-        return got, result
+        return list(got), result
 
     async def _apply_replayed(self, got: list[tuple[int, bytes]]) -> None:
         """Apply replayed batches in order; other requests' turns between stretches of about
@@ -623,7 +628,7 @@ class Subscriber:
         epoch = self._epoch
         first = self.expected is None
         start = 0 if first else self.expected - 1
-        got, result = await self._fetch(start, None, contiguous_from=None)
+        got, result = await self._fetch(start, None, contiguous_from=None, newest=True)
         if self._epoch != epoch or self._overflowed:
             return                              # taken up again meanwhile: this answer is stale
         if result != "ok":
@@ -655,7 +660,7 @@ class Subscriber:
                 self._last = None
                 self.fresh_at = time.time()
                 first = True
-                got, result = await self._fetch(0, None, contiguous_from=None)
+                got, result = await self._fetch(0, None, contiguous_from=None, newest=True)
                 if self._epoch != epoch or self._overflowed:
                     return
                 replayed = dict(got)
