@@ -74,8 +74,8 @@ async def test_events_fill_the_index_and_match_the_engine(sims, gateway, clients
     await until(lambda: sim.engine.kv_events is not None and kv.subscribers)
     await until(lambda: sim.engine.kv_events.subscriptions >= 1)   # subscribed (a slow joiner misses what came before)
     r = await _chat(client, "first question")
-    await until(lambda: len(st.emap) > 0)
-    assert len(st.emap) == sim.engine.pool.cached_blocks
+    # the catch-up asked at the connection may bring a request's first batch apart from the next
+    await until(lambda: 0 < len(st.emap) == sim.engine.pool.cached_blocks)
     # the gateway tokenizes like the engine: its match for the same conversation is what the engine caches
     r2 = await _chat(client, "second question")
     cached = r2.usage.prompt_tokens_details.cached_tokens
