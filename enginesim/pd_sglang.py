@@ -58,11 +58,19 @@ PD_GAUGES = ("num_prefill_bootstrap_queue_reqs", "num_prefill_inflight_queue_req
              "kv_transfer_latency_ms")
 
 
-def _scalar(value: Any) -> Any:
-    """A one-element list (batch form) as its element."""
-    if isinstance(value, list) and len(value) == 1:
-        return value[0]
-    return value
+def _item(body: dict[str, Any], key: str, prompt: int, prompts: int) -> tuple[Any, bool]:
+    """``body[key]`` for prompt ``prompt`` of ``prompts``: a list's element of that index (a list
+    must name one value a prompt; a one-element list stands for one prompt's value), else the
+    value itself, and whether it was a list."""
+    value = body.get(key)
+    if not isinstance(value, list):
+        return value, False
+    if len(value) != prompts:
+        if prompts == 1:
+            return value, True      # refused by the caller's type check
+        raise ApiError(400, f"Invalid request: {key} has {len(value)} values for a batch of {prompts} prompts.",
+                       type_="BadRequest")
+    return value[prompt], True
 
 
 @dataclass(frozen=True)
@@ -72,17 +80,22 @@ class Bootstrap:
     room: int
 
 
-def parse_bootstrap(body: dict[str, Any]) -> Bootstrap:
-    room = _scalar(body.get("bootstrap_room"))
+def parse_bootstrap(body: dict[str, Any], prompt: int = 0, prompts: int = 1) -> Bootstrap:
+    """Prompt ``prompt``'s bootstrap triple. Like SGLang's GenerateReqInput normalization, a batch
+    gives its prompt i the room ``bootstrap_room[i]`` of a list, or ``bootstrap_room + i`` of one
+    room, on both legs, so each prompt meets its own counterpart."""
+    room, listed = _item(body, "bootstrap_room", prompt, prompts)
     if room is None:
         raise ApiError(400, NO_ROOM, type_="BadRequest")
     if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < ROOM_LIMIT:
         raise ApiError(400, f"Invalid request: bootstrap_room must be an integer in [0, 2^63), got {room!r}.",
                        type_="BadRequest")
-    host = _scalar(body.get("bootstrap_host"))
+    if not listed:
+        room += prompt
+    host, _ = _item(body, "bootstrap_host", prompt, prompts)
     if host is not None and not isinstance(host, str):
         raise ApiError(400, f"Invalid request: bootstrap_host must be a string, got {host!r}.", type_="BadRequest")
-    port = _scalar(body.get("bootstrap_port"))
+    port, _ = _item(body, "bootstrap_port", prompt, prompts)
     if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
         raise ApiError(400, f"Invalid request: bootstrap_port must be a port number, got {port!r}.",
                        type_="BadRequest")
@@ -174,8 +187,8 @@ class SglangPrefillRole(_SglangPD):
 
     # -- request hooks --------------------------------------------------------------------------
 
-    def accept(self, seq: Sequence, body: dict[str, Any]) -> None:
-        seq.role_data["bootstrap"] = parse_bootstrap(body)
+    def accept(self, seq: Sequence, body: dict[str, Any], prompt: int = 0, prompts: int = 1) -> None:
+        seq.role_data["bootstrap"] = parse_bootstrap(body, prompt, prompts)
         # The prefill samples one token and is done once its KV has been sent.
         seq.params = dataclasses.replace(seq.params, max_tokens=1)
         seq.role_data["finish_length"] = 0
@@ -313,8 +326,8 @@ class SglangDecodeRole(_SglangPD):
         await close_session(self._session)
         self._session = None
 
-    def accept(self, seq: Sequence, body: dict[str, Any]) -> None:
-        boot = parse_bootstrap(body)
+    def accept(self, seq: Sequence, body: dict[str, Any], prompt: int = 0, prompts: int = 1) -> None:
+        boot = parse_bootstrap(body, prompt, prompts)
         if boot.host is None:
             raise ApiError(400, NO_HOST, type_="BadRequest")
         seq.role_data["bootstrap"] = boot

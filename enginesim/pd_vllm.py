@@ -164,7 +164,7 @@ class NixlRole(BaseRole):
 
     # -- request hooks --------------------------------------------------------------------------
 
-    def accept(self, seq: Sequence, body: dict[str, Any]) -> None:
+    def accept(self, seq: Sequence, body: dict[str, Any], prompt: int = 0, prompts: int = 1) -> None:
         kv = body.get("kv_transfer_params")
         if kv is None:
             return

@@ -121,7 +121,7 @@ class SglangApi:
                 "completion_tokens_details": None}
 
     def _submit(self, request: web.Request, body: dict[str, Any], prompt_ids: list[int],
-                params: SamplingParams, stream: bool) -> Sequence:
+                params: SamplingParams, stream: bool, prompts: int = 1) -> Sequence:
         """Validate, apply the fault's status, and queue. Raises ``ApiError`` (style set by caller)."""
         engine = self.engine
         self._check_alive()
@@ -141,7 +141,7 @@ class SglangApi:
                                   lora=lora if isinstance(lora, str) else None,
                                   dp_rank=request_dp_rank(engine, request))
         seq.trace_headers = trace_headers(request.headers)
-        engine.role.accept(seq, body)
+        engine.role.accept(seq, body, 0, prompts)
         engine.submit(seq)
         return seq
 
@@ -178,13 +178,12 @@ class SglangApi:
         try:
             body = await read_json(request, require_json=False)
             req = parse_openai(body, kind, self.engine.tokenizer, vllm=False, several=True)
-            if self.engine.role.name != "aggregated" and (req.n > 1 or req.batch):
+            if self.engine.role.name != "aggregated" and req.n > 1:
                 # SGLang sends a prompt's n samples (and the prefill-only request that caches its
-                # prefix first) with the prompt's one bootstrap room, so a P/D pair's rooms collide;
-                # a batch's prompts get rooms room + i, which is not simulated either
-                raise ApiError(501, "enginesim does not simulate n > 1 or batched prompts on a P/D role "
-                               "(SGLang's samples of a prompt share its bootstrap room)",
-                               param="n" if req.n > 1 else "prompt")
+                # prefix first) with the prompt's one bootstrap room, so a P/D pair's rooms collide
+                # (a batch's prompts each have a room of their own: room + i, or the list's i-th)
+                raise ApiError(501, "enginesim does not simulate n > 1 on a P/D role "
+                               "(SGLang's samples of a prompt share its bootstrap room)", param="n")
             req = dataclasses.replace(req, logprobs=sglang_requested(body, kind))
             model = req.model if req.model is not None else "default"
             prompts = [ids for ids, _ in req.batch] or [req.prompt_ids]
@@ -196,7 +195,7 @@ class SglangApi:
                                     ignore_eos=req.ignore_eos)
             for ids in prompts[1:]:
                 self._check_length(len(ids))
-            seq = self._submit(request, body, req.prompt_ids, params, req.stream)
+            seq = self._submit(request, body, req.prompt_ids, params, req.stream, prompts=len(prompts))
             if kind == "chat" and self.cfg.tool_call_parser and req.n == 1:
                 seq.tool_calls = chat_tool_calls(body, sglang_call_id)
         except ApiError as exc:
@@ -215,6 +214,13 @@ class SglangApi:
                 if j:
                     child.output_key += f"\0choice {j}"     # each choice samples its own tokens
                 child.trace_headers = seq.trace_headers
+                try:
+                    # a P/D role's prompt i meets its counterpart on its own room
+                    self.engine.role.accept(child, body, p, len(prompts))
+                except ApiError as exc:
+                    for s in seqs:
+                        self.engine.client_gone(s)
+                    return exc.response(OPENAI)
                 self.engine.submit(child)
                 seqs.append(child)
         try:

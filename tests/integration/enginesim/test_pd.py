@@ -321,6 +321,37 @@ async def test_sglang_rendezvous(first: str, make_sim: MakeSim, http: aiohttp.Cl
         assert pd["rooms_waiting"] == [] and pd["transfers"] == 1
 
 
+@pytest.mark.parametrize("rooms", ["scalar", "list"])
+async def test_sglang_batch_prompts_meet_on_a_room_each(rooms: str, make_sim: MakeSim,
+                                                         http: aiohttp.ClientSession) -> None:
+    """A completion's batch: prompt i's room is room + i (one room given) or the list's i-th, on
+    both legs, as SGLang normalizes a batch's bootstrap fields; the prefill answers one token a
+    prompt and the decode continues each from its own prompt's token."""
+    p = await make_sim(engine="sglang", role="prefill", seed=1)
+    d = await make_sim(engine="sglang", role="decode", seed=2)
+    prompts = [PROMPT, "Hump yards use gravity to sort cars. " * 4, "A short third prompt."]
+    room: int | list[int] = 40 if rooms == "scalar" else [9, 3, 77]
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": p.bootstrap_port, "bootstrap_room": room}
+    if rooms == "list":
+        boot = {k: v if k == "bootstrap_room" else [v] * 3 for k, v in boot.items()}
+    body = {"model": "pd-model", "prompt": prompts, "max_tokens": 4, "rid": "batch-1", **boot}
+    (ps, pout, _), (ds, dout, _) = await asyncio.gather(
+        call(http, p.url + "/v1/completions", {**body, "max_tokens": 1}),
+        call(http, d.url + "/v1/completions", body))
+    assert ps == 200 and ds == 200, (pout, dout)
+    assert [c["index"] for c in dout["choices"]] == [0, 1, 2]
+    for pc, dc in zip(pout["choices"], dout["choices"], strict=True):
+        assert pc["text"] and dc["text"].startswith(pc["text"]) and len(dc["text"]) > len(pc["text"])
+    assert pout["usage"]["prompt_tokens"] == dout["usage"]["prompt_tokens"]
+    assert pout["usage"]["completion_tokens"] == 3 and dout["usage"]["completion_tokens"] == 12
+    for sim in (p, d):
+        pd = (await sim_state(sim.url, http))["pd"]
+        assert pd["rooms_waiting"] == [] and pd["transfers"] == 3
+    # a list of rooms names one a prompt
+    status, out, _ = await call(http, d.url + "/v1/completions", {**body, "bootstrap_room": [1, 2]})
+    assert status == 400 and "bootstrap_room has 2 values for a batch of 3 prompts" in out["message"]
+
+
 async def test_sglang_generate_first_token_and_cached(make_sim: MakeSim, http: aiohttp.ClientSession) -> None:
     p = await make_sim(engine="sglang", role="prefill", seed=3)
     d = await make_sim(engine="sglang", role="decode", seed=4)
