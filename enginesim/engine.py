@@ -449,9 +449,14 @@ class Engine:
         self.abort(seq, "Client disconnected")
 
     def abort_matching(self, rid_prefix: str) -> int:
-        """SGLang ``/abort_request``: abort every live request whose rid starts with the prefix."""
+        """SGLang ``/abort_request``: abort every live request whose rid starts with the prefix,
+        when one of them has that very rid (its tokenizer manager passes an abort on only for a rid
+        it holds a request of: a batch's prompts are held by their own rids)."""
         self.abort_requests.append(rid_prefix)
-        hits = [s for s in self.live() if s.rid.startswith(rid_prefix)]
+        live = self.live()
+        if not any(s.rid == rid_prefix for s in live):
+            return 0
+        hits = [s for s in live if s.rid.startswith(rid_prefix)]
         for seq in hits:
             self.abort(seq, "Abort requested")
         return len(hits)

@@ -121,14 +121,16 @@ class SglangApi:
                 "completion_tokens_details": None}
 
     def _submit(self, request: web.Request, body: dict[str, Any], prompt_ids: list[int],
-                params: SamplingParams, stream: bool, prompts: int = 1) -> Sequence:
-        """Validate, apply the fault's status, and queue. Raises ``ApiError`` (style set by caller)."""
+                params: SamplingParams, stream: bool, prompts: int = 1, rid: str | None = None) -> Sequence:
+        """Validate, apply the fault's status, and queue. Raises ``ApiError`` (style set by caller).
+        ``rid``: the request's (a batch's first prompt's), else the body's."""
         engine = self.engine
         self._check_alive()
         self._check_length(len(prompt_ids))
         fault = request_fault(engine, request)
         check_fault_status(engine, fault)
-        rid = body.get("rid")
+        if rid is None:
+            rid = body.get("rid")
         if not isinstance(rid, str) or not rid:
             rid = uuid.uuid4().hex
         salt = body.get("cache_salt") or body.get("extra_key")
@@ -195,7 +197,9 @@ class SglangApi:
                                     ignore_eos=req.ignore_eos)
             for ids in prompts[1:]:
                 self._check_length(len(ids))
-            seq = self._submit(request, body, req.prompt_ids, params, req.stream, prompts=len(prompts))
+            rids = _batch_rids(body, len(prompts)) if _listed_prompts(body, kind) else None
+            seq = self._submit(request, body, req.prompt_ids, params, req.stream, prompts=len(prompts),
+                               rid=rids[0] if rids else None)
             if kind == "chat" and self.cfg.tool_call_parser and req.n == 1:
                 seq.tool_calls = chat_tool_calls(body, sglang_call_id)
         except ApiError as exc:
@@ -207,8 +211,9 @@ class SglangApi:
             for j in range(req.n):
                 if p == 0 and j == 0:
                     continue
+                rid = rids[p] if rids else seq.rid
                 child = self.engine.new_sequence(
-                    seq_id=seq.id, rid=f"{seq.rid}-{p}_{j}" if p else f"{seq.rid}_{j}", prompt_ids=ids,
+                    seq_id=seq.id, rid=f"{rid}_{j}" if j else rid, prompt_ids=ids,
                     params=params, stream=req.stream, fault=seq.fault, cache_salt=seq.cache_salt, lora=seq.lora,
                     dp_rank=request_dp_rank(self.engine, request))
                 if j:
@@ -697,6 +702,27 @@ class SglangApi:
             return json_response({"detail": "Not Found"}, status=404)
         return web.Response(body=self.engine.metrics.render(self.engine),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def _listed_prompts(body: dict[str, Any], kind: str) -> bool:
+    """A completion whose ``prompt`` is a list of prompts (strings or token id lists): SGLang runs
+    it as a batch, even of one prompt."""
+    prompt = body.get("prompt") if kind == "completions" else None
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+
+def _batch_rids(body: dict[str, Any], n: int) -> list[str]:
+    """Each prompt's rid, as SGLang's GenerateReqInput normalizes a batch's: a list gives one a
+    prompt (of the batch's length), one rid R gives prompt i ``R_i``, none a fresh one each."""
+    rid = body.get("rid")
+    if isinstance(rid, list):
+        if len(rid) != n or not all(isinstance(r, str) and r for r in rid):
+            raise ApiError(400, "The specified rids length mismatch with the batch_size for batch processing.",
+                           type_="BadRequest")
+        return list(rid)
+    if isinstance(rid, str) and rid:
+        return [f"{rid}_{i}" for i in range(n)]
+    return [uuid.uuid4().hex for _ in range(n)]
 
 
 def _failure(out: StepOutput) -> ApiError | None:

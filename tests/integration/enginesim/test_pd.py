@@ -417,7 +417,7 @@ async def test_sglang_timeouts(make_sim: MakeSim, http: aiohttp.ClientSession) -
     status, out, _ = await call(http, d.url + "/v1/chat/completions", hdbody,
                              {"x-sim-fault": "prefill.hang=inf"})
     assert status == 500 and "KVPoll.WaitingForInput" in out["message"]
-    await call(http, p.url + "/abort_request", {"rid": "t-"})
+    await call(http, p.url + "/abort_request", {"rid": "t-1"})
     assert (await hp)[1]["choices"][0]["finish_reason"] == "abort"
     samples = await metric_samples(http, d.url)
     assert metric(samples, "sglang:num_bootstrap_failed_reqs_total", engine_type="decode") == 1
@@ -433,7 +433,7 @@ async def test_sglang_abort_waiting_prefill(stream: bool, make_sim: MakeSim,
     pbody, _ = sglang_bodies(p, 21, "gw-0001-abcd")
     task = asyncio.create_task(call(http, p.url + "/v1/chat/completions", {**pbody, "stream": stream}))
     await wait_state(http, p.url, lambda s: bool(s["pd"]["rooms_waiting"]))
-    await call(http, p.url + "/abort_request", {"rid": "gw-0001"})
+    await call(http, p.url + "/abort_request", {"rid": "gw-0001-abcd"})
     status, out, _ = await task
     assert status == 200
     if stream:
@@ -451,7 +451,7 @@ async def test_sglang_abort_waiting_decode(make_sim: MakeSim, http: aiohttp.Clie
     async with http.post(d.url + "/generate", json={"text": PROMPT, "stream": True, **{
             k: dbody[k] for k in ("rid", "bootstrap_host", "bootstrap_port", "bootstrap_room")}}) as resp:
         await wait_state(http, p.url, lambda s: bool(s["pd"]["rooms_waiting"]))
-        await call(http, d.url + "/abort_request", {"rid": "gw-0002"})
+        await call(http, d.url + "/abort_request", {"rid": "gw-0002-abcd"})
         event = await next_event(resp)
         assert event["meta_info"]["finish_reason"]["type"] == "abort"
     # The decode's rendezvous call went away with it.

@@ -492,16 +492,19 @@ async def test_sglang_generate_cumulative_stream(sglang: SimServer, http: aiohtt
     assert data["meta_info"]["prompt_tokens"] == 3 and len(data["output_ids"]) == 2
 
 
-async def test_sglang_abort_request_by_prefix(sglang: SimServer, http: aiohttp.ClientSession) -> None:
+async def test_sglang_abort_request_takes_a_rid_it_holds(sglang: SimServer, http: aiohttp.ClientSession) -> None:
+    """SGLang's tokenizer manager passes an abort on only for a rid it holds a request of; its
+    scheduler then aborts every request whose rid starts with it."""
     stall = {"x-sim-fault": "stall_after=1:inf"}
     body = {"messages": CHAT, "stream": True, "rid": "grp-0001-a"}
     async with http.post(sglang.url + "/v1/chat/completions", json=body, headers=stall) as resp:
         assert (await next_event(resp))["choices"][0]["delta"]["role"] == "assistant"
         assert (await next_event(resp))["choices"][0]["delta"]["content"]
-        async with http.post(sglang.url + "/abort_request", json={"rid": "grp-0002"}) as r:
-            assert r.status == 200
-        assert len((await sim_state(sglang.url, http))["running"]) == 1  # other prefix: untouched
-        async with http.post(sglang.url + "/abort_request", json={"rid": "grp-0001"}) as r:
+        for other in ("grp-0002", "grp-0001"):      # another rid, and a prefix no request has
+            async with http.post(sglang.url + "/abort_request", json={"rid": other}) as r:
+                assert r.status == 200
+        assert len((await sim_state(sglang.url, http))["running"]) == 1  # untouched
+        async with http.post(sglang.url + "/abort_request", json={"rid": "grp-0001-a"}) as r:
             assert r.status == 200 and await r.read() == b""
         finish = await next_event(resp)
         assert finish["choices"][0]["finish_reason"] == "abort"
@@ -519,6 +522,31 @@ async def test_sglang_abort_request_by_prefix(sglang: SimServer, http: aiohttp.C
         last = await next_event(resp)
         assert last["meta_info"]["finish_reason"]["type"] == "abort"
         assert await next_event(resp) == "[DONE]"
+
+
+async def test_sglang_batch_prompts_are_held_by_rids_of_their_own(sglang: SimServer,
+                                                                 http: aiohttp.ClientSession) -> None:
+    """A completion's list of prompts (even of one) is a batch: one rid R gives prompt i ``R_i``, a
+    list names each; an abort of R reaches none of them, theirs each one."""
+    stall = {"x-sim-fault": "stall_after=1:inf"}
+    for prompts, rid, held in ((["Once upon a time", "Freight cars"], "bt-1", ["bt-1_0", "bt-1_1"]),
+                               (["Once upon a time"], "bt-2", ["bt-2_0"]),
+                               (["Once upon a time", "Freight cars"], ["bt-3a", "bt-3b"], ["bt-3a", "bt-3b"])):
+        body = {"prompt": prompts, "max_tokens": 50, "stream": True, "rid": rid}
+        k = len(held)
+        async with http.post(sglang.url + "/v1/completions", json=body, headers=stall) as resp:
+            state = await wait_state(http, sglang.url, lambda s, k=k: len(s["running"]) == k)
+            assert sorted(r["rid"] for r in state["running"]) == held
+            if isinstance(rid, str):
+                await call(http, sglang.url + "/abort_request", {"rid": rid})
+                assert len((await sim_state(sglang.url, http))["running"]) == len(held)
+            for r in held:
+                await call(http, sglang.url + "/abort_request", {"rid": r})
+            await resp.read()
+        assert (await sim_state(sglang.url, http))["running"] == []
+    status, out, _ = await call(http, sglang.url + "/v1/completions",
+                                {"prompt": ["a", "b"], "max_tokens": 1, "rid": ["only-one"]})
+    assert status == 400 and "rids length mismatch" in out["message"]
 
 
 async def test_sglang_info_endpoints_and_flush(sglang: SimServer, http: aiohttp.ClientSession) -> None:
