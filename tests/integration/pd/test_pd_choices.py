@@ -6,11 +6,13 @@ them: such a request runs whole on a combined endpoint, or is refused, never spl
 
 from __future__ import annotations
 
+import aiohttp
 import openai
 import pytest
 
 from tests.support.factories import pd_model, pd_pair, roleset
 from tests.support.http import openai_client, sim_state
+from tests.support.waiting import until, wait_for
 
 MSG = [{"role": "user", "content": "Disaggregated serving splits prefill from decode. " * 8}]
 
@@ -118,3 +120,73 @@ async def test_vllm_prompt_logprobs_run_whole_on_the_decode(sims, gateway):
     one = await client.completions.with_raw_response.create(model="m", prompt="Once upon a time", max_tokens=2,
                                                             logprobs=2)
     assert one.headers["x-pd-decision"].startswith("disaggregated")      # the answer's logprobs alone: split
+
+
+async def test_an_sglang_batch_of_prompts_is_split_with_a_room_a_prompt(sims, gateway):
+    """SGLang gives each prompt of a batch a bootstrap room of its own on both legs, so a batch is
+    split: each leg names one room a prompt (as sgl-router's PD mode does), the prefill runs one
+    token a prompt and the decode continues each prompt's, choice i being prompt i's."""
+    p, d = await pd_pair(sims, "sglang")
+    gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])])
+    client = openai_client(gw)
+    prompts = ["Once upon a time", "The quick brown fox jumps over the lazy dog", "Freight cars"]
+    with gw.gw.request_log.capture() as logs:
+        raw = await client.completions.with_raw_response.create(model="m", prompt=prompts, max_tokens=3)
+        assert raw.headers["x-pd-decision"].startswith("disaggregated")
+        whole = raw.parse()
+        assert [c.index for c in whole.choices] == [0, 1, 2] and all(c.text for c in whole.choices)
+        assert whole.usage.completion_tokens == 9
+        texts: dict[int, str] = {}
+        usage = None
+        async for chunk in await client.completions.create(model="m", prompt=prompts, max_tokens=3, stream=True,
+                                                           stream_options={"include_usage": True}):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+            usage = chunk.usage or usage
+        await until(lambda: len([e for e in logs if e["event"] == "request"]) == 2, timeout=3)
+    assert sorted(texts) == [0, 1, 2] and all(texts.values())
+    assert usage.completion_tokens == 9 and usage.prompt_tokens == whole.usage.prompt_tokens
+    lines = [e for e in logs if e["event"] == "request"]
+    assert [(e["status"], e["completion_tokens"], e["finish_reasons"]) for e in lines] == \
+        [(200, 9, ["length"] * 3)] * 2
+    ps, ds = await sim_state(p.url), await sim_state(d.url)
+    for line, pb, db in zip(lines, _posts(ps), _posts(ds), strict=True):
+        for key in ("bootstrap_room", "bootstrap_host", "bootstrap_port", "rid"):
+            assert pb[key] == db[key] and isinstance(db[key], list) and len(db[key]) == 3, (key, db[key])
+        assert len(set(db["bootstrap_room"])) == 3 and len(set(db["bootstrap_host"])) == 1
+        assert db["rid"] == [f"{line['rid']}_{i}" for i in range(3)]
+    assert ps["pd"]["transfers"] == 6 and ds["pd"]["transfers"] == 6
+    assert ps["pd"]["rooms_waiting"] == [] and ps["counts"]["completed"] == 6
+
+
+@pytest.mark.parametrize("prompts", [["Once upon a time", "Freight cars"], ["Once upon a time"]])
+async def test_a_failed_sglang_prefill_of_a_batch_aborts_each_prompts_decode(sims, gateway, prompts):
+    """SGLang holds a batch's prompts (a completion's list of prompts, even of one) by rids of their
+    own and passes an abort on only for a rid it holds: when the prefill fails, the decode is told
+    to drop each prompt's request, not the batch's rid, which would leave them waiting for KV that
+    never comes (the decode notices a closed connection only after 30 s here, as SGLang, late)."""
+    p = await sims("sglang", "m", role="prefill")
+    d = await sims("sglang", "m", role="decode", sglang_abort_delay_s=30.0)
+    gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])], health={"passive": False},
+                       pd={"abort_retry_delay_s": 0.2})
+    with gw.gw.request_log.capture() as logs:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gw.url + "/v1/completions", json={"model": "m", "prompt": prompts, "max_tokens": 3},
+                              headers={"x-sim-fault": "prefill.status=500"}) as r:
+                assert r.status == 502
+        await until(lambda: any(e["event"] == "request" for e in logs), timeout=3)
+    rid = next(e for e in logs if e["event"] == "request")["rid"]
+    held = [f"{rid}_{i}" for i in range(len(prompts))]
+    await until(lambda: _decode_received(d.url), timeout=3)
+
+    async def dropped() -> bool:
+        st = await sim_state(d.url)
+        return not st["running"] + st["waiting"] and set(held) <= set(st["abort_requests"])
+
+    st = await sim_state(d.url)
+    assert await wait_for(dropped, timeout=3), ([x["rid"] for x in st["running"] + st["waiting"]],
+                                                st["abort_requests"])
+
+
+async def _decode_received(url: str) -> bool:
+    return bool(_posts(await sim_state(url)))
