@@ -40,11 +40,12 @@ class BadPrefillAnswer(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class AbortSpec:
-    """How to tell an endpoint to drop a request: POST ``body`` to ``path``; sent a second time
-    after ``retry_delay_s`` (an abort may overtake the request it aborts). ``timeout_s`` 0: never."""
+    """How to tell an endpoint to drop a request: POST each of ``bodies`` to ``path`` (one a
+    request the engine holds: a batch's prompts may be several); sent a second time after
+    ``retry_delay_s`` (an abort may overtake the request it aborts). ``timeout_s`` 0: never."""
 
     path: str
-    body: bytes
+    bodies: tuple[bytes, ...]
     timeout_s: float
     retry_delay_s: float
 

@@ -26,7 +26,7 @@ from gateway.apis.paths import (
     TRANSCRIPTIONS,
 )
 from gateway.endpoints import Endpoint
-from gateway.request import CHAT, InferenceRequest, body_bytes, usage_stream_options
+from gateway.request import CHAT, COMPLETIONS, InferenceRequest, body_bytes, usage_stream_options
 from handlers.base import OPENAI_PATHS, AbortSpec, PDPlan, Unsplit, engine_message, openai_usage
 from handlers.base import BodyError as _BodyError
 from handlers.continuation import TEXT
@@ -155,12 +155,13 @@ def duplicate_controlled_key(body: bytes) -> str | None:
     return None
 
 
-def build_bodies(data: dict[str, Any], *, bootstrap_host: str, bootstrap_port: int,
-                 room: int, rid: str, decode_extra: dict[str, Any] | None = None,
+def build_bodies(data: dict[str, Any], *, bootstrap_host: str | list[str], bootstrap_port: int | list[int],
+                 room: int | list[int], rid: str | list[str], decode_extra: dict[str, Any] | None = None,
                  original: bytes = b"") -> tuple[bytes, bytes]:
     """(prefill body, decode body) from the client's parsed request, serialized once each.
 
-    Both get the bootstrap triple and the rid (client values overwritten). The prefill also gets
+    Both get the bootstrap triple and the rid (client values overwritten; a batch's, lists of one
+    a prompt). The prefill also gets
     ``max_tokens=1``, ``max_completion_tokens=1``, ``stream=false`` and loses ``stream_options``
     and ``min_tokens``. ``decode_extra`` replaces top-level decode keys (e.g. stream_options when
     the gateway asks for usage). The client's other members keep their order and values, so both
@@ -175,6 +176,15 @@ def build_bodies(data: dict[str, Any], *, bootstrap_host: str, bootstrap_port: i
     prefill.update(max_tokens=1, max_completion_tokens=1, stream=False)
     prefill.update(boot)
     return body_bytes(prefill, original), body_bytes(decode, original)
+
+
+def listed_prompts(ireq: InferenceRequest) -> int | None:
+    """How many prompts a completion's list of prompts (strings or token id lists) holds: SGLang
+    runs it as a batch, even of one prompt. None for any other request."""
+    prompt = ireq.data.get("prompt") if ireq.path == COMPLETIONS else None
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt)
+    return None
 
 
 def bootstrap_host_of(host: str) -> str:
@@ -202,14 +212,27 @@ class SGLangAdapter:
 
     def pd_plan(self, ireq: InferenceRequest, checked: None, *, prefill: Endpoint,
                 settings: HasSGLangSettings, rng: random.Random) -> PDPlan:
+        """A completion's list of prompts (even of one) is a batch to SGLang, which holds its prompt i
+        by a rid of its own (``<rid>_i`` of one rid) and passes an abort on only for a rid it holds:
+        both legs name each prompt's rid and bootstrap room (a fresh one each, as sgl-router's PD
+        mode does), and an abort names each prompt's rid."""
         own = settings.sglang
         rid = new_rid(ireq.request_id)
+        host = bootstrap_host_of(prefill.host)
+        port = prefill.bootstrap_port or own.default_bootstrap_port
         extra = usage_stream_options(ireq, self.continuous_usage_alone)
-        p_body, d_body = build_bodies(
-            ireq.data, bootstrap_host=bootstrap_host_of(prefill.host),
-            bootstrap_port=prefill.bootstrap_port or own.default_bootstrap_port,
-            room=new_room(rng), rid=rid, decode_extra=extra, original=ireq.body)
-        abort = AbortSpec("/abort_request", orjson.dumps({"rid": rid}), own.abort_timeout_s, own.abort_retry_delay_s)
+        batch = listed_prompts(ireq)
+        if batch is None:
+            p_body, d_body = build_bodies(ireq.data, bootstrap_host=host, bootstrap_port=port, room=new_room(rng),
+                                          rid=rid, decode_extra=extra, original=ireq.body)
+            held = [rid]
+        else:
+            held = [f"{rid}_{i}" for i in range(batch)]
+            p_body, d_body = build_bodies(ireq.data, bootstrap_host=[host] * batch, bootstrap_port=[port] * batch,
+                                          room=[new_room(rng) for _ in range(batch)], rid=held,
+                                          decode_extra=extra, original=ireq.body)
+        abort = AbortSpec("/abort_request", tuple(orjson.dumps({"rid": r}) for r in held), own.abort_timeout_s,
+                          own.abort_retry_delay_s)
         return PDPlan(concurrent=True, prefill_body=p_body, decode_body=d_body, abort=abort,
                       strip_usage=extra is not None, log={"rid": rid})
 

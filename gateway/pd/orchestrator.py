@@ -717,13 +717,14 @@ class PDOrchestrator:
             self.metrics.child(self.metrics.pd_aborts, model, "skipped_disabled").inc()
             return
         for attempt in range(2):
-            try:
-                status, _ = await self.upstream.fetch(ep, spec.path, spec.body, {"Content-Type": "application/json"},
-                                                      model, spec.timeout_s, report=False)
-                result = "ok" if status == 200 else "error"
-            except UpstreamFailure:
-                result = "error"
-            self.metrics.child(self.metrics.pd_aborts, model, result).inc()
+            for body in spec.bodies:
+                try:
+                    status, _ = await self.upstream.fetch(ep, spec.path, body, {"Content-Type": "application/json"},
+                                                          model, spec.timeout_s, report=False)
+                    result = "ok" if status == 200 else "error"
+                except UpstreamFailure:
+                    result = "error"
+                self.metrics.child(self.metrics.pd_aborts, model, result).inc()
             if attempt == 0:
                 if not spec.retry_delay_s:
                     return
