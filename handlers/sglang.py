@@ -244,9 +244,10 @@ class SGLangAdapter:
 
     def unsplit(self, ireq: InferenceRequest) -> Unsplit | None:
         """SGLang sends a prompt's n samples (and the prefill-only request caching its prefix first)
-        with the prompt's one bootstrap room (TokenizerManager._handle_batch_request), so its P/D
-        legs would pair them by a room they share: such a request is not split. A batch's prompts
-        get rooms room + i on both legs (GenerateReqInput), and are."""
+        with the prompt's one bootstrap room (TokenizerManager._handle_batch_request; a list of
+        rooms gives them all its first), so its P/D legs would pair them by a room they share: such
+        a request is not split. A batch's prompts each have a room of their own (``pd_plan``), and
+        are."""
         if ireq.choices * ireq.fan > ireq.sequences:       # n > 1
             return Unsplit("several_choices", "n > 1", "n", "SGLang sends a prompt's samples with its one "
                            "bootstrap room, so its prefill and decode legs cannot pair them")

@@ -190,3 +190,31 @@ async def test_a_failed_sglang_prefill_of_a_batch_aborts_each_prompts_decode(sim
 
 async def _decode_received(url: str) -> bool:
     return bool(_posts(await sim_state(url)))
+
+
+async def test_an_sglang_chat_of_max_tokens_0_is_split_and_warms_the_prefills_cache(sims, gateway):
+    """A chat of max_tokens 0 is split like any other: an SGLang decode-mode server checks the
+    request's length limit once the KV came (disaggregation/decode.py) and ends it there with no
+    token, and the prefill, which alone cannot finish a request without its decode, caches the
+    prompt, which the next request split onto it reads."""
+    p, d = await pd_pair(sims, "sglang")
+    gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])])
+    client = openai_client(gw)
+    for stream in (False, True):
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m", messages=MSG, max_tokens=0, stream=stream, stream_options={"include_usage": True} if stream else None)
+        assert raw.headers["x-pd-decision"].startswith("disaggregated")
+        if stream:
+            chunks = [c async for c in raw.parse()]
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+            usage = chunks[-1].usage
+        else:
+            answer = raw.parse()
+            assert answer.choices[0].message.content == "" and answer.choices[0].finish_reason == "length"
+            usage = answer.usage
+        assert usage.completion_tokens == 0 and usage.prompt_tokens > 0
+    assert usage.prompt_tokens_details.cached_tokens > 0      # the second read the first's prefill
+    sent = _posts(await sim_state(d.url))
+    assert [b["max_tokens"] for b in sent] == [0, 0]
+    assert [b["max_tokens"] for b in _posts(await sim_state(p.url))] == [1, 1]
