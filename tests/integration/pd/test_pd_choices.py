@@ -218,3 +218,31 @@ async def test_an_sglang_chat_of_max_tokens_0_is_split_and_warms_the_prefills_ca
     sent = _posts(await sim_state(d.url))
     assert [b["max_tokens"] for b in sent] == [0, 0]
     assert [b["max_tokens"] for b in _posts(await sim_state(p.url))] == [1, 1]
+
+
+@pytest.mark.parametrize("with_combined", [True, False])
+async def test_sglang_prompt_logprobs_run_whole_on_a_combined_endpoint_or_are_refused(sims, gateway, with_combined):
+    """A completion's echo with logprobs asks the prompt's logprobs, from the prompt's forward
+    pass: an SGLang decode-mode server skips it (it builds the prompt's batch from the KV it got),
+    and sgl-router takes them from the prefill's answer, which the gateway drops. Such a request
+    runs whole on a combined endpoint, or is refused; the answer's logprobs alone are split."""
+    p, d = await pd_pair(sims, "sglang")
+    rs = roleset("sglang", p, d)
+    if with_combined:
+        c = await sims("sglang", "m")
+        rs["combined"] = [c.url]
+    gw = await gateway([pd_model("sglang", [rs], pd={"combined_load_ratio": 0})])
+    client = openai_client(gw)
+    if with_combined:
+        raw = await client.completions.with_raw_response.create(model="m", prompt="Once upon a time", max_tokens=2,
+                                                                echo=True, logprobs=2)
+        assert raw.headers["x-pd-decision"] == "combined; reason=prompt_logprobs"
+        assert raw.parse().choices[0].text.startswith("Once upon a time")
+    else:
+        with pytest.raises(openai.BadRequestError) as ei:
+            await client.completions.create(model="m", prompt="Once upon a time", max_tokens=2, echo=True, logprobs=2)
+        assert ei.value.param == "logprobs" and "prompt logprobs" in ei.value.message, ei.value.message
+    assert _posts(await sim_state(p.url)) == [] and _posts(await sim_state(d.url)) == []
+    one = await client.completions.with_raw_response.create(model="m", prompt="Once upon a time", max_tokens=2,
+                                                            logprobs=2)
+    assert one.headers["x-pd-decision"].startswith("disaggregated")
