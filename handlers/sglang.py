@@ -247,10 +247,18 @@ class SGLangAdapter:
         with the prompt's one bootstrap room (TokenizerManager._handle_batch_request; a list of
         rooms gives them all its first), so its P/D legs would pair them by a room they share: such
         a request is not split. A batch's prompts each have a room of their own (``pd_plan``), and
-        are."""
+        are. Nor are prompt logprobs (a completion's echo with logprobs)."""
         if ireq.choices * ireq.fan > ireq.sequences:       # n > 1
             return Unsplit("several_choices", "n > 1", "n", "SGLang sends a prompt's samples with its one "
                            "bootstrap room, so its prefill and decode legs cannot pair them")
+        if ireq.path == COMPLETIONS and ireq.data.get("echo") is True and ireq.data.get("logprobs"):
+            # OpenAIServingCompletion asks them (logprob_start_len 0, for logprobs of 1 or more) of
+            # the prompt's forward pass, which a decode-mode server skips: it builds the prompt's
+            # batch from the KV it got (disaggregation/decode.py); sgl-router takes them from the
+            # prefill's answer
+            return Unsplit("prompt_logprobs", "prompt logprobs", "logprobs",
+                           "they come from the prompt's forward pass, which an SGLang decode that loads its KV "
+                           "does not run")
         return None
 
     def serves(self, path: str) -> bool:

@@ -30,7 +30,8 @@ on the chosen decode when its engine prefills by itself, else on the least-loade
 endpoint, else it is refused with 400. vLLM: a completion's batch of prompts (``several_prompts``:
 its prefill answers the first prompt's KV params alone) and prompt logprobs (``prompt_logprobs``:
 a decode that loads the prompt's KV does not run the forward pass they come from); SGLang: several
-choices (``several_choices``, ``n`` > 1: a prompt's samples share its bootstrap room).
+choices (``several_choices``, ``n`` > 1: a prompt's samples share its bootstrap room) and prompt
+logprobs (``prompt_logprobs``, a completion's echo with logprobs, likewise).
 
 A request that generates nothing (the Messages API's count_tokens) runs whole on the chosen decode
 (``no_generation``) before any rule, on either engine: it only renders and counts the prompt, which
