@@ -246,3 +246,27 @@ async def test_sglang_prompt_logprobs_run_whole_on_a_combined_endpoint_or_are_re
     one = await client.completions.with_raw_response.create(model="m", prompt="Once upon a time", max_tokens=2,
                                                             logprobs=2)
     assert one.headers["x-pd-decision"].startswith("disaggregated")
+
+
+async def test_a_client_leaving_an_sglang_batch_mid_decode_has_each_prompts_decode_aborted(sims, gateway):
+    """A stream of a batch whose client leaves after its first chunk: the decode is told to drop
+    each prompt's request (it notices the closed connection only after 30 s here), and the
+    prefill holds no room."""
+    p = await sims("sglang", "m", role="prefill")
+    d = await sims("sglang", "m", role="decode", itl_ms=50, sglang_abort_delay_s=30.0)
+    gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])], pd={"abort_retry_delay_s": 0.2})
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(gw.url + "/v1/completions", json={"model": "m", "prompt": ["a b c", "d e f"],
+                                                              "max_tokens": 500, "stream": True})
+        assert resp.status == 200
+        await resp.content.readline()
+        resp.close()
+
+    async def dropped() -> bool:
+        st = await sim_state(d.url)
+        return not st["running"] + st["waiting"] and st["counts"]["aborted"] == 2
+
+    assert await wait_for(dropped, timeout=3)
+    rids = (await sim_state(d.url))["abort_requests"]
+    assert len(rids) >= 2 and all(r.endswith(("_0", "_1")) for r in rids)
+    assert (await sim_state(p.url))["pd"]["rooms_waiting"] == []
