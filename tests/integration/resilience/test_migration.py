@@ -238,6 +238,55 @@ async def test_an_answer_whose_finish_reason_came_is_not_continued(sims, gateway
     assert migrations(await gw.metrics_text(), "continued") == 0
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+async def test_a_stream_that_broke_with_all_its_max_tokens_ends_there(sims, gateway, engine, kind):
+    """The engine generated the request's max_tokens and broke before the chunk with its
+    finish_reason (SGLang sends that chunk on its own, after the last token's): the answer has all
+    its tokens, and ends as the engine would have ended it, with finish_reason "length", no other
+    engine asked. It was continued with max_tokens 1, so the client got a token more than it asked."""
+    chat = kind == "chat"
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, word in enumerate([" alpha", " beta"]):
+            choice = {"index": 0, "logprobs": None, "finish_reason": None,
+                      **({"delta": {"content": word}} if chat else {"text": word})}
+            ev = {"id": "cmpl-x", "object": "chat.completion.chunk" if chat else "text_completion",
+                  "created": 1, "model": "m", "choices": [choice],
+                  "usage": {"prompt_tokens": 3, "completion_tokens": i + 1, "total_tokens": 4 + i}}
+            if engine == "vllm":
+                choice["token_ids"] = [100 + i]
+                if i == 0:
+                    (ev if chat else choice)["prompt_token_ids"] = [1, 2, 3]
+            await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+        request.transport.abort()
+        return resp
+
+    good = await sims(engine, "m")
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": "m", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True},
+            **({"messages": MSG} if chat else {"prompt": "tell me a story"})}
+    async with fake_engine(answer, paths=(path,)) as bad:
+        gw = await gateway([model_block("m", engine, [bad, good.url], strategy="round-robin", migration_limit=1)])
+        with gw.gw.request_log.capture() as logs:
+            st, got = await raw_post(gw.url, path, body)
+            await until(lambda: any(e["event"] == "request" for e in logs))
+    assert st == 200 and got[-1] == "[DONE]", got[-3:]
+    assert text_of(got, chat) == " alpha beta"
+    assert [e["choices"][0]["finish_reason"] for e in got if isinstance(e, dict) and e.get("choices")
+            and e["choices"][0].get("finish_reason")] == ["length"]
+    assert len({e["id"] for e in got if isinstance(e, dict)}) == 1
+    usage = [e["usage"] for e in got if isinstance(e, dict) and e.get("usage")]
+    assert [(u["prompt_tokens"], u["completion_tokens"]) for u in usage] == [(3, 2)]
+    assert (await sim_state(good.url))["counts"]["started"] == 0
+    line = next(e for e in logs if e["event"] == "request")
+    assert line["status"] == 200 and line.get("error_class") is None and line["completion_tokens"] == 2
+    assert [(m["reason"], m["outcome"], m["tokens"]) for m in line["migrations"]] == [("broken", "length", 2)]
+    assert migrations(await gw.metrics_text(), "length") == 1
+
+
 async def test_a_stream_whose_chunks_carry_no_token_ids_is_not_continued_from_its_prompt(sims, gateway):
     """vLLM sends prompt_token_ids on the first chunk but no token_ids on any chunk while its
     reasoning parser hides the reasoning (include_reasoning false on the server's side): continued
