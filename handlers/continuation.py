@@ -74,11 +74,24 @@ def max_tokens_of(path: str, data: dict[str, Any]) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-def _reduced(data: dict[str, Any], p: Partial, default_max: int | None) -> tuple[int | None, int | None]:
-    """(max_tokens, min_tokens) of the next leg; None: leave unset."""
+def _length(data: dict[str, Any], p: Partial, default_max: int | None) -> int | None:
+    """The answer's length bound in tokens, as the engine reads the request; None: the rest of the context."""
     given = max_tokens_of(p.path, data)
     if given is None and not (p.path == COMPLETIONS and "max_tokens" in data and data["max_tokens"] is None):
         given = default_max           # a completion's explicit null is the rest of the context (vLLM)
+    return given
+
+
+def at_length(p: Partial, default_max: int | None) -> bool:
+    """Every token the answer may have was generated: the engine would have ended it there, with
+    finish_reason "length" (a continuation would add to it: no engine takes a max_tokens of 0)."""
+    given = _length(p.data, p, default_max)
+    return given is not None and p.completion_tokens >= given
+
+
+def _reduced(data: dict[str, Any], p: Partial, default_max: int | None) -> tuple[int | None, int | None]:
+    """(max_tokens, min_tokens) of the next leg; None: leave unset."""
+    given = _length(data, p, default_max)
     left = None if given is None else max(1, given - p.completion_tokens)
     mn = min_tokens_of(data)
     min_left = max(0, mn - p.completion_tokens) if mn else None

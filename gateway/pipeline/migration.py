@@ -79,6 +79,7 @@ from handlers.continuation import (
     TEXT,
     TOKEN,
     Partial,
+    at_length,
     continuation,
     echo_length,
     first_leg,
@@ -114,6 +115,7 @@ class _NoLegs:
 NO_LEGS: Legs = _NoLegs()
 
 _UNKNOWN: Any = object()    # prompt_tokens_details no leg that ran the original prompt reported
+_WHOLE: Any = object()      # a failed leg whose answer had all its tokens: nothing to continue
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
            "structured_outputs", "json_schema", "regex", "ebnf", "structural_tag")
@@ -283,6 +285,9 @@ class Migration:
         self.stops = stops_of(data)
         self.seam: StopSeam | None = None     # a continuation's first characters, checked for stop strings
         self.cut: bytes | None = None         # a stop string across the seam ended the answer: its last event
+        # the last leg broke once every token the answer may have was generated: the answer ends
+        # there, and its engine's breaker hears the fault (``Relay.settle``)
+        self.broke_whole: ErrorClass | None = None
 
     @property
     def active(self) -> bool:
@@ -363,6 +368,14 @@ class Migration:
                     rec.delivered = True    # the client has the whole answer
                     break
                 nxt = await self._next_leg(relay, ctx, error_class)
+                if nxt is _WHOLE:
+                    # the engine broke after the answer's last token, before its finish_reason: the
+                    # answer ends as the engine would have ended it
+                    end = self._length_end()
+                    seen.feed(end, time.perf_counter())
+                    await self._write(out, end + self._tail())
+                    rec.delivered = True
+                    break
                 if nxt is None:             # the client gets the relay's final error event
                     if error_class == ErrorClass.UPSTREAM_STREAM_ERROR and isinstance(self.error, dict):
                         message = str(self.error.get("message") or message)
@@ -522,9 +535,10 @@ class Migration:
             return ErrorClass.UPSTREAM_STREAM_UNSUPPORTED, "in-stream error"
         return ErrorClass.UPSTREAM_STREAM_ERROR, "in-stream error"
 
-    async def _next_leg(self, relay: Relay, ctx: RequestContext, error_class: ErrorClass) -> UpstreamResponse | None:
+    async def _next_leg(self, relay: Relay, ctx: RequestContext, error_class: ErrorClass) -> UpstreamResponse | Any:
         """Open the leg that continues the stream, or None (refused, limit, or it failed: the
-        relay then tells the failed endpoint's breaker, as for any stream)."""
+        relay then tells the failed endpoint's breaker, as for any stream), or ``_WHOLE`` (the
+        failed leg had generated every token the answer may have: nothing to continue)."""
         rec = ctx.rec
         failed_ep = rec.endpoint
         failed = ctx.decision.endpoint if ctx.decision is not None else None
@@ -535,6 +549,11 @@ class Migration:
         self.leg_completion = self.leg_ids = 0
         if reason is None:                    # the whole-exchange timeout: not a leg's failure
             return None
+        if at_length(self.partial, self.default_max):
+            # the answer has all its tokens: a continuation would add to it (max_tokens is at least 1)
+            self._count(rec, reason, "length", failed_ep)
+            self.broke_whole = error_class
+            return _WHOLE
         why = self._refused_now()
         if why is not None:
             self._count(rec, reason, f"refused_{why}", failed_ep)
@@ -762,7 +781,7 @@ class Migration:
             self._observe_echo(ch)
         else:
             self._observe(ch)
-        if self.chat and isinstance(ch.get("delta"), dict) and "role" not in ch["delta"]:
+        if (self.chat and isinstance(ch.get("delta"), dict) and "role" not in ch["delta"]) or not self.chat:
             self.template = obj
         return self._encode(obj)
 
@@ -837,6 +856,24 @@ class Migration:
             if k in obj:
                 new[k] = obj[k]
         return new, choice
+
+    def _length_end(self) -> bytes:
+        """The chunk an engine ends an answer cut by its length with: no more text, finish_reason
+        "length", in the shape of the stream's chunks (vLLM's ``stop_reason``, SGLang's ``matched_stop``)."""
+        tpl = self.template or {"object": "chat.completion.chunk" if self.chat else "text_completion",
+                                "choices": [{"index": 0}]}
+        base = tpl["choices"][0] if tpl.get("choices") else {"index": 0}
+        choice: dict[str, Any] = {"index": base.get("index", 0)}
+        choice.update({"delta": {}} if self.chat else {"text": ""})
+        choice.update(logprobs=None, finish_reason="length")
+        choice["matched_stop" if "matched_stop" in base else "stop_reason"] = None
+        if "token_ids" in base:
+            choice["token_ids"] = [] if self.client_ids else None
+        obj = {k: v for k, v in tpl.items() if k not in ("usage", "choices", "prompt_token_ids")}
+        obj["choices"] = [choice]
+        if self.first is not None:
+            obj.update(self.first)
+        return self._encode(obj)
 
     def _merged(self, final: bool) -> dict[str, Any]:
         """The usage of the whole stream so far: the original prompt, every leg's output."""

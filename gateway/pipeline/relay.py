@@ -429,7 +429,12 @@ class Relay:
             rec, ep = ctx.rec, ctx.decision.endpoint
             outcome = (Outcome.NONE if cancelled else of_status(resp.status, ep.api_key is not None)
                        if resp.status != 200 else of_answer(rec.status, rec.error_class))
-            self.record(ep, outcome, rec.error_class or "")
+            cause = rec.error_class or ""
+            broke = ctx.migration.broke_whole if ctx.migration is not None else None
+            if broke is not None and outcome == Outcome.SUCCESS:
+                # its engine broke after the answer's last token, which the gateway ended itself
+                outcome, cause = Outcome.FAULT, broke
+            self.record(ep, outcome, cause)
 
     def error_answer(self, ctx: RequestContext, status: int, body: bytes, headers: dict[str, str]) -> web.StreamResponse:
         """An error answer (``body``: the error in the request's API shape), written whole when it may be."""

@@ -285,6 +285,9 @@ async def test_a_stream_that_broke_with_all_its_max_tokens_ends_there(sims, gate
     assert line["status"] == 200 and line.get("error_class") is None and line["completion_tokens"] == 2
     assert [(m["reason"], m["outcome"], m["tokens"]) for m in line["migrations"]] == [("broken", "length", 2)]
     assert migrations(await gw.metrics_text(), "length") == 1
+    breakers = gw.gw.gen.services.breakers
+    assert {ep.url: breakers.describe(ep)["consecutive_faults"] for ep in gw.gw.pool.endpoints()} == {
+        bad: 1, good.url: 0}      # the engine broke all the same
 
 
 async def test_a_stream_whose_chunks_carry_no_token_ids_is_not_continued_from_its_prompt(sims, gateway):
