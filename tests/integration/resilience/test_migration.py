@@ -199,11 +199,13 @@ async def test_sglangs_continuous_usage_stats_asked_alone_ride_on_every_chunk(si
     assert 'switchyard_completion_tokens_total{model="m"} 20.0' in await gw.metrics_text()
 
 
-@pytest.mark.parametrize("end", ["reset", "stall"])
+@pytest.mark.parametrize("end", ["reset", "stall", "error"])
 async def test_an_answer_whose_finish_reason_came_is_not_continued(sims, gateway, end):
     """The engine sent the chunk carrying finish_reason, then broke (or stalled past the idle
-    watchdog) before [DONE]: the answer is whole. It was continued on another engine, so the
-    client got a finish_reason "stop", more text, and a second finish_reason."""
+    watchdog, or sent an error event of its own) before [DONE]: the answer is whole. It was
+    continued on another engine, so the client got a finish_reason "stop", more text, and a second
+    finish_reason (after an error event, still so until now). An error event after the finish
+    reaches the client as the plain relay passes it, and is the request's error, as there."""
     async def chat(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -217,6 +219,10 @@ async def test_an_answer_whose_finish_reason_came_is_not_continued(sims, gateway
             await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
         if end == "reset":
             request.transport.abort()
+        elif end == "error":
+            await resp.write(b'data: {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}\n\n'
+                             b"data: [DONE]\n\n")
+            await resp.write_eof()
         else:       # stalled until the gateway's watchdog leaves (bounded: 10 s)
             for _ in range(200):
                 if request.transport is None or request.transport.is_closing():
@@ -228,14 +234,21 @@ async def test_an_answer_whose_finish_reason_came_is_not_continued(sims, gateway
     async with fake_engine(chat) as bad:
         gw = await gateway([model_block("m", "vllm", [bad, good.url], strategy="round-robin", migration_limit=1,
                                         watchdog={"idle_timeout_s": 0.5, "aggregated": True})])
-        st, got = await raw_post(gw.url, "/v1/chat/completions",
-                                 {"model": "m", "messages": MSG, "max_tokens": 20, "stream": True})
+        with gw.gw.request_log.capture() as logs:
+            st, got = await raw_post(gw.url, "/v1/chat/completions",
+                                     {"model": "m", "messages": MSG, "max_tokens": 20, "stream": True})
+            await until(lambda: any(e["event"] == "request" for e in logs))
     assert st == 200 and got[-1] == "[DONE]", got[-2:]
     assert text_of(got) == " alpha beta"
     fins = [e["choices"][0]["finish_reason"] for e in got if isinstance(e, dict) and e.get("choices")
             and e["choices"][0].get("finish_reason")]
     assert fins == ["stop"]
     assert migrations(await gw.metrics_text(), "continued") == 0
+    assert (await sim_state(good.url))["counts"]["started"] == 0
+    if end == "error":
+        assert got[-2] == {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}
+        line = next(e for e in logs if e["event"] == "request")
+        assert (line["status"], line["error_class"], line["error"]) == (200, "upstream_stream_error", "boom")
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
