@@ -349,10 +349,13 @@ class Migration:
                     # count), whether the stream is then continued or ends here
                     watchdog_fired(ctx, self.metrics, self.fired.phase, self.fired.seconds)
                     self.fired = None
-                if error_class == ErrorClass.UPSTREAM_STREAM_UNSUPPORTED:
-                    # the engine does not implement what the request asks: another endpoint would
-                    # not either. The client gets the engine's error event, as the plain relay
-                    # passes it, and the endpoint is not charged (``of_answer``)
+                if error_class == ErrorClass.UPSTREAM_STREAM_UNSUPPORTED or (
+                        error_class == ErrorClass.UPSTREAM_STREAM_ERROR and (self.finished or self.done)):
+                    # the engine does not implement what the request asks (code 501): another
+                    # endpoint would not either, and the endpoint is not charged (``of_answer``).
+                    # Or its error event came after the answer's finish_reason: the answer is whole,
+                    # and a continuation would add to it. Either way the client gets the engine's
+                    # error event, as the plain relay passes it
                     event = b"data: " + orjson.dumps({"error": self.error}) + b"\n\ndata: [DONE]\n\n"
                     seen.feed(event, time.perf_counter())
                     await self._write(out, event)
