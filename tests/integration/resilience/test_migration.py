@@ -303,6 +303,36 @@ async def test_a_stream_that_broke_with_all_its_max_tokens_ends_there(sims, gate
         bad: 1, good.url: 0}      # the engine broke all the same
 
 
+async def test_a_continuation_that_broke_with_all_its_max_tokens_sends_what_it_held_at_the_seam(gateway):
+    """SGLang, a stop string: the continuation's " be" could begin "a be!" with the " alpha" the
+    client had, so it was held at the seam; the continuation then broke with the answer's
+    max_tokens generated. Its engine would have ended with that text and finish_reason "length":
+    the held text is the answer's end. It was dropped."""
+    def leg(words: list[str], before: int):
+        async def chat(request: web.Request) -> web.StreamResponse:
+            await request.read()
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i, word in enumerate(words):
+                ev = {"id": "s", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                      "choices": [{"index": 0, "delta": {"content": word}, "logprobs": None, "finish_reason": None,
+                                   "matched_stop": None}],
+                      "usage": {"prompt_tokens": 3 + before, "completion_tokens": i + 1, "total_tokens": 4 + before + i}}
+                await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+            request.transport.abort()
+            return resp
+        return chat
+
+    async with fake_engine(leg([" alpha"], 0)) as first, fake_engine(leg([" be"], 1)) as second:
+        gw = await gateway([model_block("m", "sglang", [first, second], strategy="round-robin", migration_limit=2)])
+        st, got = await raw_post(gw.url, "/v1/chat/completions", {"model": "m", "messages": MSG, "max_tokens": 2,
+                                                                   "stop": ["a be!"], "stream": True})
+    assert st == 200 and got[-1] == "[DONE]", got[-3:]
+    assert text_of(got) == " alpha be"
+    assert [e["choices"][0]["finish_reason"] for e in got if isinstance(e, dict) and e.get("choices")
+            and e["choices"][0].get("finish_reason")] == ["length"]
+
+
 async def test_a_stream_whose_chunks_carry_no_token_ids_is_not_continued_from_its_prompt(sims, gateway):
     """vLLM sends prompt_token_ids on the first chunk but no token_ids on any chunk while its
     reasoning parser hides the reasoning (include_reasoning false on the server's side): continued
