@@ -861,13 +861,18 @@ class Migration:
         return new, choice
 
     def _length_end(self) -> bytes:
-        """The chunk an engine ends an answer cut by its length with: no more text, finish_reason
-        "length", in the shape of the stream's chunks (vLLM's ``stop_reason``, SGLang's ``matched_stop``)."""
+        """The chunk an engine ends an answer cut by its length with: finish_reason "length" and no
+        more text than a continuation held at the seam, in the shape of the stream's chunks (vLLM's
+        ``stop_reason``, SGLang's ``matched_stop``)."""
         tpl = self.template or {"object": "chat.completion.chunk" if self.chat else "text_completion",
                                 "choices": [{"index": 0}]}
         base = tpl["choices"][0] if tpl.get("choices") else {"index": 0}
+        text = ""
+        if self.seam is not None:     # what the seam held could complete no stop string now: the answer's end
+            text = self.seam.feed("", final=True)[0]
+            self.seam = None
         choice: dict[str, Any] = {"index": base.get("index", 0)}
-        choice.update({"delta": {}} if self.chat else {"text": ""})
+        choice.update(({"delta": {"content": text}} if text else {"delta": {}}) if self.chat else {"text": text})
         choice.update(logprobs=None, finish_reason="length")
         choice["matched_stop" if "matched_stop" in base else "stop_reason"] = None
         if "token_ids" in base:
