@@ -296,6 +296,7 @@ async def test_a_stream_that_broke_with_all_its_max_tokens_ends_there(sims, gate
     assert (await sim_state(good.url))["counts"]["started"] == 0
     line = next(e for e in logs if e["event"] == "request")
     assert line["status"] == 200 and line.get("error_class") is None and line["completion_tokens"] == 2
+    assert line["finish_reason"] == "length"
     assert [(m["reason"], m["outcome"], m["tokens"]) for m in line["migrations"]] == [("broken", "length", 2)]
     assert migrations(await gw.metrics_text(), "length") == 1
     breakers = gw.gw.gen.services.breakers
