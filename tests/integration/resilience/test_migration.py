@@ -199,7 +199,10 @@ async def test_sglangs_continuous_usage_stats_asked_alone_ride_on_every_chunk(si
     assert 'switchyard_completion_tokens_total{model="m"} 20.0' in await gw.metrics_text()
 
 
-@pytest.mark.parametrize("end", ["reset", "stall", "error"])
+ERROR = {"message": "boom", "type": "InternalServerError", "code": 500}
+
+
+@pytest.mark.parametrize("end", ["reset", "stall", "error", "error_text"])
 async def test_an_answer_whose_finish_reason_came_is_not_continued(sims, gateway, end):
     """The engine sent the chunk carrying finish_reason, then broke (or stalled past the idle
     watchdog, or sent an error event of its own) before [DONE]: the answer is whole. It was
@@ -219,8 +222,8 @@ async def test_an_answer_whose_finish_reason_came_is_not_continued(sims, gateway
             await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
         if end == "reset":
             request.transport.abort()
-        elif end == "error":
-            await resp.write(b'data: {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}\n\n'
+        elif end.startswith("error"):
+            await resp.write(b"data: " + json.dumps({"error": ERROR if end == "error" else "boom"}).encode() + b"\n\n"
                              b"data: [DONE]\n\n")
             await resp.write_eof()
         else:       # stalled until the gateway's watchdog leaves (bounded: 10 s)
@@ -245,8 +248,8 @@ async def test_an_answer_whose_finish_reason_came_is_not_continued(sims, gateway
     assert fins == ["stop"]
     assert migrations(await gw.metrics_text(), "continued") == 0
     assert (await sim_state(good.url))["counts"]["started"] == 0
-    if end == "error":
-        assert got[-2] == {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}
+    if end.startswith("error"):
+        assert got[-2] == {"error": ERROR if end == "error" else "boom"}
         line = next(e for e in logs if e["event"] == "request")
         assert (line["status"], line["error_class"], line["error"]) == (200, "upstream_stream_error", "boom")
 
