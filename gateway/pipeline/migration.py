@@ -359,7 +359,8 @@ class Migration:
                     event = b"data: " + orjson.dumps({"error": self.error}) + b"\n\ndata: [DONE]\n\n"
                     seen.feed(event, time.perf_counter())
                     await self._write(out, event)
-                    message = str(self.error.get("message") or message)
+                    err = self.error
+                    message = str((err.get("message") if isinstance(err, dict) else err) or message)
                     rec.error_class, rec.error = error_class, message[:200]
                     self._reported(seen, broken=True)
                     ending = True
