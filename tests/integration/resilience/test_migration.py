@@ -629,6 +629,24 @@ async def test_min_tokens_given_as_a_string_is_reduced_as_a_number(sims, gateway
     assert migrations(await gw.metrics_text(), "continued") == 1
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_a_prefill_given_as_text_parts_is_extended_by_its_continuation(sims, gateway, engine):
+    """The client continues its own assistant message (continue_final_message), its content a list
+    of text parts, and the stream is continued as text (SGLang; vLLM with stop strings): the
+    continuation extends that message, and the answer is the unbroken run's. The prefill was left
+    as it was and the text the client had sent as an assistant message of its own, another turn."""
+    gw, good = await setup(sims, gateway, engine, "drop_after=5")
+    parts = [{"type": "text", "text": "Once upon"}, {"type": "text", "text": "a time"}]
+    # a stop string of one character: text mode on vLLM, nothing held back, so the seam is a token's end
+    req = {"model": "m", "max_tokens": 20, "stream": True, "stop": ["Q"], "continue_final_message": True,
+           "add_generation_prompt": False, "messages": MSG + [{"role": "assistant", "content": parts}]}
+    _, ref = await raw_post(good.url, "/v1/chat/completions", req)
+    st, got = await raw_post(gw.url, "/v1/chat/completions", req)
+    assert st == 200 and got[-1] == "[DONE]", got[-2:]
+    assert text_of(got) == text_of(ref)
+    assert migrations(await gw.metrics_text(), "continued") == 1
+
+
 async def test_a_continue_final_message_of_false_given_as_a_string_is_not_a_prefill(sims, gateway):
     """A chat ending in an assistant message with continue_final_message "false" (false to the
     engines, pydantic's lax mode) is answered by a new assistant message; its text continuation
