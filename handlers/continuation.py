@@ -134,9 +134,9 @@ def continuation(p: Partial, mode: str, default_max: int | None) -> tuple[str, d
     if p.path == CHAT:
         messages = list(data["messages"])
         last = messages[-1] if messages else None
-        if (_flag(data, "continue_final_message", False) and isinstance(last, dict) and last.get("role") == "assistant"
-                and isinstance(last.get("content"), str)):
-            messages[-1] = {**last, "content": last["content"] + p.text}   # the client's own prefill, extended
+        extended = _extended(last, p.text) if _flag(data, "continue_final_message", False) else None
+        if extended is not None:
+            messages[-1] = extended       # the client's own prefill, extended
         else:
             messages.append({"role": "assistant", "content": p.text})
         body["messages"] = messages
@@ -157,6 +157,22 @@ def continuation(p: Partial, mode: str, default_max: int | None) -> tuple[str, d
     if keep is not None:
         body["truncate_prompt_tokens"] = keep
     return p.path, body
+
+
+def _extended(last: Any, text: str) -> dict[str, Any] | None:
+    """The client's final assistant message (a prefill it continues) with ``text`` added to its
+    end: to its content, or to its last part when the content is a list ending in a text part (so
+    the engine joins the parts as it did for the first leg); None when it is not one."""
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return None
+    content = last.get("content")
+    if isinstance(content, str):
+        return {**last, "content": content + text}
+    if isinstance(content, list) and content and isinstance(content[-1], dict) \
+            and content[-1].get("type") == "text" and isinstance(content[-1].get("text"), str):
+        end = content[-1]
+        return {**last, "content": [*content[:-1], {**end, "text": end["text"] + text}]}
+    return None
 
 
 def _truncation(data: dict[str, Any], p: Partial) -> int | None:
