@@ -1004,6 +1004,27 @@ async def test_a_stream_started_over_then_continued_reports_its_original_prompts
     assert line["prompt_tokens"] == ref_usage["prompt_tokens"]
 
 
+async def test_a_chat_with_an_image_is_continued_with_its_messages_on_vllm(sims, gateway):
+    """The prompt ids vLLM returns for a chat with an image hold the image's placeholder tokens, not
+    the image: a completion of those ids would go on with no image at all. Such a chat is continued
+    as text, its messages (the image with them) and the text the client received as the answer's
+    start. It was continued token-exactly, as a completion of the prompt's ids."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is in this picture?"}, image]}]
+    bad = await sims("vllm", "m", fault="drop_after=5")
+    good = await sims("vllm", "m")
+    sent: list[dict] = []
+    req = {"model": "m", "max_tokens": 20, "stream": True, "messages": messages}
+    _, ref = await raw_post(good.url, "/v1/chat/completions", req)
+    async with fake_engine(recording_relay(good.url, sent), paths=("/v1/chat/completions", "/v1/completions")) as other:
+        gw = await gateway([model_block("m", "vllm", [bad.url, other], strategy="round-robin", migration_limit=1)])
+        st, got = await raw_post(gw.url, "/v1/chat/completions", req)
+    assert st == 200 and got[-1] == "[DONE]", got[-2:]
+    (cont,) = sent
+    assert "prompt" not in cont and cont["messages"][0] == messages[0] and cont["continue_final_message"] is True
+    assert text_of(got) == text_of(ref)
+
+
 @pytest.mark.parametrize("kind", ["chat", "completions"])
 async def test_a_text_continuation_starts_from_exactly_what_the_client_received(sims, gateway, kind):
     """vLLM holds back the last (longest stop string - 1) characters of a stream with stop strings,
