@@ -239,6 +239,16 @@ def stop_strings(data: dict[str, Any]) -> bool:
     return bool(stop) and (isinstance(stop, str) or any(isinstance(s, str) and s for s in stop or ()))
 
 
+def multimodal(data: dict[str, Any]) -> bool:
+    """A chat with a part other than text in a message (an image, audio, a video): its prompt's
+    ids hold the media's placeholder tokens, not the media."""
+    messages = data.get("messages")
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(part, dict) and part.get("type") != "text" for part in m["content"])
+        for m in messages)
+
+
 def tools_on(data: dict[str, Any]) -> bool:
     return bool(data.get("tools")) and data.get("tool_choice") != "none"
 

@@ -23,7 +23,7 @@ from gateway.apis.paths import (
 from gateway.endpoints import Endpoint
 from gateway.request import CHAT, InferenceRequest, body_bytes, usage_stream_options
 from handlers.base import OPENAI_PATHS, BadPrefillAnswer, PDPlan, Unsplit, engine_message, openai_usage
-from handlers.continuation import TEXT, TOKEN, stop_strings, tools_on
+from handlers.continuation import TEXT, TOKEN, multimodal, stop_strings, tools_on
 
 # `vllm serve` answers the Anthropic Messages API (vllm/entrypoints/anthropic/api_router.py) and
 # every pass-through path (rerank in three spellings, score, tokenize, detokenize, classify,
@@ -217,8 +217,9 @@ class VLLMAdapter:
         """Token-exact (``return_token_ids`` + a prompt of ids) unless the continuation must go
         through the chat parsers (tools) or the stream may hold text back (stop strings: vLLM
         sends a token's ids before its text when the text could begin a stop string, so the
-        client's text and the ids would disagree at the seam)."""
-        if (ireq.path == CHAT and tools_on(ireq.data)) or stop_strings(ireq.data):
+        client's text and the ids would disagree at the seam), or its messages carry media (an
+        image's ids are placeholders: a completion of them would go on without the image)."""
+        if (ireq.path == CHAT and (tools_on(ireq.data) or multimodal(ireq.data))) or stop_strings(ireq.data):
             return TEXT
         return TOKEN
 
