@@ -26,6 +26,11 @@ seen. A stop string that begins in what the client received and ends in a contin
 characters, which the continuation's engine cannot see, is looked for by the gateway (``StopSeam``):
 it ends the answer as the engine would have, and the leg is closed.
 
+Not continued, the answer being whole: a leg that fails after its finish_reason (its end noted as
+``after_end``; an error event of the engine's after it passed on as the plain relay passes it),
+and one that fails once every token the answer may have was generated (its ``max_tokens``: no
+engine takes a ``max_tokens`` of 0), which the gateway ends with finish_reason "length".
+
 When it refuses (the client then gets today's final error event): guided decoding or
 ``response_format``, ``n > 1`` (or a batch of prompts), ``logprobs``, ``seed`` with sampling,
 presence/frequency penalties (they count the output, which a continuation turns into prompt),
