@@ -178,6 +178,28 @@ async def test_errors_before_headers_are_anthropic_shaped(fleet):
             assert r.status == 400 and body["error"]["type"] == "invalid_request_error" and r.headers["request-id"]
 
 
+async def test_a_system_block_that_is_not_text_is_refused_before_routing(fleet):
+    """Anthropic's ``system`` is a string or a list of text blocks; an image or a document there is
+    a 400 naming the block, as Anthropic answers, not a prompt the engine renders without it."""
+    gw, (v1, v2, _) = fleet
+    c = anthropic_client(gw)
+    image = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
+    for system in ([image], [{"type": "text", "text": "Be brief."}, {"type": "document", "source": {
+            "type": "text", "media_type": "text/plain", "data": "a rule book"}}]):
+        for call in (c.messages.create, c.messages.count_tokens):
+            kw = {"max_tokens": 4} if call == c.messages.create else {}
+            with pytest.raises(anthropic.BadRequestError) as ei:
+                await call(model="llama", system=system, messages=MSGS, **kw)
+            assert ei.value.body == {"type": "error", "error": {
+                "type": "invalid_request_error", "message": f"system.{len(system) - 1}.type: Input should be 'text'"}}
+    # text blocks, with cache_control as Claude Code sends them, are served
+    msg = await c.messages.create(model="llama", max_tokens=4, messages=MSGS, system=[
+        {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}])
+    assert msg.stop_reason == "max_tokens"
+    sent = [r for sim in (v1, v2) for r in (await sim_state(sim.url))["received"] if r["path"].startswith("/v1/messages")]
+    assert len(sent) == 1
+
+
 async def test_a_body_over_the_limit_is_an_anthropic_413(sims, gateway):
     """A Content-Length over server.max_body_bytes is refused by the edge before the body is read;
     that answer was OpenAI-shaped on /v1/messages, where a chunked body's 413 was Anthropic's."""

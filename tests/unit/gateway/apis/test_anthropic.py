@@ -66,6 +66,10 @@ def test_claude_codes_per_request_attribution_block_is_not_part_of_the_prefix():
      "stream: Input should be a valid boolean, unable to interpret input"),
     ({"model": "m", "messages": MESSAGES, "max_tokens": 2.5},
      "max_tokens: Input should be a valid integer, got a number with a fractional part"),
+    ({"model": "m", "max_tokens": 1, "messages": MESSAGES, "system": [{"type": "image", "source": {}}]},
+     "system.0.type: Input should be 'text'"),
+    ({"model": "m", "max_tokens": 1, "messages": MESSAGES, "system": [{"type": "text", "text": "a"}, {"type": "tool_use"}]},
+     "system.1.type: Input should be 'text'"),
 ])
 def test_messages_parse_refuses_bad_bodies(body, message):
     with pytest.raises(GatewayError) as ei:
