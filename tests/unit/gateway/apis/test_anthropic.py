@@ -66,6 +66,8 @@ def test_claude_codes_per_request_attribution_block_is_not_part_of_the_prefix():
      "stream: Input should be a valid boolean, unable to interpret input"),
     ({"model": "m", "messages": MESSAGES, "max_tokens": 2.5},
      "max_tokens: Input should be a valid integer, got a number with a fractional part"),
+    ({"model": "m", "max_tokens": 1, "messages": [{"role": 5, "content": "hi"}]},
+     "messages.0.role: Input should be a valid string"),
     ({"model": "m", "max_tokens": 1, "messages": MESSAGES, "system": [{"type": "image", "source": {}}]},
      "system.0.type: Input should be 'text'"),
     ({"model": "m", "max_tokens": 1, "messages": MESSAGES, "system": [{"type": "text", "text": "a"}, {"type": "tool_use"}]},
