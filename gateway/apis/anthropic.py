@@ -94,13 +94,15 @@ def _bad(message: str) -> GatewayError:
 _BILLING_HEADER = "x-anthropic-billing-header"
 
 
-def _blocks_text(content: Any, where: str, media: list[bool], system: bool = False) -> str:
+def _blocks_text(content: Any, where: str, media: list[bool], system: bool = False, text_only: bool = False) -> str:
     """The text of a message's ``content``: a string, or a list of content blocks whose text
     (``text`` blocks, the content of ``tool_result`` blocks, a string or text blocks, and the input
     of ``tool_use`` blocks as JSON) is what the prefix holds.
     An ``image`` or ``document`` block sets ``media[0]`` (the request is multimodal). In a system
     prompt, text blocks holding Claude Code's attribution line are left out, as the engine leaves
-    them out of what it renders."""
+    them out of what it renders. ``text_only`` (the ``system`` field, Anthropic's string or list
+    of text blocks): a block of another type is refused, as Anthropic refuses it, where the
+    engine would render the system prompt without it."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -112,6 +114,8 @@ def _blocks_text(content: Any, where: str, media: list[bool], system: bool = Fal
         if not isinstance(block.get("type"), str):
             raise _bad(f"{where}.{i}.type: Field required" if block.get("type") is None
                        else f"{where}.{i}.type: Input should be a valid string")
+        if text_only and block["type"] != "text":
+            raise _bad(f"{where}.{i}.type: Input should be 'text'")
         text = block.get("text")
         if block["type"] == "text":
             if not isinstance(text, str):
@@ -244,7 +248,7 @@ class AnthropicApi(EngineSpecificApi):
         media = [False]
         system = data.get("system")
         if system is not None:
-            parts.append(_blocks_text(system, "system", media, system=True))
+            parts.append(_blocks_text(system, "system", media, system=True, text_only=True))
         messages = data.get("messages")
         if not isinstance(messages, list):
             raise _bad("messages: Field required" if messages is None else "messages: Input should be a valid list")
