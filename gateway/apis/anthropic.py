@@ -259,7 +259,7 @@ class AnthropicApi(EngineSpecificApi):
                 raise _bad(f"messages.{i}: Input should be a valid dictionary")
             role = msg.get("role")
             if not isinstance(role, str):
-                raise _bad(f"messages.{i}.role: Field required")
+                raise _bad(f"messages.{i}.role: " + ("Field required" if role is None else "Input should be a valid string"))
             if "content" not in msg:
                 raise _bad(f"messages.{i}.content: Field required")
             parts.append(role)
