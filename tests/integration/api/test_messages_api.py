@@ -200,6 +200,40 @@ async def test_a_system_block_that_is_not_text_is_refused_before_routing(fleet):
     assert len(sent) == 1
 
 
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen"])
+async def test_content_the_engine_cannot_take_is_an_anthropic_400_and_images_are_served(fleet, model):
+    """Both engines' Messages requests take text, image, tool_use, tool_result and thinking blocks
+    (vLLM's also tool_reference) and a tool_choice of auto, any, tool or none: a document block, a
+    block of a type neither knows, or another tool_choice is their validation 400, which reaches
+    the SDK as Anthropic's ``invalid_request_error``; an image, base64 or by URL, is served."""
+    gw, _ = fleet
+    c = anthropic_client(gw)
+    for source in ({"type": "base64", "media_type": "image/png", "data": PNG},
+                   {"type": "url", "url": "https://example.com/a.png"}):
+        msg = await c.messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": source}, {"type": "text", "text": "What is in it?"}]}])
+        assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 4
+    pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0xLjQK"}}
+    tools = [{"name": "get_time", "input_schema": {"type": "object"}}]
+    for kw in ({"messages": [{"role": "user", "content": [pdf, {"type": "text", "text": "Summarise it."}]}]},
+               {"messages": [{"role": "user", "content": [{"type": "no_such_block", "text": "x"}]}]},
+               {"messages": MSGS, "tools": tools, "tool_choice": {"type": "required"}}):
+        for stream in (False, True):
+            with pytest.raises(anthropic.BadRequestError) as ei:
+                if stream:
+                    async with c.messages.stream(model=model, max_tokens=4, **kw) as events:
+                        async for _ in events:
+                            pass
+                else:
+                    await c.messages.create(model=model, max_tokens=4, **kw)
+            assert ei.value.status_code == 400
+            assert ei.value.body["type"] == "error" and ei.value.body["error"]["type"] == "invalid_request_error"
+            assert "type" in ei.value.body["error"]["message"]
+
+
 async def test_a_body_over_the_limit_is_an_anthropic_413(sims, gateway):
     """A Content-Length over server.max_body_bytes is refused by the edge before the body is read;
     that answer was OpenAI-shaped on /v1/messages, where a chunked body's 413 was Anthropic's."""
