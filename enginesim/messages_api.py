@@ -155,6 +155,41 @@ def _json_delta(index: int, piece: str) -> bytes:
                                           "delta": {"type": "input_json_delta", "partial_json": piece}})
 
 
+# the content block types and tool choices each engine's request model takes (a pydantic Literal):
+# another is its validation 400 (vLLM's ``vllm/entrypoints/anthropic/protocol.py``, SGLang's
+# ``sglang/srt/entrypoints/anthropic/protocol.py``); Anthropic's document, search_result, ... are not among them
+VLLM_BLOCKS = ("text", "image", "tool_use", "tool_result", "tool_reference", "thinking", "redacted_thinking")
+SGLANG_BLOCKS = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
+TOOL_CHOICES = ("auto", "any", "tool", "none")
+
+
+def _literal(values: tuple[str, ...]) -> str:
+    quoted = [f"'{v}'" for v in values]
+    return ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
+def check_request_model(body: dict[str, Any], blocks: tuple[str, ...]) -> None:
+    """What the engine's request model refuses of the blocks of ``system`` and ``messages`` and of
+    ``tool_choice``: a block type it has no place for, a tool_choice type outside its four."""
+    def check(content: Any, where: str) -> None:
+        if not isinstance(content, list):
+            return
+        for j, block in enumerate(content):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if isinstance(kind, str) and kind not in blocks:
+                raise ApiError(400, f"1 validation error:\n  {where}.list[AnthropicContentBlock].{j}.type: "
+                               f"Input should be {_literal(blocks)}", type_="Bad Request")
+    check(body.get("system"), "system")
+    messages = body.get("messages")
+    for i, m in enumerate(messages if isinstance(messages, list) else ()):
+        if isinstance(m, dict):
+            check(m.get("content"), f"messages.{i}.content")
+    tc = body.get("tool_choice")
+    if isinstance(tc, dict) and isinstance(tc.get("type"), str) and tc["type"] not in TOOL_CHOICES:
+        raise ApiError(400, f"1 validation error:\n  tool_choice.type: Input should be {_literal(TOOL_CHOICES)}",
+                       type_="Bad Request")
+
+
 def _system_text(system: Any) -> str:
     if system is None:
         return ""
@@ -243,6 +278,7 @@ class MessagesApi:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model")
 
     def _prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        check_request_model(body, VLLM_BLOCKS)
         ids = self.engine.tokenizer.encode_chat(chat_messages(body), rendered_tools(body.get("tools"), "input_schema"))
         limit = self.engine.max_prompt_tokens
         if len(ids) > limit:
@@ -382,6 +418,7 @@ class SGLangMessagesApi(MessagesApi):
                 if isinstance(m, dict) and m.get("role") not in ("user", "assistant"):
                     raise ApiError(400, f"1 validation error:\n  messages.{i}.role: Input should be 'user' or "
                                    "'assistant'", type_="Bad Request")
+        check_request_model(body, SGLANG_BLOCKS)
         return self.engine.tokenizer.encode_chat(chat_messages(body), rendered_tools(body.get("tools"), "input_schema"))
 
     def _error(self, exc: ApiError) -> web.Response:
