@@ -1197,3 +1197,46 @@ async def test_a_reload_waits_until_a_file_written_in_place_is_whole(sims, tmp_p
     deferred = [line for line in logs.lines if line.get("event") == "config reload deferred"]
     assert len(deferred) == 1 and deferred[0]["trigger"] == "signal", logs.lines
     assert [metric(page, "switchyard_config_reload_deferred_total") for page in pages.values()] == [1] * workers
+
+
+@pytest.mark.timeout(90)
+async def test_a_worker_that_dies_while_the_parent_reads_the_file_for_a_reload_is_started_again(sims, tmp_path):
+    """The --workers parent reads (and parses) the file of a reload while it goes on watching its
+    workers: one that dies meanwhile is started again, and applies the reload with its sibling once
+    the read ends. Here the file is a FIFO whose text the test holds back until the worker killed
+    was started again. Before, the parent read the file in its SIGHUP handler, its watch stopped
+    meanwhile: the dead worker was started again only once the reload was over (a file of a few
+    MiB takes seconds to parse; a FIFO no one writes, never)."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n", log_level="info")
+    path.write_text(text)
+    held = HeldReads(path, tmp_path)
+    async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:
+        logs = LogLines(proc)
+        pids = set(await worker_views(port, 2))
+        try:
+            held.fifo()
+            proc.send_signal(signal.SIGHUP)
+            reading = await held.reader()       # the parent's reload waits for the file's text
+            killed = min(pids)
+            os.kill(killed, signal.SIGKILL)
+            async with asyncio.timeout(20):     # started again while the read still waits
+                while not [line for line in logs.lines if line.get("event") == "worker restarting"]:
+                    await asyncio.sleep(0.02)
+                while len(serving := set(await worker_views(port, 2))) < 2 or killed in serving:
+                    await asyncio.sleep(0.05)
+            held.file(text)
+            held.release(reading, text + "aliases: [{name: one, targets: [{model: m}]}]\n")
+            applied = await logs.until(2)
+            views = await worker_views(port, 2)
+        finally:
+            held.close(text)
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            code = await proc.wait()
+        await logs.close()
+    assert code == 0
+    assert [(line["event"], line["generation"]) for line in applied] == [("config reloaded", 2)] * 2, applied
+    assert len(views) == 2 and killed not in views and all(v == {"m", "one"} for v in views.values()), views
