@@ -8,6 +8,7 @@ import functools
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 from gateway.server import hup
 
@@ -201,51 +202,64 @@ def main(argv: list[str] | None = None) -> int:
     started = config
     generation = 1                # as the workers count it: +1 per reload applied
 
-    def reread(trigger: str) -> None:
+    def reread(trigger: str, later: Callable[[Callable[[], None]], None]) -> Callable[[], None]:
         """SIGHUP in the parent (``trigger``: ``signal``, or ``admin`` for a worker's POST
-        /admin/reload): the file is read here once, and what was read handed to every worker for
-        the reload the parent tells them of next (gateway/server/handoff.py); a worker started from
-        now on (a restart) gets the new config."""
-        nonlocal config, generation
+        /admin/reload): the file is read here once, in a thread of the parent's (gateway/server/workers.py)
+        while it goes on watching the workers, and checked; what this returns, run in the parent's
+        loop, applies it: what was read is handed to every worker for the reload the parent tells
+        them of next (gateway/server/handoff.py), and a worker started from then on (a restart)
+        gets the new config. ``later`` runs a step in the loop: this thread logs through it."""
         from gateway.server.reload import RestartRequired, check_offline
         deprecations: list[Deprecation] = []
         stops = beats.stops()       # a stop while the file's text is waited for ends the wait
-        try:
-            seq = beats.next_told()
-            try:
-                settle_s = config.server.reload_settle_s
+        seq = beats.next_told()
+        running = config            # only the loop changes it, and not while this reads
+        settle_s = running.server.reload_settle_s
 
-                def deferred() -> None:
-                    beats.counted("deferred")
-                    parent_log("config reload deferred", trigger=trigger, file=args.config, settle_s=settle_s,
-                               reason="the file changed within reload_settle_s: it is read once left unchanged")
-                # once whole: a file written in place was read half written (gateway/config/schema.py)
-                text = read_settled(args.config, settle_s, stopped=lambda: beats.stops() != stops,
-                                    deferred=deferred)
-            except Exception as e:
-                handoff.put(seq, error=e)       # every worker refuses the reload with it
-                raise
-            handoff.put(seq, text=text)     # before it is checked: the workers check the same text
+        def deferred() -> None:
+            def say_deferred() -> None:
+                beats.counted("deferred")
+                parent_log("config reload deferred", trigger=trigger, file=args.config, settle_s=settle_s,
+                           reason="the file changed within reload_settle_s: it is read once left unchanged")
+            later(say_deferred)
+
+        text: str | None = None
+        try:
+            # once whole: a file written in place was read half written (gateway/config/schema.py)
+            text = read_settled(args.config, settle_s, stopped=lambda: beats.stops() != stops, deferred=deferred)
             new = parse(text, deprecations)
-            check_offline(started, config, new)
+            check_offline(started, running, new)
+        except Exception as e:
+            failed = e
+
+            def refuse() -> None:
+                # what was read goes to the workers before it is checked: they check the same text
+                if text is not None:
+                    handoff.put(seq, text=text)
+                else:
+                    handoff.put(seq, error=failed)
+                result = "restart_required" if isinstance(failed, RestartRequired) else "invalid"
+                beats.counted(result)
+                error = str(failed) if isinstance(failed, ConfigError | ValueError) else f"{type(failed).__name__}: {failed}"
+                # the fields of a worker's refusal line (gateway/server/reload.py), and of one process's
+                parent_log("config reload refused, restarted workers keep the running config", "error",
+                           trigger=trigger, result=result, key_path=getattr(failed, "key_path", None), error=error,
+                           generation=generation)
+            return refuse
+
+        def apply() -> None:
+            nonlocal config, generation
+            handoff.put(seq, text=text)
             config = new
             generation += 1
             beats.reloaded(generation)      # before the workers are told: each takes this number
             beats.counted("ok")             # and counts it as the parent does
-        except Exception as e:      # raised here, in the signal handler, it would end the parent
-            result = "restart_required" if isinstance(e, RestartRequired) else "invalid"
-            beats.counted(result)
-            error = str(e) if isinstance(e, ConfigError | ValueError) else f"{type(e).__name__}: {e}"
-            # the fields of a worker's refusal line (gateway/server/reload.py), and of one process's
-            parent_log("config reload refused, restarted workers keep the running config", "error",
-                       trigger=trigger, result=result, key_path=getattr(e, "key_path", None), error=error,
-                       generation=generation)
-            return
-        # what a start warns of, once for every worker: old key names, keys that do nothing, and
-        # what the workers keep apart
-        log_deprecations(deprecations, args.config)
-        log_no_effect(config, args.config)
-        workers_warnings(config, workers)
+            # what a start warns of, once for every worker: old key names, keys that do nothing, and
+            # what the workers keep apart
+            log_deprecations(deprecations, args.config)
+            log_no_effect(config, args.config)
+            workers_warnings(config, workers)
+        return apply
 
     started_at = time.time()      # the gateway's start, which every worker gives, a restarted one too
     # a stop from here until run_workers handles it is held back, then handled as any stop: its

@@ -31,7 +31,8 @@ serving. *Commit* is one synchronous step, with no ``await`` in it, so no reques
 Routing state (prefix index, round-robin positions, session pins, VTC counts) carries over when
 the ``routing`` and ``pd`` settings are unchanged, and starts afresh when they changed.
 
-With ``--workers N`` the parent reads the file once, hands every worker the text it read
+With ``--workers N`` the parent reads the file once (in a thread, its loop watching the workers
+meanwhile), hands every worker the text it read
 (gateway/server/handoff.py) and forwards ``SIGHUP`` to them (gateway/server/workers.py): each worker
 applies that text, so a file rewritten meanwhile cannot leave them on different configs. A worker
 that receives ``POST /admin/reload`` signals the parent, so every worker reloads, and answers with

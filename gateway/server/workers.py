@@ -14,7 +14,8 @@ kills and restarts one whose event loop stopped ticking its heartbeat for
 when that worker fails before the gateway ever served (as one process would), kills a worker still
 starting when the stop's grace period is over, and exits when all have exited after a signal (with 128 + a signal that killed a worker during the stop; a worker that
 died before the stop and was started again does not count: a stop that drains every worker exits 0). SIGHUP is forwarded too: the parent reads the
-config file, hands every worker what it read (gateway/server/handoff.py), and each worker applies
+config file (in a thread, so that it goes on forwarding stops and watching the workers while a large
+file parses), hands every worker what it read (gateway/server/handoff.py), and each worker applies
 that (gateway/server/reload.py); the workers it starts later start on it. A
 worker asks for a reload of all (``POST /admin/reload``) by sending SIGHUP to the parent, having
 counted the request where the parent reads it, so every worker's reload says it came from ``admin``
@@ -34,6 +35,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -50,6 +52,9 @@ RESTART_BACKOFF_S = 1.0
 HELD_AT_FORK = {signal.SIGHUP, signal.SIGTERM, signal.SIGINT}   # the signals the parent handles
 STOPS = {signal.SIGTERM, signal.SIGINT}     # held back in a worker from its fork until it handles them
 RESTART_BACKOFF_MAX_S = 30.0    # a worker whose start-ups keep failing: 1, 2, 4, ... s, at most this
+# how long the parent, its workers stopped, waits for a reload's read the stop ended, so that its
+# refusal is logged (a read waiting for a FIFO's text ends within 0.1 s of a stop)
+STOPPED_READ_WAIT_S = 2.0
 WATCH_POLL_S = 0.25         # how often the parent looks for ended or stalled workers and due restarts
 # a worker's end wakes the parent at once (its SIGCHLD, held back and waited for, ends the poll's
 # pause) rather than at the next poll: a stop ends as soon as its last worker has, and a crashed
@@ -57,6 +62,16 @@ WATCH_POLL_S = 0.25         # how often the parent looks for ended or stalled wo
 # pause is a plain sleep.
 _WAKE = {signal.SIGCHLD}
 _SIGTIMEDWAIT = getattr(signal, "sigtimedwait", None)
+
+
+@contextlib.contextmanager
+def _held(signals: set[signal.Signals]):
+    """``signals`` held back (blocked) in this thread meanwhile: a Python handler of one runs after."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _pause(seconds: float) -> None:
@@ -219,13 +234,18 @@ class WorkerInfo:
 
 
 def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None],
-                on_reload: Callable[[str], None] | None = None, heartbeats: Heartbeats | None = None,
+                on_reload: Callable[[str, Callable[[Callable[[], None]], None]], Callable[[], None] | None] | None = None,
+                heartbeats: Heartbeats | None = None,
                 stall_timeout: Callable[[], float] = lambda: 0.0,
                 orphaned: Callable[[], None] | None = None,
                 stop_grace: Callable[[], float] | None = None) -> int:
     """Fork ``n`` processes that each call ``serve_one(index)`` (which must bind with SO_REUSEPORT;
-    a restarted worker gets its predecessor's index); ``on_reload(trigger)`` runs in the parent at
-    SIGHUP (``trigger``: ``admin`` or ``signal``), before the workers are told. With
+    a restarted worker gets its predecessor's index); ``on_reload(trigger, later)`` runs in a thread
+    of the parent's at SIGHUP (``trigger``: ``admin`` or ``signal``), one at a time, while the
+    parent goes on forwarding stops and watching the workers; ``later(step)`` has ``step`` run in
+    the parent's loop (the main thread) soon, and what ``on_reload`` returns (a callable, or None)
+    runs there once it returned, before the workers are told. A SIGHUP while it runs has it run
+    again after. With
     ``heartbeats`` (which the workers tick), a worker that stops ticking for ``stall_timeout()``
     seconds (0: never) is killed and restarted, and a worker that
     fails before any worker ever ticked stops the gateway with its exit code
@@ -310,35 +330,85 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
             except ProcessLookupError:
                 pass
 
-    reloading = [False, False]          # a reload is being applied; another came meanwhile
+    # the reload under way: its file read and parsed in a thread of its own (``on_reload``), so
+    # that this loop goes on forwarding stops and watching the workers meanwhile (a file of a few
+    # MiB takes seconds to parse, a FIFO no one writes never comes); what it returns is applied
+    # and told to the workers here, in the loop, one reload at a time
+    reloading: threading.Thread | None = None
+    again = False                       # a SIGHUP came while it ran: the file is read again after it
+    outcome: list[Any] = []             # what the thread returned (a callable), or the error it raised
+    queued: list[Callable[[], None]] = []   # what the thread asked to run in the loop (``later``)
+
+    def wake() -> None:
+        """The loop's pause ends (its SIGCHLD, which it waits for; a spurious one is harmless)."""
+        with contextlib.suppress(OSError):
+            os.kill(parent, signal.SIGCHLD)
+
+    def later(step: Callable[[], None]) -> None:
+        """``step`` runs in the loop (the main thread) soon: the reload's thread logs through it.
+        A fork while a thread writes a log line would leave the line's lock held in the worker."""
+        queued.append(step)
+        wake()
+
+    def begin_reload() -> None:
+        nonlocal reloading, again
+        with _held({signal.SIGHUP}):    # a SIGHUP meanwhile waits: it would begin a second read
+            again = False
+            # admin or signal: the parent's line names it, and it goes with this reload to the
+            # workers, whose lines name it too
+            trigger = heartbeats.note_trigger() if heartbeats is not None else "signal"
+            outcome.clear()
+
+            def read() -> None:
+                # the signals stay the main thread's: a stop or a SIGHUP wakes the loop at once
+                signal.pthread_sigmask(signal.SIG_BLOCK, HELD_AT_FORK | _WAKE)
+                try:
+                    outcome.append(on_reload(trigger, later) if on_reload is not None else None)
+                except BaseException as e:      # said in the loop
+                    outcome.append(e)
+                finally:
+                    wake()
+
+            reloading = threading.Thread(target=read, name=f"reload-{trigger}", daemon=True)
+            reloading.trigger = trigger     # type: ignore[attr-defined]
+            reloading.start()
+
+    def run_queued() -> None:
+        while queued:
+            queued.pop(0)()
+
+    def finish_reload() -> None:
+        """The reload's thread has ended: its result applied, then the workers told and signalled."""
+        nonlocal reloading
+        run_queued()
+        if reloading is None or reloading.is_alive():
+            return
+        with _held({signal.SIGHUP}):    # one that comes now is read after this one is told
+            trigger = reloading.trigger     # type: ignore[attr-defined]
+            done = outcome[0] if outcome else None
+            if isinstance(done, BaseException):
+                log("config reload failed", "error", trigger=trigger, error=f"{type(done).__name__}: {done}")
+            elif done is not None:
+                done()
+            if heartbeats is not None:
+                heartbeats.told(trigger)
+            for pid in list(children):
+                try:
+                    os.kill(pid, signal.SIGHUP)
+                except ProcessLookupError:
+                    pass
+            reloading = None
+            if again:                   # the file may have changed since the read began: read it again
+                begin_reload()
 
     def reload(sig: int, _frame) -> None:
-        # one at a time: Python runs a handler inside itself when its signal comes again, and the
-        # outer reload then kept the older file it had read over the newer one the inner had read;
-        # a SIGHUP meanwhile is applied once this one has been
-        if reloading[0]:
-            reloading[1] = True
-            return
-        reloading[0] = True
-        try:
+        # one at a time: two reads at once could apply the older file after the newer one; a
+        # SIGHUP meanwhile is applied once this one has been
+        nonlocal again
+        if reloading is not None:
             again = True
-            while again:
-                reloading[1] = False
-                # admin or signal: the parent's line names it, and it goes with this reload to the
-                # workers, whose lines name it too
-                trigger = heartbeats.note_trigger() if heartbeats is not None else "signal"
-                if on_reload is not None:
-                    on_reload(trigger)
-                if heartbeats is not None:
-                    heartbeats.told(trigger)
-                for pid in list(children):
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        pass
-                again = reloading[1]
-        finally:
-            reloading[0] = False
+            return
+        begin_reload()
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
@@ -347,7 +417,10 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
     # any worker is started, it ends the gateway at once
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_AT_FORK)
     if hup.take():              # one came while the gateway started: the workers start on the new file
-        reload(signal.SIGHUP, None)
+        begin_reload()
+        while reloading is not None:
+            reloading.join()
+            finish_reload()
     if _SIGTIMEDWAIT is not None:
         # from before the first fork: a worker that ends between a poll and the pause after it
         # leaves its SIGCHLD pending, and the pause returns at once
@@ -359,6 +432,7 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
     pending: dict[int, float] = {}      # worker index → when to start it again (time.monotonic)
     failed: dict[int, int] = {}         # worker index → start-ups in a row that ended before its first tick
     while children or (pending and not stopping):
+        finish_reload()
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:       # none left, a restart still pending
@@ -415,6 +489,10 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
     # every worker has stopped: a reload now has nothing to reach, and the interpreter's exit puts
     # SIGHUP's default action back in place of the handler (it would end the gateway with 129)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    if reloading is not None:   # a read the stop ended (a FIFO's text waited for) says so; a parse is not waited for
+        reloading.join(STOPPED_READ_WAIT_S)
+        again = False
+        finish_reload()
     if _SIGTIMEDWAIT is not None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _WAKE)
     return worst

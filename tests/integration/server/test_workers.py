@@ -591,7 +591,7 @@ from gateway.server.workers import run_workers
 hup.hold()
 calls = []
 
-def on_reload(trigger):
+def on_reload(trigger, later):
     calls.append("begin")
     if len(calls) == 1:                 # a second SIGHUP comes while the first is applied
         os.kill(os.getpid(), signal.SIGHUP)
