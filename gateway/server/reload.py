@@ -38,7 +38,7 @@ applies that text, so a file rewritten meanwhile cannot leave them on different 
 that receives ``POST /admin/reload`` signals the parent, so every worker reloads, and answers with
 its own result once every sibling that serves has applied that reload too (so an API key the
 reload removed is refused by every worker once the answer came; a sibling that has not within
-``WORKER_RELOAD_TIMEOUT_S`` of the ask, its loop stalled say, is left behind with a warning and the
+``server.admin_reload_wait_s`` of the ask, its loop stalled say, is left behind with a warning and the
 answer goes). A worker's generation is then the parent's count of applied reloads (in the
 workers' shared memory, gateway/server/heartbeat.py), not its own, and its log line names the
 trigger of the parent's reload it applies, which the parent tells the workers with that reload; a
@@ -87,7 +87,6 @@ log = structlog.get_logger("switchyard.reload")
 RESTART_BLOCKS = ("listen", "server", "upstream", "health", "scrape", "state", "view", "status", "tracing",
                   "responses", "batch")
 RESULTS = ("ok", "invalid", "restart_required")
-WORKER_RELOAD_TIMEOUT_S = 10.0
 SIBLINGS_POLL_S = 0.005     # how often a worker asked POST /admin/reload looks whether its siblings applied it
 
 
@@ -607,7 +606,8 @@ class Reloader:
         reload, then for its siblings to have applied it too."""
         assert self.parent_pid is not None
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + WORKER_RELOAD_TIMEOUT_S
+        wait_s = self.live.config.server.admin_reload_wait_s
+        deadline = loop.time() + wait_s
         waiter = loop.create_future()
         ask = self.parent_asked() if self.parent_asked is not None else None
         self._waiters.append((ask, waiter))
@@ -617,7 +617,7 @@ class Reloader:
                 result, seq = await asyncio.shield(waiter)
         except TimeoutError:
             raise GatewayError(504, f"the parent process did not have this worker reload within "
-                                    f"{WORKER_RELOAD_TIMEOUT_S:g}s", code="reload_timeout", error_class=ErrorClass.ADMIN) from None
+                                    f"{wait_s:g}s", code="reload_timeout", error_class=ErrorClass.ADMIN) from None
         finally:
             self._waiters = [(a, w) for a, w in self._waiters if w is not waiter]
         # the siblings got the same reload: the answer goes once they applied it too
@@ -625,7 +625,7 @@ class Reloader:
             while not self.siblings_applied(seq):
                 if loop.time() >= deadline:
                     log.warning("POST /admin/reload answered before every worker applied the reload",
-                                generation=result.generation, waited_s=WORKER_RELOAD_TIMEOUT_S)
+                                generation=result.generation, waited_s=wait_s)
                     break
                 await asyncio.sleep(SIBLINGS_POLL_S)
         return result
