@@ -1240,3 +1240,48 @@ async def test_a_worker_that_dies_while_the_parent_reads_the_file_for_a_reload_i
     assert code == 0
     assert [(line["event"], line["generation"]) for line in applied] == [("config reloaded", 2)] * 2, applied
     assert len(views) == 2 and killed not in views and all(v == {"m", "one"} for v in views.values()), views
+
+
+@pytest.mark.timeout(90)
+async def test_an_admin_reload_still_under_way_when_its_wait_ends_is_answered_202_and_then_applied(sims, tmp_path):
+    """``POST /admin/reload`` with --workers 2 whose reload is still under way when
+    ``server.admin_reload_wait_s`` is over (a file of a few MiB parsing in the parent, then in each
+    worker) is answered 202 ``in_progress`` with the generation still serving, and the reload then
+    applies in every worker. Here the parent's read is held: the file is a FIFO whose text the test
+    writes once the answer came. Before, the answer was 504 reload_timeout, which says the reload
+    did not happen, and the reload then applied."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n", log_level="info").replace(
+        "reload_settle_s: 0,", "reload_settle_s: 0, admin_reload_wait_s: 1,")
+    path.write_text(text)
+    held = HeldReads(path, tmp_path)
+    async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:
+        logs = LogLines(proc)
+        await worker_views(port, 2)
+        try:
+            held.fifo()
+            async with aiohttp.ClientSession() as s:
+                async def admin() -> tuple[int, dict]:
+                    async with s.post(f"http://127.0.0.1:{port}/admin/reload",
+                                      headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                        return r.status, await r.json()
+                answer = asyncio.ensure_future(admin())
+                reading = await held.reader()       # the parent's read waits for the file's text
+                status, body = await answer
+            held.file(text)
+            held.release(reading, text + "aliases: [{name: one, targets: [{model: m}]}]\n")
+            applied = await logs.until(2)
+            views = await worker_views(port, 2)
+        finally:
+            held.close(text)
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            assert await proc.wait() == 0
+        await logs.close()
+    assert (status, body.get("result"), body.get("trigger"), body.get("generation")) == \
+        (202, "in_progress", "admin", 1), (status, body)
+    assert [(line["event"], line["trigger"], line["generation"]) for line in applied] == \
+        [("config reloaded", "admin", 2)] * 2, applied
+    assert len(views) == 2 and all(v == {"m", "one"} for v in views.values()), views
