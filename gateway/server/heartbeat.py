@@ -11,7 +11,7 @@ restart counts, then the stop signals the parent got, then the config generation
 counts, then the parent's last reload as it told the workers of it, then each worker's count of
 the reloads it asked for, then for each worker how many of its asks the parent's last told reload
 came after, then the parent's reloads by result, then for each worker the last told reload it
-applied or refused). The parent reads the counters while it waits for its children; a worker
+applied or refused, then whether the parent is reading a reload's file). The parent reads the counters while it waits for its children; a worker
 that has ticked at least once (start-up is not judged) and has not ticked for
 ``server.worker_stall_timeout_s`` is logged and killed with SIGKILL (a stuck loop would never run a
 SIGTERM handler). The kernel resets the connections waiting in its accept queue, and the parent
@@ -105,13 +105,14 @@ class Heartbeats:
     def __init__(self, workers: int) -> None:
         self.workers = workers
         # anonymous and shared across fork
-        self._map = mmap.mmap(-1, 8 * (4 * workers + len(REASONS) + 3 + len(RESULTS)))
+        self._map = mmap.mmap(-1, 8 * (4 * workers + len(REASONS) + 4 + len(RESULTS)))
         self._slots = memoryview(self._map).cast("Q")
         self._slots[self.workers + len(REASONS) + 1] = 1
         self._asks = self.workers + len(REASONS) + 3    # then a count per worker of its POST /admin/reload
         self._after = self._asks + self.workers         # then per worker: the told reload, the asks it came after
         self._results = self._after + self.workers      # then the parent's reloads by result
         self._applied = self._results + len(RESULTS)    # then per worker: the last told reload it applied
+        self._reading = self._applied + workers         # then 1 while the parent reads and checks a reload
         self._asks_seen = 0             # the parent's: the sum of those counts at its last reload
         self._asks_noted = [0] * workers    # the parent's: each count when it began its last reload
         # the parent's count of the reloads it told the workers of; a worker's copy is the count
@@ -201,6 +202,16 @@ class Heartbeats:
         generation = self._slots[self.workers + len(REASONS) + 1] & 0xFFFFFFFF
         self._slots[self.workers + len(REASONS) + 2] = (
             self.told_count << 40 | TRIGGERS.index(trigger) << 32 | generation)
+
+    def reloading(self, under_way: bool) -> None:
+        """The parent began a reload (reads the file and checks it, in a thread), or told the
+        workers of it (``under_way`` False)."""
+        self._slots[self._reading] = int(under_way)
+
+    def parent_reloading(self) -> bool:
+        """Whether the parent is reading and checking a reload (a worker asked POST /admin/reload
+        that waited its time out says the reload is under way rather than not begun)."""
+        return self._slots[self._reading] != 0
 
     def applied(self, index: int, seq: int) -> None:
         """Worker ``index`` applied (or refused) the told reload number ``seq``, or started with

@@ -36,7 +36,9 @@ meanwhile), hands every worker the text it read
 (gateway/server/handoff.py) and forwards ``SIGHUP`` to them (gateway/server/workers.py): each worker
 applies that text, so a file rewritten meanwhile cannot leave them on different configs. A worker
 that receives ``POST /admin/reload`` signals the parent, so every worker reloads, and answers with
-its own result once every sibling that serves has applied that reload too (so an API key the
+its own result (202 ``in_progress`` when, ``server.admin_reload_wait_s`` after the ask, the parent
+still reads the file or this worker applies it: a large file parsing; 504 ``reload_timeout`` when the
+parent has not begun it) once every sibling that serves has applied that reload too (so an API key the
 reload removed is refused by every worker once the answer came; a sibling that has not within
 ``server.admin_reload_wait_s`` of the ask, its loop stalled say, is left behind with a warning and the
 answer goes). A worker's generation is then the parent's count of applied reloads (in the
@@ -359,6 +361,8 @@ class Reloader:
         # (or started on its config), and whether every sibling that serves has applied reload n
         self.mark_applied: Callable[[int], None] | None = None
         self.siblings_applied: Callable[[int], bool] | None = None
+        # set in a --workers worker: whether the parent is reading and checking a reload's file
+        self.parent_reloading: Callable[[], bool] | None = None
         # POST /admin/reload in a worker: the ask's number (None: no parent counts them), and its
         # answer with the number of the parent's told reload it is (None: not one the parent told)
         self._waiters: list[tuple[int | None, asyncio.Future[tuple[ReloadResult, int | None]]]] = []
@@ -597,9 +601,23 @@ class Reloader:
             result = await self.reload_off_loop("admin")
         if result.result == "ok":
             return web.Response(status=200, body=orjson.dumps(result.body()), content_type="application/json")
+        if result.result == "in_progress":      # accepted: it applies once parsed, its result logged
+            body = {"result": result.result, "generation": result.generation, "trigger": result.trigger,
+                    "message": result.error}
+            return web.Response(status=202, body=orjson.dumps(body), content_type="application/json")
         status, code = (409, "restart_required") if result.result == "restart_required" else (400, "config_invalid")
         raise GatewayError(status, result.error or result.result, param=result.key_path, code=code,
                            error_class=ErrorClass.ADMIN)
+
+    def _under_way(self, ask: int | None) -> bool:
+        """Whether the reload a POST /admin/reload asked for (its number ``ask``) is under way: the
+        parent reads and checks a reload (this one, or one before it, after which it reads the file
+        again for this one), or it told one begun after the ask that this worker is applying."""
+        if self.parent_reloading is not None and self.parent_reloading():
+            return True
+        if ask is None or self.parent_told is None:
+            return False
+        return self.parent_told().after(ask)
 
     async def _reload_every_worker(self) -> ReloadResult:
         """Ask the parent to signal every worker, this one included, and wait for this one's
@@ -616,8 +634,17 @@ class Reloader:
             async with asyncio.timeout_at(deadline):
                 result, seq = await asyncio.shield(waiter)
         except TimeoutError:
-            raise GatewayError(504, f"the parent process did not have this worker reload within "
-                                    f"{wait_s:g}s", code="reload_timeout", error_class=ErrorClass.ADMIN) from None
+            if self._under_way(ask):
+                # a large file still parsing in the parent or here: it applies once parsed, so the
+                # answer says so rather than that it did not happen
+                log.info("POST /admin/reload answered while its reload is under way", waited_s=wait_s,
+                         generation=self.live.generation)
+                return ReloadResult("in_progress", self.live.generation, "admin",
+                                    error=f"the reload is under way after {wait_s:g}s (server.admin_reload_wait_s): "
+                                          "its result is logged, and in /status.json (gateway.config)")
+            raise GatewayError(504, f"the parent process did not begin this reload within {wait_s:g}s "
+                                    "(stopped or busy): it applies it once it gets to it",
+                               code="reload_timeout", error_class=ErrorClass.ADMIN) from None
         finally:
             self._waiters = [(a, w) for a, w in self._waiters if w is not waiter]
         # the siblings got the same reload: the answer goes once they applied it too

@@ -224,6 +224,8 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
             reloader.mark_applied = functools.partial(worker.heartbeats.applied, worker.index)
             reloader.mark_applied(reloader.told_seen)
             reloader.siblings_applied = functools.partial(worker.heartbeats.applied_by_siblings, worker.index)
+            # and one whose answer is due while the parent still reads the file says it is under way
+            reloader.parent_reloading = worker.heartbeats.parent_reloading
     with contextlib.suppress(NotImplementedError):
         loop.add_signal_handler(signal.SIGHUP, reloader.on_signal)
     if hup.take():              # one came while the gateway started (gateway/server/hup.py)

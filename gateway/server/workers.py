@@ -357,6 +357,8 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
             # admin or signal: the parent's line names it, and it goes with this reload to the
             # workers, whose lines name it too
             trigger = heartbeats.note_trigger() if heartbeats is not None else "signal"
+            if heartbeats is not None:
+                heartbeats.reloading(True)
             outcome.clear()
 
             def read() -> None:
@@ -392,6 +394,7 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
                 done()
             if heartbeats is not None:
                 heartbeats.told(trigger)
+                heartbeats.reloading(False)
             for pid in list(children):
                 try:
                     os.kill(pid, signal.SIGHUP)
