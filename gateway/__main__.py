@@ -283,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
                                stop_grace=lambda: config.server.shutdown_grace_s)
         finally:
             run_dir.close()
+            # the parent exits without collecting what it holds: a config of tens of thousands of
+            # keys (two, and the objects of a parse a stop cut short in the reload's thread) took
+            # the interpreter's last collection seconds on a busy machine after every worker had stopped
+            import gc
+            gc.freeze()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)    # as it was (run_workers has let them through)
 
