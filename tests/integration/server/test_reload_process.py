@@ -1285,3 +1285,45 @@ async def test_an_admin_reload_still_under_way_when_its_wait_ends_is_answered_20
     assert [(line["event"], line["trigger"], line["generation"]) for line in applied] == \
         [("config reloaded", "admin", 2)] * 2, applied
     assert len(views) == 2 and all(v == {"m", "one"} for v in views.values()), views
+
+
+@pytest.mark.timeout(90)
+async def test_an_admin_reload_a_sibling_has_not_applied_when_its_wait_ends_is_answered_202(sims, tmp_path):
+    """``POST /admin/reload`` that rotates an API key, with --workers 2: the worker asked applied
+    it, its sibling has not when ``server.admin_reload_wait_s`` is over (here it is stopped; a file
+    of a few MiB still parsing there is the same): the answer is 202 ``in_progress`` with the new
+    generation, since the old key still works on that sibling, and the warning names the wait.
+    Before, the answer was 200 ok, which says every worker refuses the old key."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+
+    def text(key: str) -> str:
+        return config_text(port, [sim.url], log_level="info",
+                           extra=f"auth: {{admin_token: {TOKEN}, api_keys: [{{key: {key}}}]}}\n").replace(
+            "reload_settle_s: 0,", "reload_settle_s: 0, admin_reload_wait_s: 1,")
+
+    path.write_text(text("sk-old-key-0001"))
+    async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:
+        logs = LogLines(proc)
+        sessions = await pinned_workers(port, 2)
+        (asked, asked_http), (other, other_http) = sessions.items()
+        try:
+            path.write_text(text("sk-new-key-0002"))
+            await sigstop(other)
+            try:
+                async with asked_http.post(f"http://127.0.0.1:{port}/admin/reload",
+                                           headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                    status, body = r.status, await r.json()
+            finally:
+                os.kill(other, signal.SIGCONT)
+            await logs.until(2)
+        finally:
+            for s in sessions.values():
+                await s.close()
+        proc.send_signal(signal.SIGTERM)
+        await proc.wait()
+        await logs.close()
+    assert (status, body.get("result"), body.get("generation")) == (202, "in_progress", 2), (status, body)
+    warned = [line for line in logs.lines if line.get("event") == "POST /admin/reload answered before every worker applied the reload"]
+    assert len(warned) == 1 and warned[0]["waited_s"] == 1, warned
