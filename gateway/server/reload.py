@@ -40,8 +40,8 @@ its own result (202 ``in_progress`` when, ``server.admin_reload_wait_s`` after t
 still reads the file or this worker applies it: a large file parsing; 504 ``reload_timeout`` when the
 parent has not begun it) once every sibling that serves has applied that reload too (so an API key the
 reload removed is refused by every worker once the answer came; a sibling that has not within
-``server.admin_reload_wait_s`` of the ask, its loop stalled say, is left behind with a warning and the
-answer goes). A worker's generation is then the parent's count of applied reloads (in the
+``server.admin_reload_wait_s`` of the ask, its loop stalled or a large file parsing there, is left
+behind with a warning, and an applied reload is answered 202 ``in_progress``). A worker's generation is then the parent's count of applied reloads (in the
 workers' shared memory, gateway/server/heartbeat.py), not its own, and its log line names the
 trigger of the parent's reload it applies, which the parent tells the workers with that reload; a
 SIGHUP sent to a worker itself, with no reload of the parent's to apply, reloads nothing there (a
@@ -653,6 +653,13 @@ class Reloader:
                 if loop.time() >= deadline:
                     log.warning("POST /admin/reload answered before every worker applied the reload",
                                 generation=result.generation, waited_s=wait_s)
-                    break
+                    if result.result != "ok":       # refused: the siblings keep the running config too
+                        break
+                    # applied here, not yet there (a large file parsing, a stalled loop the parent
+                    # restarts on the new config): an API key it removed still works there
+                    return ReloadResult("in_progress", result.generation, "admin",
+                                        error=f"applied by this worker; another has not applied it after {wait_s:g}s "
+                                              "(server.admin_reload_wait_s): its result is logged, and in "
+                                              "/status.json (gateway.workers.config)")
                 await asyncio.sleep(SIBLINGS_POLL_S)
         return result
