@@ -29,6 +29,7 @@ from gateway.upstream.h1client import (
     UpstreamPool,
     UpstreamProtocolError,
     UpstreamTimeout,
+    UpstreamTooLarge,
 )
 from gateway.upstream.upstream import UpstreamFailure, classify
 from tests.support.factories import model_block
@@ -844,6 +845,49 @@ async def test_reading_pauses_while_the_unread_body_is_large_and_resumes_when_re
         assert total == size
         resp.release()
         assert pool.open_connections == 1
+        await pool.close()
+
+
+@on_both_loops
+async def test_a_body_read_whole_is_read_on_as_it_comes_and_stops_at_its_limit(monkeypatch):
+    """``read`` holds the whole body anyway: the engine's connection is read on as the bytes come,
+    not paused every quarter MiB until the reading task wakes and takes them (a turn of the event
+    loop apiece: behind every other request's on a loaded gateway). The body comes back exact and
+    the connection goes back to the pool; with a limit, the read stops once past it, with no more
+    than one read beyond it held."""
+    size = 8 * 1024 * 1024
+    block = bytes(range(256)) * 256      # 64 KiB
+    resumed = []
+    resume = h1client._Conn.resume
+
+    def counted(conn):
+        resumed.append(conn)
+        resume(conn)
+    monkeypatch.setattr(h1client._Conn, "resume", counted)
+
+    async def big(server, req, writer):
+        # the second answer's length is not said: it ends with the connection
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size if req["nth"] == 1 else
+                     b"HTTP/1.1 200 OK\r\n\r\n")
+        with contextlib.suppress(ConnectionError):
+            for _ in range(size // len(block)):
+                writer.write(block)
+                await writer.drain()
+        return req["nth"] == 1
+
+    async with Engine(big) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        body = await resp.read(2 * size)
+        assert body == block * (size // len(block))
+        assert resumed == []                         # never paused
+        resp.release()
+        assert pool.open_connections == 1
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        with pytest.raises(UpstreamTooLarge) as ei:
+            await resp.read(2 * 1024 * 1024)
+        assert 2 * 1024 * 1024 < ei.value.received <= 3 * 1024 * 1024 and resp._size == 0
+        resp.close()
         await pool.close()
 
 
