@@ -160,7 +160,7 @@ class UpstreamResponse:
     leaves through ``readany``; errors are raised only after the bytes received before them."""
 
     __slots__ = ("status", "headers", "_conn", "_loop", "_chunks", "_size", "_eof", "_exc", "_waiter", "_sink",
-                 "on_eof")
+                 "_whole", "on_eof")
 
     def __init__(self, conn: _Conn) -> None:
         self.status = 0
@@ -173,6 +173,8 @@ class UpstreamResponse:
         self._exc: BaseException | None = None  # raised once the buffer is drained
         self._waiter: asyncio.Future | None = None
         self._sink: Callable[[bytes], None] | None = None   # ``pipe``: body bytes go here as they come
+        # ``read``: the body is being read whole, up to this many bytes (reading is not paused below it)
+        self._whole = 0
         # told of the whole answer from the read that completes it, before its reader wakes (once)
         self.on_eof: Callable[[UpstreamResponse], None] | None = None
 
@@ -280,20 +282,33 @@ class UpstreamResponse:
             declared = dict.get(self.headers, "content-length")
             if declared is not None and declared.isdigit() and int(declared) > limit:
                 raise UpstreamTooLarge(limit, 0, int(declared))
-        if self._eof and self._exc is None:     # all of it came already (the usual whole answer): no wait
-            data = self._take() if self._chunks else b""
-            if limit and len(data) > limit:
-                raise UpstreamTooLarge(limit, len(data))
-            return data
-        parts = []
-        size = 0
-        while chunk := await self.readany():
-            size += len(chunk)
-            if limit and size > limit:
-                parts.clear()
-                raise UpstreamTooLarge(limit, size)
-            parts.append(chunk)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        if not (self._eof or self._exc is not None or (limit and self._size > limit)):
+            # the body is held whole anyway: the connection is read on as its bytes come (no pause at
+            # ``HIGH_WATER`` for this task to wake and take each read: a turn of the loop apiece,
+            # behind every other request's on a loaded gateway), and this task wakes once, at the end
+            # or once past ``limit``
+            self._whole = limit or 1 << 62
+            conn = self._conn
+            if conn is not None and conn.paused:
+                conn.resume()
+            try:
+                self._waiter = self._loop.create_future()
+                await self._waiter
+            finally:
+                self._whole = 0
+                self._waiter = None
+        if limit and self._size > limit:
+            size = self._size
+            self._chunks = []
+            self._size = 0
+            raise UpstreamTooLarge(limit, size)
+        if self._exc is not None:
+            raise self._exc
+        # all of it came (the usual whole answer came in the read that brought its head): one join
+        data = self._take() if self._chunks else b""
+        if limit and len(data) > limit:
+            raise UpstreamTooLarge(limit, len(data))
+        return data
 
     async def read_limited(self, limit: int) -> bytes:
         """At most ``limit`` bytes of the body (error bodies are bounded: they are only quoted)."""
@@ -534,6 +549,13 @@ class _Conn(asyncio.Protocol):
         if resp._sink is not None:  # piped: handed over once the whole read is parsed (no count:
             return                  # nothing stays buffered past this read, so nothing to pause for)
         resp._size += len(body)
+        if resp._whole:                 # ``read``: woken at the end (``on_message_complete``) or past its limit
+            if resp._size > resp._whole:
+                if not self.paused and not self.closed:
+                    self.paused = True
+                    self.transport.pause_reading()
+                resp._wake()
+            return
         if resp._size > HIGH_WATER and not self.paused and not self.closed:
             self.paused = True
             self.transport.pause_reading()
