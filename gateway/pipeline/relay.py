@@ -21,6 +21,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import msgspec
 import orjson
 from aiohttp import web
 
@@ -115,6 +116,56 @@ def whole_finishes(rec: RequestRecord, choices: list) -> None:
             reasons[i] = fr if isinstance(fr, str) else None
     rec.finish_reason = reasons[0]
     rec.extra["finish_reasons"] = reasons
+
+
+class _Choice(msgspec.Struct):
+    index: object = msgspec.UNSET
+    finish_reason: object = msgspec.UNSET
+    message: object = msgspec.UNSET
+
+
+class _Answer(msgspec.Struct):
+    choices: list[_Choice] | msgspec.UnsetType = msgspec.UNSET
+    usage: object = msgspec.UNSET
+
+
+_ANSWER = msgspec.json.Decoder(_Answer)
+# a whole answer larger than this is read through ``answer_view``
+VIEW_ABOVE = 256 << 10
+
+
+def answer_view(body: bytes) -> object:
+    """A whole answer's JSON as the relay reads it: its ``usage``, and each choice's ``index``,
+    ``finish_reason`` and ``message``. A large answer (over ``VIEW_ABOVE``: a completion's prompt
+    logprobs, tens of MB) is checked as JSON whole but decoded into those members alone, the rest
+    skipped: decoding all of it took the most of the time such an answer spent in the gateway (a
+    Python object for every logprob, made and freed again). Raises ``orjson.JSONDecodeError`` for a
+    body that is not JSON, as ``orjson.loads``; an answer that is JSON but no object, or whose
+    choices are not a list of objects, is decoded whole."""
+    if len(body) > VIEW_ABOVE:
+        try:
+            a = _ANSWER.decode(body)
+        except msgspec.DecodeError:     # not JSON, or not this shape: decoded whole below, as before
+            pass
+        else:
+            if body.isascii() or _utf8(body):       # the strings skipped are not checked by the decode
+                view: dict = {}
+                if a.choices is not msgspec.UNSET:
+                    view["choices"] = [{k: v for k, v in (("index", c.index), ("finish_reason", c.finish_reason),
+                                                          ("message", c.message)) if v is not msgspec.UNSET}
+                                       for c in a.choices]
+                if a.usage is not msgspec.UNSET:
+                    view["usage"] = a.usage
+                return view
+    return orjson.loads(body)
+
+
+def _utf8(body: bytes) -> bool:
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 _CODING_FIELDS = frozenset({"content-encoding", "transfer-encoding"})
@@ -810,7 +861,7 @@ class Relay:
             routed = ctx.ireq is not None and ctx.ireq.path in ROUTED_PATHS
             if routed or b'"usage"' in body:
                 try:
-                    data = orjson.loads(body)
+                    data = answer_view(body)
                 except orjson.JSONDecodeError:
                     data = None
                 if routed and not isinstance(data, dict):

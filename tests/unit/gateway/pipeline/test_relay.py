@@ -1,10 +1,16 @@
-"""The relay's stream watchdog: one timer per stream that bounds each wait for the next chunk."""
+"""The relay's stream watchdog: one timer per stream that bounds each wait for the next chunk; what
+the relay reads of a large whole answer."""
 
 from __future__ import annotations
 
 import asyncio
 
-from gateway.pipeline.relay import Watchdog, WatchdogFired
+import orjson
+import pytest
+
+from gateway.pipeline.relay import VIEW_ABOVE, Watchdog, WatchdogFired, answer_view
+from gateway.pipeline.sse import message_text
+from handlers.base import openai_usage as usage_of
 from tests.support.waiting import until
 
 
@@ -58,3 +64,45 @@ async def test_cancel_stops_it():
     w.cancel()
     await asyncio.sleep(0.1)
     assert resp.interrupted == [] and w.handle is None
+
+
+def _padded(obj: dict) -> bytes:
+    """``obj`` as JSON with a member large enough for ``answer_view`` to read it in part."""
+    return orjson.dumps({"pad": ["x" * 64] * (VIEW_ABOVE // 64), **obj})
+
+
+@pytest.mark.parametrize("obj", [
+    {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi", "tool_calls": []},
+                  "logprobs": {"content": []}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 3}},
+    {"choices": [{"finish_reason": None}, {"index": None, "text": "x"}, {}], "usage": None},
+    {"choices": [], "usage": {"prompt_tokens": 1.0, "completion_tokens": True}},
+    {"choices": None, "usage": [1, 2]},
+    {"choices": [1, "two"]},
+    {"choices": {"index": 0}},
+    {"object": "list", "data": [{"embedding": [0.5, 1.5]}]},
+])
+def test_a_large_answers_view_holds_what_the_relay_reads_of_it_as_the_whole_decode_does(obj):
+    whole = orjson.loads(_padded(obj))
+    view = answer_view(_padded(obj))
+    assert usage_of(view) == usage_of(whole) and message_text(view) == message_text(whole)
+    choices = whole.get("choices", [])
+    if isinstance(choices, list) and all(isinstance(c, dict) for c in choices):
+        assert [(c.get("index", 0), c.get("finish_reason"), c.get("message")) for c in view.get("choices", [])] == \
+            [(c.get("index", 0), c.get("finish_reason"), c.get("message")) for c in choices]
+        assert ("choices" in view) == ("choices" in whole) and view.keys() <= {"choices", "usage"}
+    else:               # choices that are not a list of objects: decoded whole
+        assert view == whole
+
+
+@pytest.mark.parametrize("raw", [b'["' + b"x" * VIEW_ABOVE + b'", 1]', b'"' + b"x" * VIEW_ABOVE + b'"'])
+def test_a_large_answer_that_is_no_object_is_decoded_whole(raw):
+    assert answer_view(raw) == orjson.loads(raw)
+
+
+@pytest.mark.parametrize("raw", [_padded({"usage": {}})[:-1], _padded({"usage": {}, "bad": "é"}).replace("é".encode(), b"\xc3\x28"),
+                                 _padded({"usage": {}}) + b"x", _padded({"usage": {}}).replace(b"{", b"\xef\xbb\xbf{", 1)])
+def test_a_large_answer_that_is_not_json_is_refused_as_by_the_whole_decode(raw):
+    with pytest.raises(orjson.JSONDecodeError):
+        orjson.loads(raw)
+    with pytest.raises(orjson.JSONDecodeError):
+        answer_view(raw)
