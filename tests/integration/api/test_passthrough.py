@@ -563,3 +563,33 @@ async def test_sglangs_v1_tokenize_and_detokenize_reach_it_and_vllm_says_it_does
         assert got["error"]["message"] == f"The model `llama` is served by vllm, which does not serve POST {path}."
     metrics = await gw.metrics_text()
     assert 'switchyard_path_requests_total{path="/v1/tokenize",status="200"} 1.0' in metrics
+
+
+async def test_large_pass_through_answers_are_relayed_exactly_with_their_usage_counted(gateway):
+    """A pooling answer of many vectors, a Cohere embed answer (its usage in ``meta.tokens``) and
+    a rerank answered as a list (SGLang's, each item's tokens in its ``meta_info``), each of
+    about a MB: the bytes the engine sent, and their prompt tokens counted."""
+    rows = 1000
+    vector = [0.125 * i for i in range(128)]
+    answers = {
+        "/pooling": {"object": "list", "data": [{"index": i, "data": vector} for i in range(rows)],
+                     "usage": {"prompt_tokens": 11, "total_tokens": 11}},
+        "/v2/embed": {"id": "e", "embeddings": {"float": [vector] * rows}, "meta": {"tokens": {"input_tokens": 13}}},
+        "/v1/rerank": [{"index": i, "score": 0.5, "text": "x" * 100, "meta_info": {"prompt_tokens": 1}}
+                       for i in range(rows * 4)],
+    }
+
+    async def engine(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=orjson.dumps(answers[request.path]), content_type="application/json")
+
+    async with fake_engine(engine, paths=tuple(answers)) as url:
+        gw = await gateway([model_block("llama", "vllm", [url])])
+        with gw.gw.request_log.capture() as logs:
+            async with aiohttp.ClientSession() as s:
+                for path, body in (("/pooling", {"model": "llama", "input": "hi"}),
+                                   ("/v2/embed", {"model": "llama", "texts": ["hi"], "input_type": "query"}),
+                                   ("/v1/rerank", {"model": "llama", **RERANK})):
+                    async with s.post(gw.url + path, json=body) as r:
+                        assert r.status == 200 and await r.read() == orjson.dumps(answers[path]), path
+        assert [e["prompt_tokens"] for e in logs if e["event"] == "request"] == [11, 13, rows * 4]
