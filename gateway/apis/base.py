@@ -101,6 +101,11 @@ class ApiShape:
         """After ``stream_error`` (or ``stream_errored``) made a stream's last bytes, before they are
         written: what the failure leaves (the Responses API keeps the failed response)."""
 
+    # the top-level members of a whole answer that ``body_usage``, ``answer_body`` and ``finish``
+    # read, when they read no other: a large answer is then decoded into those alone (the relay's
+    # ``members_view``); empty: they read it all, and it is decoded whole
+    answer_members: tuple[str, ...] = ()
+
     def body_usage(self, ctx: Any, data: dict[str, Any]) -> dict | None:
         """Usage of a non-streaming answer (decoded JSON object); may note what ``finish`` needs."""
         usage = data.get("usage")

@@ -121,6 +121,7 @@ class PassthroughApi(EngineSpecificApi):
 
     name = "passthrough"
     paths = JSON_PASSTHROUGH_PATHS
+    answer_members = ("usage", "meta")      # what ``body_usage`` reads; the answer goes out as it came
 
     def scanner(self, ctx: Any) -> StreamScanner:
         return SSEScanner()

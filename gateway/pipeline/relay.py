@@ -160,6 +160,25 @@ def answer_view(body: bytes) -> object:
     return orjson.loads(body)
 
 
+_MEMBERS: dict[tuple[str, ...], msgspec.json.Decoder] = {}
+
+
+def members_view(body: bytes, names: tuple[str, ...]) -> dict | None:
+    """A large answer's top-level members ``names`` (those present), the rest checked as JSON but
+    skipped, as ``answer_view``; None when it is not a JSON object in UTF-8 (decoded whole then)."""
+    decoder = _MEMBERS.get(names)
+    if decoder is None:
+        decoder = _MEMBERS[names] = msgspec.json.Decoder(
+            msgspec.defstruct("Members", [(n, object, msgspec.UNSET) for n in names]))
+    try:
+        got = decoder.decode(body)
+    except msgspec.DecodeError:
+        return None
+    if not (body.isascii() or _utf8(body)):
+        return None
+    return {n: v for n in names if (v := getattr(got, n)) is not msgspec.UNSET}
+
+
 def _utf8(body: bytes) -> bool:
     try:
         body.decode("utf-8")
@@ -892,10 +911,13 @@ class Relay:
         """Another API's whole answer: its usage counted, its state kept; the body to send (the
         engine's, unless the API reshaped it)."""
         assert ctx.api is not None
-        try:
-            data = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return body
+        names = ctx.api.answer_members
+        data = members_view(body, names) if names and len(body) > VIEW_ABOVE else None
+        if data is None:
+            try:
+                data = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                return body
         if isinstance(data, dict):
             self.account_usage(ctx.rec, ctx.api.body_usage(ctx, data))
             body = ctx.api.answer_body(ctx, data, body)
