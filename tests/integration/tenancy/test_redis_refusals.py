@@ -20,7 +20,9 @@ ADMIN = "admin-token-1"
 async def _refusing_url(server, refusal: str) -> str:
     """A URL to ``server`` that Redis will refuse as ``refusal`` says: an ACL user that may run
     anything but scripts (the gateway's limit checks and heartbeat are scripts), a replicas key
-    another application wrote as a string, or a port nothing listens on."""
+    another application wrote as a string (and alice's request window as a hash, which the check of
+    her limits reads whether or not another call, the directory's notices read at start, found Redis
+    answering first), or a port nothing listens on."""
     if refusal == "unreachable":
         return f"redis://gw:{PASSWORD}@127.0.0.1:{listen_port()}/0"
     r = aioredis.Redis.from_url(server.url)
@@ -31,6 +33,7 @@ async def _refusing_url(server, refusal: str) -> str:
         else:
             await r.execute_command("ACL", "SETUSER", "gw", "on", f">{PASSWORD}", "~*", "&*", "+@all")
             await r.set("switchyard:replicas", "another application's value")
+            await r.hset("switchyard:rpm:alice", "field", "another application's value")
     finally:
         await r.aclose()
     return f"redis://gw:{PASSWORD}@127.0.0.1:{server.port}/0"
