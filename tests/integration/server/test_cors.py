@@ -52,7 +52,19 @@ def _cors(headers, origin: str = APP) -> None:
     for name in ("x-request-id", "request-id", "target-pod", "routing-strategy", "x-ratelimit-remaining-requests",
                  "retry-after", "x-error-upstream"):
         assert name in exposed, exposed
+    # every header of the answer a page's script would read is exposed: none of them is left for
+    # the browser to hide (the safelisted ones, framing and CORS's own need no listing)
+    hidden = {k.lower() for k in headers} - {v.lower() for v in exposed} - _NOT_FOR_SCRIPTS
+    assert not hidden, hidden
     assert "Access-Control-Allow-Credentials" not in headers
+
+
+# response headers a page's script reads without CORS listing them (the safelisted ones), or that are
+# the connection's, a proxy's, the browser's or CORS's own
+_NOT_FOR_SCRIPTS = {"cache-control", "content-language", "content-length", "content-type", "expires",
+                    "last-modified", "pragma", "date", "server", "connection", "keep-alive", "transfer-encoding",
+                    "vary", "x-content-type-options", "x-accel-buffering", "allow", "access-control-allow-origin",
+                    "access-control-expose-headers", "access-control-allow-credentials"}
 
 
 def _resp(r) -> Resp:
