@@ -58,7 +58,7 @@ MAX_AGE_S = 7200        # how long a browser may keep a preflight's answer (Chro
 # the headers of the gateway's answers a page may read besides the safelisted ones (Content-Type, ...)
 EXPOSED = ", ".join((
     "request-id", "x-request-id", "target-pod", "prefill-target-pod", "routing-strategy", "x-served-model",
-    "x-retries", "x-pd-decision", "x-session-id", "retry-after",
+    "x-retries", "x-pd-decision", "x-session-id", "retry-after", "retry-after-ms", "www-authenticate",
     "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
     "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens",
     "x-ratelimit-limit-queue", "x-ratelimit-remaining-queue", "x-ratelimit-reset-queue",
