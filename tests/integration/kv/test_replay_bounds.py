@@ -413,3 +413,26 @@ async def test_a_catch_up_over_the_byte_bound_keeps_the_newest_batches(monkeypat
                                          {"model": "m", "result": "incomplete"}) == 1
     finally:
         server.cancel()
+
+
+async def test_a_catch_up_over_the_batch_bound_keeps_the_newest_batches(monkeypatch):
+    """An engine's buffer of more batches than a replay's batch bound (here made small for the
+    test) is caught up as one over its byte bound is: the newest batches within it are applied,
+    and the stream goes on after them."""
+    monkeypatch.setattr(kv_events, "REPLAY_MAX_FRAMES", 3)
+    port = listen_port()
+
+    async def answer(send) -> None:
+        for seq in range(10):
+            await send(seq, stored(seq + 1))
+        await send(-1, b"")
+
+    server = await replay_server(port, answer)
+    try:
+        sub, registry = subscriber(port, timeout=5)
+        await asyncio.wait_for(sub.catch_up(), 30)                  # a hang guard, not a timing
+        assert sorted(sub.st.emap) == [8, 9, 10] and sub.expected == 10
+        assert registry.get_sample_value("switchyard_kv_events_replays_total",
+                                         {"model": "m", "result": "incomplete"}) == 1
+    finally:
+        server.cancel()
