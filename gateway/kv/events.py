@@ -537,8 +537,8 @@ class Subscriber:
         ``(seq, payload)`` kept, in order, each once, and how it went (``ok``, ``failed``,
         ``too_large``). The first kept must be ``contiguous_from`` when given, else any from
         ``start`` on (the engine sends what its buffer still holds, from where it begins). Over
-        ``REPLAY_MAX_BYTES``, ``newest`` drops the oldest kept instead of stopping (a catch-up: the
-        newest batches tell what the engine holds now)."""
+        ``REPLAY_MAX_BYTES`` or ``REPLAY_MAX_FRAMES``, ``newest`` drops the oldest kept instead of
+        stopping (a catch-up: the newest batches tell what the engine holds now)."""
         import zmq
 
         sock = self.m.zctx.socket(zmq.DEALER)
@@ -575,7 +575,7 @@ class Subscriber:
                     nxt = seq + 1
                     size += len(frames[-1])
                     if newest:
-                        while size > REPLAY_MAX_BYTES:
+                        while size > REPLAY_MAX_BYTES or len(got) > REPLAY_MAX_FRAMES:
                             size -= len(got.popleft()[1])
                     if len(got) > REPLAY_MAX_FRAMES or size > REPLAY_MAX_BYTES:
                         result = "too_large"
