@@ -13,6 +13,7 @@ from tests.support.edge import assert_openai_error, exchange, request
 from tests.support.factories import model_block
 from tests.support.fake_engine import cutting_stream, fake_engine
 from tests.support.http import anthropic_client, sim_state, sse_frames
+from tests.support.metrics import metric
 from tests.support.waiting import wait_for
 
 MSGS = [{"role": "user", "content": "Tell me about switchyards and trains."}]
@@ -617,3 +618,50 @@ async def test_an_engines_error_event_in_a_stream_carries_an_anthropic_error_typ
                 async with c.messages.stream(model="llama", max_tokens=20, messages=MSGS, extra_headers=headers) as stream:
                     assert [t async for t in stream.text_stream] == ["Let me look."]
             assert ei.value.body == {"type": "error", "error": want}, (error, line_end)
+
+
+def _thinking_events() -> list[bytes]:
+    """A Messages stream with a thinking block closed by its signature, then a text block with a
+    citation: five generated tokens' deltas, and two deltas that are none."""
+    def ev(name: str, data: dict) -> bytes:
+        return b"event: " + name.encode() + b"\ndata: " + orjson.dumps({"type": name, **data}) + b"\n\n"
+
+    def delta(index: int, d: dict) -> bytes:
+        return ev("content_block_delta", {"index": index, "delta": d})
+    citation = {"type": "char_location", "cited_text": "Switchyards sort cars.", "document_index": 0,
+                "document_title": None, "start_char_index": 0, "end_char_index": 22}
+    return [
+        ev("message_start", {"message": {"id": "msg_1", "type": "message", "role": "assistant", "content": [],
+                                         "model": "llama", "stop_reason": None, "stop_sequence": None,
+                                         "usage": {"input_tokens": 10, "output_tokens": 0}}}),
+        ev("content_block_start", {"index": 0, "content_block": {"type": "thinking", "thinking": "", "signature": ""}}),
+        *[delta(0, {"type": "thinking_delta", "thinking": t}) for t in ("Cars", " are", " sorted.")],
+        delta(0, {"type": "signature_delta", "signature": "EqQBCgIYAhIM1gbcDa9GJwZA" * 8}),
+        ev("content_block_stop", {"index": 0}),
+        ev("content_block_start", {"index": 1, "content_block": {"type": "text", "text": "", "citations": []}}),
+        delta(1, {"type": "citations_delta", "citation": citation}),
+        *[delta(1, {"type": "text_delta", "text": t}) for t in ("They sort", " cars.")],
+        ev("content_block_stop", {"index": 1}),
+        ev("message_delta", {"delta": {"stop_reason": "end_turn", "stop_sequence": None}, "usage": {"output_tokens": 5}}),
+        ev("message_stop", {}),
+    ]
+
+
+async def test_a_thinking_blocks_signature_and_a_citation_are_not_counted_as_tokens(gateway):
+    """A stream's inter-token gaps are those between its generated tokens' deltas (thinking, text,
+    a tool's input): a thinking block's ``signature_delta`` and a text block's ``citations_delta``
+    carry none, and add no gap to ``switchyard_inter_token_latency_seconds``."""
+    async with fake_engine(cutting_stream(_thinking_events), paths=("/v1/messages",)) as url:
+        gw = await gateway([model_block("llama", "vllm", [url])])
+        c = anthropic_client(gw)
+        with gw.gw.request_log.capture() as lines:
+            async with c.messages.stream(model="llama", max_tokens=50, messages=MSGS) as stream:
+                final = await stream.get_final_message()
+        assert [b.type for b in final.content] == ["thinking", "text"]
+        assert final.content[0].thinking == "Cars are sorted." and final.content[0].signature.startswith("EqQB")
+        assert final.content[1].text == "They sort cars." and len(final.content[1].citations) == 1
+        line = await wait_for(lambda: next((x for x in lines if x["path"] == "/v1/messages"), None), 10)
+        assert line["completion_tokens"] == 5 and line["ttft_ms"] is not None
+        async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+            page = await r.text()
+        assert metric(page, "switchyard_inter_token_latency_seconds_count", model="llama") == 4

@@ -213,3 +213,32 @@ def test_messages_carry_the_slo_headers_and_refuse_a_bad_one_in_anthropic_shape(
     err = orjson.loads(ANTHROPIC.error_body(ei.value))
     assert ei.value.status == 400 and err["type"] == "error"
     assert err["error"]["type"] == "invalid_request_error" and "x-slo-tpot-ms" in err["error"]["message"]
+
+
+def test_messages_scanner_counts_the_deltas_that_carry_tokens_only():
+    """Thinking, text and a tool's input JSON are generated tokens; a thinking block's signature
+    (``signature_delta``) and a text block's citation (``citations_delta``) are not, and add no
+    inter-token gap. A text that names those types, or a delta spaced differently, changes nothing."""
+    def delta(d: dict, spaced: bool = False) -> bytes:
+        data = {"type": "content_block_delta", "index": 0, "delta": d}
+        body = orjson.dumps(data).replace(b'":', b'": ') if spaced else orjson.dumps(data)
+        return b"event: content_block_delta\ndata: " + body + b"\n\n"
+    events = [
+        delta({"type": "thinking_delta", "thinking": "Hmm"}),                     # 1.0: the first token
+        delta({"type": "thinking_delta", "thinking": 'say "signature_delta"'}),   # 2.0
+        delta({"type": "signature_delta", "signature": "EqQBCgIYAhIM1gbcDa9GJwZA"}),
+        delta({"type": "citations_delta", "citation": {"type": "char_location", "cited_text": '"text_delta"',
+                                                       "document_index": 0, "start_char_index": 0,
+                                                       "end_char_index": 12}}),
+        delta({"type": "signature_delta", "signature": "Zm9v"}, spaced=True),
+        delta({"type": "text_delta", "text": "It"}, spaced=True),                 # 6.0
+        delta({"type": "input_json_delta", "partial_json": '{"a": '}),           # 7.0
+    ]
+    sc = MessagesScanner()
+    for t, ev in enumerate(events, 1):
+        assert sc.feed(ev, float(t)) == ev
+    assert sc.token_events == 4 and sc.first_token_at == 1.0 and sc.last_token_at == 7.0
+    assert sc.drain_itl() == [1.0, 4.0, 1.0]
+    sc = MessagesScanner()                  # a frame without its event line: named by its data's type
+    sc.feed(b'data: {"type":"content_block_delta","index":0,"delta":{"type":"signature_delta","signature":"x"}}\n\n', 1.0)
+    assert sc.token_events == 0 and sc.first_token_at is None
