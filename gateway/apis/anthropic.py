@@ -19,7 +19,10 @@ says which engine serves which path), through the same pipeline as chat. What di
   (vLLM writes ``internal_error``): then that frame alone is written again with the type for its
   ``code`` (``api_error`` without one), the rest of it kept.
 - **Stream accounting.** Events are named by their ``event:`` line. The first
-  ``content_block_delta`` is the first token (TTFT); each one after it is an inter-token gap.
+  ``content_block_delta`` of generated tokens (``text_delta``, ``thinking_delta``,
+  ``input_json_delta``) is the first token (TTFT); each one after it is an inter-token gap. A
+  thinking block's ``signature_delta`` and a text block's ``citations_delta`` carry no token and
+  count for neither; only an event that names one of them is decoded to tell.
   ``message_start`` carries the input tokens, ``message_delta`` the output tokens and the stop
   reason, ``message_stop`` ends the stream. Only those three and ``error`` are JSON-decoded.
   A usage of zeros (SGLang's ``message_start``, and its ``message_delta`` after its own error
@@ -374,6 +377,35 @@ _BOUNDARY = re.compile(rb"\n\r?\n")
 _DELTA = b"content_block_delta"
 
 
+# deltas that carry no generated token: a thinking block's signature, a text block's citation
+# (text_delta, thinking_delta and input_json_delta carry the tokens)
+_UNTOKENED = frozenset(("signature_delta", "citations_delta"))
+
+
+def _maybe_untokened(data: bytes | bytearray, start: int, end: int) -> bool:
+    """Whether the event at ``data[start:end]`` may be a delta of a type in ``_UNTOKENED``: their
+    names are searched for, and only an event naming one is decoded to tell."""
+    return data.find(b"signature_delta", start, end) >= 0 or data.find(b"citations_delta", start, end) >= 0
+
+
+def _tokened(payload: bytes | None) -> bool:
+    """Whether a ``content_block_delta`` event's data carries generated tokens: every delta but one
+    whose type is in ``_UNTOKENED`` (data that cannot be read counts, as before)."""
+    if payload is None:
+        return True
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return True
+    return _delta_tokened(obj) if isinstance(obj, dict) else True
+
+
+def _delta_tokened(obj: dict[str, Any]) -> bool:
+    delta = obj.get("delta")
+    kind = delta.get("type") if isinstance(delta, dict) else None
+    return not (isinstance(kind, str) and kind in _UNTOKENED)     # a list or an object: no type of a delta
+
+
 def _parse_event(ev: bytes | bytearray) -> tuple[bytes | None, bytes | None]:
     """(event name, data payload) of one complete SSE event; either may be missing."""
     name = None
@@ -399,7 +431,7 @@ class MessagesScanner:
         self._inclusive = inclusive  # input_tokens counts the cache reads (``openai_usage``)
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
-        self.token_events = 0       # content_block_delta events
+        self.token_events = 0       # content_block_delta events of generated tokens
         self.itl: list[float] = []
         self.usage: dict | None = None
         self.finish_reason: str | None = None
@@ -515,10 +547,12 @@ class MessagesScanner:
         head = data.find(b"\n", start, end)
         first = data[start:end if head < 0 else head]
         if first.startswith(b"event:") and _DELTA in first:
+            if _maybe_untokened(data, start, end):
+                return _tokened(_parse_event(data[start:end])[1])
             return True               # the common case, never decoded
         name, payload = _parse_event(data[start:end])
         if name == _DELTA:
-            return True
+            return _tokened(payload) if _maybe_untokened(data, start, end) else True
         if payload is None:
             return False
         if name is None or name in (b"message_start", b"message_delta", b"error", b"message_stop"):
@@ -534,7 +568,7 @@ class MessagesScanner:
 
     def _apply(self, kind: Any, obj: dict[str, Any]) -> bool:
         if kind == "content_block_delta":
-            return True
+            return _delta_tokened(obj)
         if kind == "message_start":
             msg = obj.get("message")
             usage = msg.get("usage") if isinstance(msg, dict) else None
