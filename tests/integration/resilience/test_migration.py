@@ -1460,3 +1460,81 @@ async def test_an_echoed_chat_continues_from_its_generated_text_only(sims, gatew
         rest_usage = next(e["usage"] for e in rest if isinstance(e, dict) and e.get("usage"))
         assert got == content + text_of(rest)
         assert usage[0].completion_tokens == 5 + rest_usage["completion_tokens"]
+
+
+FLAT = {"object": "error", "message": "boom", "type": "InternalServerError", "param": None, "code": 500}
+
+
+@pytest.mark.parametrize("other", [True, False])
+async def test_an_old_vllms_flat_error_event_fails_the_leg_as_a_wrapped_one(sims, gateway, other):
+    """Older vLLM builds end a failing stream with a flat ``{"object": "error", "message": ...}``
+    event (then ``[DONE]``) rather than ``{"error": {...}}``. It is the engine's error event all
+    the same: the leg failed, and it is continued on another engine; with none, the stream ends
+    with the final error event a wrapped one's gets, and the request's log line names the
+    engine's error. The continuation relay
+    dropped it and ended the answer there, cut short, with no finish_reason, no error and a 200
+    with no error in the log, as though whole."""
+    async def chat(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, word in enumerate([" alpha", " beta"]):
+            ev = {"id": "chatcmpl-o", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                  "choices": [{"index": 0, "delta": {"content": word}, "logprobs": None, "finish_reason": None,
+                               "token_ids": [100 + i]}],
+                  "usage": {"prompt_tokens": 3, "completion_tokens": i + 1, "total_tokens": 4 + i}}
+            if i == 0:
+                ev["prompt_token_ids"] = [1, 2, 3]
+            await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+        await resp.write(b"data: " + json.dumps(FLAT).encode() + b"\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    good = await sims("vllm", "m")
+    async with fake_engine(chat) as bad:
+        urls = [bad, good.url] if other else [bad]
+        gw = await gateway([model_block("m", "vllm", urls, strategy="round-robin", migration_limit=1)])
+        with gw.gw.request_log.capture() as logs:
+            st, got = await raw_post(gw.url, "/v1/chat/completions",
+                                     {"model": "m", "messages": MSG, "max_tokens": 20, "stream": True})
+            await until(lambda: any(e["event"] == "request" for e in logs))
+    assert st == 200, got[-3:]
+    line = next(e for e in logs if e["event"] == "request")
+    assert text_of(got).startswith(" alpha beta")
+    if other:
+        assert got[-1] == "[DONE]", got[-3:]
+        assert len(text_of(got)) > len(" alpha beta")
+        fins = [e["choices"][0]["finish_reason"] for e in got if isinstance(e, dict) and e.get("choices")
+                and e["choices"][0].get("finish_reason")]
+        assert len(fins) == 1, got[-4:]
+        assert migrations(await gw.metrics_text(), "continued") == 1
+        assert line["migrations"][0]["reason"] == "stream_error" and line.get("error_class") is None
+    else:
+        errors = [e["error"] for e in got if isinstance(e, dict) and "error" in e]   # as a wrapped one's
+        assert [e["message"] for e in errors] == ["boom"] and "error" in got[-1], got[-3:]
+        assert line["migrations"][0]["outcome"] == "failed"
+        assert (line["error_class"], line["error"]) == ("upstream_stream_error", "boom")
+
+
+async def test_the_plain_relay_records_an_old_vllms_flat_error_event(gateway):
+    """Without continuation the flat error event reaches the client as the engine sent it, and is
+    the request's error, as a wrapped one is. It was passed on, but the request was logged as a
+    200 without an error."""
+    async def chat(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        ev = {"id": "chatcmpl-p", "object": "chat.completion.chunk", "created": 1, "model": "m",
+              "choices": [{"index": 0, "delta": {"content": " alpha"}, "logprobs": None, "finish_reason": None}]}
+        await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+        await resp.write(b"data: " + json.dumps(FLAT).encode() + b"\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async with fake_engine(chat) as bad:
+        gw = await gateway([model_block("m", "vllm", [bad])])
+        with gw.gw.request_log.capture() as logs:
+            st, got = await raw_post(gw.url, "/v1/chat/completions",
+                                     {"model": "m", "messages": MSG, "max_tokens": 20, "stream": True})
+            await until(lambda: any(e["event"] == "request" for e in logs))
+    assert st == 200 and got[-2:] == [FLAT, "[DONE]"], got[-3:]
+    line = next(e for e in logs if e["event"] == "request")
+    assert (line["error_class"], line["error"]) == ("upstream_stream_error", "boom")
