@@ -66,7 +66,7 @@ from gateway.pipeline.relay import (
     stream_failure,
     watchdog_fired,
 )
-from gateway.pipeline.sse import SSEScanner
+from gateway.pipeline.sse import SSEScanner, engine_error
 from gateway.request import (
     CHAT,
     COMPLETIONS,
@@ -690,8 +690,9 @@ class Migration:
             return None
         if not isinstance(obj, dict):
             return None
-        if obj.get("error"):
-            self.error = obj["error"]
+        err = obj.get("error") or engine_error(obj)     # a bare string stays one
+        if err:
+            self.error = err
             return False
         usage = obj.pop("usage", None)
         if isinstance(usage, dict):

@@ -223,6 +223,18 @@ def message_text(data: Any) -> str | None:
     return c if isinstance(c, str) and c else None
 
 
+def engine_error(obj: dict) -> dict | None:
+    """The error an event carries: ``{"error": {...}}`` (a bare string is its message), or the
+    flat ``{"object": "error", "message": ...}`` older vLLM builds stream (its fields, without
+    ``object``); None: the event is not an error."""
+    err = obj.get("error")
+    if err:
+        return err if isinstance(err, dict) else {"message": str(err)}
+    if obj.get("object") == "error" and "message" in obj:
+        return {k: v for k, v in obj.items() if k != "object"}
+    return None
+
+
 def _nonneg_int(v: Any) -> int:
     if type(v) is int:          # the usual case (not a bool: its type is bool)
         return v if v > 0 else 0
@@ -522,9 +534,9 @@ class SSEScanner:
             self.usage = usage
         else:
             usage = None
-        err = obj.get("error")
-        if err:
-            self.error = err if isinstance(err, dict) else {"message": str(err)}
+        err = engine_error(obj)
+        if err is not None:
+            self.error = err
         choices = obj.get("choices")
         if isinstance(choices, list):
             for c in choices:
