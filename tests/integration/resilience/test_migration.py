@@ -1538,3 +1538,48 @@ async def test_the_plain_relay_records_an_old_vllms_flat_error_event(gateway):
     assert st == 200 and got[-2:] == [FLAT, "[DONE]"], got[-3:]
     line = next(e for e in logs if e["event"] == "request")
     assert (line["error_class"], line["error"]) == ("upstream_stream_error", "boom")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_a_text_continuation_of_an_answer_that_fills_the_context_is_not_refused_for_its_length(
+        sims, gateway, engine):
+    """A chat whose max_tokens fills the context to the engine's limit, continued as text: the
+    partial answer, tokenized again as part of the continuation's prompt, came out longer than the
+    tokens generated (here " alpha beta", generated as one token), so its prompt and its reduced
+    max_tokens passed the context and the engine refused the continuation with a 400 naming its
+    limit; the stream ended with an error event. The continuation is sent again with the
+    max_tokens that fits beside the prompt the engine counted."""
+    ctx_len = 64
+    good = await sims(engine, "m", max_model_len=ctx_len)
+    async with aiohttp.ClientSession() as s, s.post(good.url + "/v1/chat/completions",
+                                                    json={"model": "m", "messages": MSG, "max_tokens": 1}) as r:
+        prompt = (await r.json())["usage"]["prompt_tokens"]
+    # the most the engine takes beside that prompt: vLLM up to the context, SGLang short of it
+    most = ctx_len - prompt - (1 if engine == "sglang" else 0)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        ev = {"id": "chatcmpl-c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+              "choices": [{"index": 0, "delta": {"content": " alpha beta"}, "logprobs": None, "finish_reason": None}],
+              "usage": {"prompt_tokens": prompt, "completion_tokens": 1, "total_tokens": prompt + 1}}
+        await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+        request.transport.abort()
+        return resp
+
+    async with fake_engine(chat) as bad:
+        gw = await gateway([model_block("m", engine, [bad, good.url], strategy="round-robin", migration_limit=1)])
+        with gw.gw.request_log.capture() as logs:
+            # a stop string: vLLM continues such a stream as text
+            st, got = await raw_post(gw.url, "/v1/chat/completions",
+                                     {"model": "m", "messages": MSG, "max_tokens": most, "stop": ["zzz!"],
+                                      "stream": True})
+            await until(lambda: any(e["event"] == "request" for e in logs))
+    line = next(e for e in logs if e["event"] == "request")
+    assert st == 200 and got[-1] == "[DONE]", [m.get("detail") for m in line["migrations"]]
+    assert text_of(got).startswith(" alpha beta") and len(text_of(got)) > len(" alpha beta")
+    fins = [e["choices"][0]["finish_reason"] for e in got if isinstance(e, dict) and e.get("choices")
+            and e["choices"][0].get("finish_reason")]
+    assert len(fins) == 1, got[-3:]
+    assert line.get("error_class") is None and line["migrations"][0]["outcome"] == "continued", line
