@@ -23,6 +23,7 @@ a failure are known exactly and ``max_tokens``/``min_tokens`` of the next leg ar
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,6 +158,40 @@ def continuation(p: Partial, mode: str, default_max: int | None) -> tuple[str, d
     if keep is not None:
         body["truncate_prompt_tokens"] = keep
     return p.path, body
+
+
+# an engine's 400 for a request past its context, naming the context's length and the prompt's
+# tokens as it counted them, and how far short of the context a request must stay
+_PAST_CONTEXT = (
+    # vLLM: the prompt and max_tokens up to the context
+    (re.compile(r"maximum context length is (\d+) tokens and your request has (\d+) input tokens"), 0),
+    (re.compile(r"maximum context length is (\d+) tokens\. However, you requested \d+ tokens \((\d+) in the"), 0),
+    # SGLang: short of it
+    (re.compile(r"maximum context length of (\d+) tokens\. You requested a total of \d+ tokens: (\d+) tokens"), 1),
+)
+
+
+def fitted(body: dict[str, Any], refusal: str) -> dict[str, Any] | None:
+    """A continuation's ``body`` with the ``max_tokens`` that fits the context beside its prompt,
+    when ``refusal`` (the engine's 400) refused it for passing the context: a text continuation's
+    prompt is the partial answer tokenized again, which can come out a token or more longer than
+    the tokens generated. None: not such a refusal, or no smaller ``max_tokens`` fits."""
+    asked = body.get("max_tokens")
+    if not isinstance(asked, int) or isinstance(asked, bool):
+        return None
+    for pattern, short in _PAST_CONTEXT:
+        m = pattern.search(refusal)
+        if m is None:
+            continue
+        fits = int(m.group(1)) - int(m.group(2)) - short
+        if not 1 <= fits < asked:
+            return None
+        out = {**body, "max_tokens": fits}
+        mn = out.get("min_tokens")
+        if isinstance(mn, int) and mn > fits:
+            out["min_tokens"] = fits
+        return out
+    return None
 
 
 def _extended(last: Any, text: str) -> dict[str, Any] | None:

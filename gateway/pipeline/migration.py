@@ -88,6 +88,7 @@ from handlers.continuation import (
     continuation,
     echo_length,
     first_leg,
+    fitted,
     min_tokens_of,
     text_mode_refusal,
 )
@@ -129,6 +130,14 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "gu
 REASONS = {ErrorClass.UPSTREAM_BROKEN: "broken", ErrorClass.UPSTREAM_STREAM_ERROR: "stream_error",
            ErrorClass.UPSTREAM_EOF: "eof", ErrorClass.WATCHDOG_IDLE: "idle_timeout",
            ErrorClass.WATCHDOG_FIRST_CHUNK: "first_chunk_timeout"}
+
+
+async def _refusal(resp: UpstreamResponse) -> str:
+    """The start of an engine's refusal (its error body), as text; "" when it does not come."""
+    try:
+        return (await asyncio.wait_for(resp.read_limited(8192), 5.0)).decode("utf-8", "replace")
+    except (TimeoutError, UpstreamError):
+        return ""
 
 
 def refusal(ireq: InferenceRequest) -> str | None:
@@ -585,6 +594,7 @@ class Migration:
         ctx.trace.event("migration", {"switchyard.migration.reason": reason, "switchyard.endpoint": failed_ep})
         ctx.trace.legs_broke(error_class)     # the broken leg's span ends here, as an error
         refused: str | None = None
+        refit = False
         decision, prefill_ep = ctx.decision, rec.prefill_endpoint
         while True:
             # an engine that refuses the continuation before sending anything (a refused or reset
@@ -610,6 +620,15 @@ class Migration:
                 continue
             if resp.status == 200:
                 break
+            if resp.status == 400 and not refit:
+                # refused for passing the context (a text continuation's prompt can come out longer
+                # than what was generated): sent again with the max_tokens that fits beside it
+                refit = True
+                data = fitted(cont.data, await _refusal(resp))
+                if data is not None:
+                    resp.close()
+                    cont = dataclasses.replace(cont, data=data, body=body_bytes(data, self.ireq.body))
+                    continue
             resp.close()
             ctx.trace.legs_broke(str(resp.status))
             ep = ctx.decision.endpoint if ctx.decision is not None else None

@@ -8,7 +8,7 @@ import pytest
 from gateway.observability.metrics import GatewayMetrics
 from gateway.pipeline.migration import Migration, StopSeam, refusal, stops_of
 from gateway.request import parse
-from handlers.continuation import TEXT, TOKEN, Partial, continuation
+from handlers.continuation import TEXT, TOKEN, Partial, continuation, fitted
 
 CHAT = "/v1/chat/completions"
 COMPL = "/v1/completions"
@@ -173,3 +173,26 @@ def test_a_client_text_shorter_than_the_longest_stop_string_is_looked_at_whole()
     assert seam.tail == "abc"
     assert seam.feed("de") == ("", None, True)
     assert seam.feed("f") == ("", "abcdef", False)
+
+
+@pytest.mark.parametrize("refusal_text,fits", [
+    # vLLM today, vLLM before, SGLang (which wants the total short of the context)
+    ("'max_tokens' or 'max_completion_tokens' is too large: 40. This model's maximum context length is 64 "
+     "tokens and your request has 27 input tokens (40 > 64 - 27).", 37),
+    ("This model's maximum context length is 64 tokens. However, you requested 67 tokens (27 in the messages, "
+     "40 in the completion). Please reduce the length of the messages or completion.", 37),
+    ("Requested token count exceeds the model's maximum context length of 64 tokens. You requested a total of "
+     "67 tokens: 27 tokens from the input messages and 40 tokens for the completion.", 36),
+])
+def test_a_continuation_refused_past_the_context_is_fitted_to_it(refusal_text, fits):
+    body = {"model": "m", "max_tokens": 40, "min_tokens": 39}
+    refused = orjson.dumps({"error": {"message": refusal_text, "code": 400}}).decode()
+    assert fitted(body, refused) == {"model": "m", "max_tokens": fits, "min_tokens": fits}
+    assert body["max_tokens"] == 40
+
+
+def test_other_refusals_are_not_fitted():
+    assert fitted({"max_tokens": 40}, '{"error": {"message": "bad temperature"}}') is None
+    assert fitted({}, "maximum context length is 64 tokens and your request has 27 input tokens") is None
+    # the prompt alone fills the context: no max_tokens fits
+    assert fitted({"max_tokens": 40}, "maximum context length is 64 tokens and your request has 64 input tokens") is None
