@@ -397,6 +397,55 @@ def test_an_oversized_event_still_counts_its_token_and_its_finish(monkeypatch, s
             assert s.finish_reason == "length"
 
 
+def _bare_cr(data: bytes) -> bytes:
+    """``data`` with its lines ended by bare CRs (its JSON holds no LF of its own)."""
+    return data.replace(b"\n", b"\r")
+
+
+@pytest.mark.parametrize("over", [False, True])
+@pytest.mark.parametrize("strip", [False, True])
+def test_a_big_event_in_bare_cr_lines_read_in_many_reads_is_scanned_as_in_one(monkeypatch, strip, over):
+    """A stream in bare-CR lines is read through a copy with LFs for its CRs. An event of many reads
+    (a completion's echo with logprobs) gives the same bytes and the same observations as the LF
+    stream, read in one piece or in 1 KiB reads, held whole (``over``: False) or past
+    MAX_EVENT_BYTES, whose head and end are read."""
+    monkeypatch.setattr(sse, "MAX_EVENT_BYTES", 16 * 1024 if over else 1 << 20)
+    big = _echo_chunk(0, None, 2000)
+    assert len(big) > 3 * 16 * 1024
+    tail = b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":" w","finish_reason":"length"}]}\n\n'
+    data = big + tail + VLLM_USAGE + DONE
+    want = data if not strip else big + tail + DONE
+    for size in (len(data), 1024):
+        seen = []
+        for framing, expect in ((data, want), (_bare_cr(data), _bare_cr(want))):
+            s = SSEScanner(strip)
+            out = [s.feed(framing[i:i + size], float(i // size)) for i in range(0, len(framing), size)]
+            out.append(s.finish())
+            assert b"".join(out) == expect, (size, framing is data)
+            assert s.token_events == 2 and s.finish_reason == "length" and s.done
+            assert s.usage == {"prompt_tokens": 12, "total_tokens": 14, "completion_tokens": 2}
+            seen.append((s.first_token_at, s.last_token_at, s.itl))
+        assert seen[0] == seen[1], size
+        if size == 1024:        # its head read when it grew past the limit, or with its end
+            assert seen[0][0] == (16.0 if over else float((len(big) - 1) // 1024))
+
+
+def test_a_big_event_in_bare_cr_lines_is_converted_once_not_at_every_read(monkeypatch):
+    """Each read of a stream in bare-CR lines was scanned through a copy with LFs of everything held
+    with it: an event of a few MB arriving in 64 KiB reads was converted again at every read, the
+    work growing with the square of its size (8 MiB in 16 KiB reads: 0.7 s of the worker's loop).
+    Each byte is converted about once, however many reads bring it."""
+    converted = []
+    real = sse.as_lf
+    monkeypatch.setattr(sse, "as_lf", lambda d: converted.append(len(d)) or real(d))
+    big = _bare_cr(_echo_chunk(0, "length", 20000))
+    data = b": x\r\r" + big + _bare_cr(DONE)
+    s = SSEScanner()
+    out = [s.feed(data[i:i + 4096], 0.0) for i in range(0, len(data), 4096)] + [s.finish()]
+    assert b"".join(out) == data and s.finish_reason == "length" and s.done
+    assert sum(converted) < 2 * len(data), (sum(converted), len(data))
+
+
 # -- usage_tokens ----------------------------------------------------------------------------------
 
 
