@@ -31,8 +31,9 @@ CRLF line ends). ``data:`` with or without a space; several ``data:`` lines are 
 A trailing event without its blank line is still scanned by ``finish()``. Bare-CR line ends (legal
 in SSE, never sent by vLLM or SGLang): once a CR not followed by LF is seen (``cr_mode``), the
 scanner reads a copy of the bytes in which each bare CR is an LF (``as_lf``, the same length, so
-every offset is the original's) and passes on the original bytes; the usual chunk's path (one
-event ending in ``\n\n``) never meets one and is unchanged.
+every offset is the original's) and passes on the original bytes; the copy of an incomplete event is
+kept with it and only each read's bytes are converted (an event of MBs in many reads is converted
+once); the usual chunk's path (one event ending in ``\n\n``) never meets one and is unchanged.
 """
 
 from __future__ import annotations
@@ -288,7 +289,7 @@ class SSEScanner:
     __slots__ = (
         "strip_usage", "first_token_at", "last_token_at", "token_events", "itl", "usage", "finish_reason",
         "error", "done", "events",
-        "_buf", "_sent", "_skip", "_now", "_cr", "_lf_owed", "_big_index",
+        "_buf", "_sent", "_skip", "_now", "_cr", "_lf", "_lf_owed", "_big_index",
     )
 
     def __init__(self, strip_usage: bool = False) -> None:
@@ -307,6 +308,7 @@ class SSEScanner:
         self._skip = False         # the current event outgrew MAX_EVENT_BYTES: do not scan it
         self._now = 0.0
         self._cr = False           # the stream ends lines with bare CRs: scanned as LFs (``as_lf``)
+        self._lf: bytearray | None = None   # with _cr: _buf as LFs (``as_lf``), converted as its reads came
         self._lf_owed = False      # strip mode: a dropped usage chunk ended with the CR of a read, whose LF may come next
         self._big_index = 0        # the choice the skipped event is of, read from its head
 
@@ -357,6 +359,7 @@ class SSEScanner:
         if not buf:
             return b""
         self._buf = bytearray()
+        self._lf = None
         sent, self._sent = self._sent, 0
         flags = 0
         if self._skip:
@@ -403,12 +406,23 @@ class SSEScanner:
             data: bytes | bytearray = buf
         elif chunk:
             data = chunk
-            pos = cursor = 0
+            old = pos = cursor = 0
         else:
             return chunk
         if not self._cr:
             self._cr = cr_mode(data, max(pos - 1, 0))
-        scan = as_lf(data) if self._cr else data       # read for events; the bytes passed on are ``data``'s
+        scan: bytes | bytearray = data      # read for events; the bytes passed on are ``data``'s
+        if self._cr:
+            lf = self._lf
+            if old and lf is not None and len(lf) == old:
+                # the held bytes were converted as they came: only the last of them can read
+                # otherwise now (a CR whose LF came with this read), so from it on, not all again
+                # at every read (an event of MBs in many reads was quadratic work)
+                del lf[old - 1:]
+                lf += as_lf(data[old - 1:])
+                scan = lf
+            else:
+                scan = as_lf(data)
         out: list[bytes | bytearray] | None = None
         start = 0
         flags = 0
@@ -448,6 +462,13 @@ class SSEScanner:
             del buf[:start]
         elif start < n:
             self._buf = bytearray(chunk[start:])
+        if self._cr:            # the held bytes as LFs, kept with them
+            if start >= n:
+                self._lf = None
+            elif scan is self._lf:
+                del scan[:start]
+            else:
+                self._lf = bytearray(scan[start:])
         self._sent = max(cursor, stop) - start if start < n else 0
         if len(self._buf) > MAX_EVENT_BYTES:
             if held:
@@ -467,6 +488,8 @@ class SSEScanner:
             flags = self._big_head(self._buf, min(len(self._buf), _BIG_HEAD))
         self._skip = True
         del self._buf[:-_BIG_TAIL]
+        if self._lf is not None:
+            del self._lf[:-_BIG_TAIL]
         return flags
 
     def _big_head(self, data: bytes | bytearray, end: int) -> int:
