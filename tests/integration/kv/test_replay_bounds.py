@@ -392,34 +392,16 @@ def test_a_store_of_no_full_block_or_an_implausible_block_size_leaves_the_endpoi
     assert registry.get_sample_value("switchyard_kv_events_decode_errors_total", {"model": "m"}) == 1
 
 
-async def test_a_catch_up_over_the_byte_bound_keeps_the_newest_batches(monkeypatch):
+@pytest.mark.parametrize("bound", ["bytes", "batches"])
+async def test_a_catch_up_over_a_bound_keeps_the_newest_batches(monkeypatch, bound):
     """An engine's whole buffer (vLLM keeps 10,000 batches, tens of MB on a busy engine) can be over
-    a replay's byte bound: at first contact the catch-up keeps the newest batches within it, the
-    ones that tell what the engine holds now, and the stream goes on after them."""
-    monkeypatch.setattr(kv_events, "REPLAY_MAX_BYTES", 3 * len(stored(1)))
-    port = listen_port()
-
-    async def answer(send) -> None:
-        for seq in range(10):
-            await send(seq, stored(seq + 1))
-        await send(-1, b"")
-
-    server = await replay_server(port, answer)
-    try:
-        sub, registry = subscriber(port, timeout=5)
-        await asyncio.wait_for(sub.catch_up(), 30)                  # a hang guard, not a timing
-        assert sorted(sub.st.emap) == [8, 9, 10] and sub.expected == 10
-        assert registry.get_sample_value("switchyard_kv_events_replays_total",
-                                         {"model": "m", "result": "incomplete"}) == 1
-    finally:
-        server.cancel()
-
-
-async def test_a_catch_up_over_the_batch_bound_keeps_the_newest_batches(monkeypatch):
-    """An engine's buffer of more batches than a replay's batch bound (here made small for the
-    test) is caught up as one over its byte bound is: the newest batches within it are applied,
-    and the stream goes on after them."""
-    monkeypatch.setattr(kv_events, "REPLAY_MAX_FRAMES", 3)
+    a replay's byte bound, or (made small here) its batch bound: at first contact the catch-up keeps
+    the newest batches within it, the ones that tell what the engine holds now, and the stream goes
+    on after them."""
+    if bound == "bytes":
+        monkeypatch.setattr(kv_events, "REPLAY_MAX_BYTES", 3 * len(stored(1)))
+    else:
+        monkeypatch.setattr(kv_events, "REPLAY_MAX_FRAMES", 3)
     port = listen_port()
 
     async def answer(send) -> None:
