@@ -118,13 +118,17 @@ class PoolingApi:
     def _usage(self, tokens: int) -> dict[str, Any]:
         return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
 
+    async def _vllm_inputs(self, request: web.Request) -> list:
+        """The inputs of a vLLM request of ``model`` and ``input`` (``/classify``, ``/pooling``)."""
+        body = await read_json(request, require_json=True)
+        self._vllm_model(body)
+        return embedding_inputs(body.get("input"))
+
     async def vllm_classify(self, request: web.Request) -> web.Response:
         """vLLM's ``/classify`` (``ClassificationRequest``: ``model``, ``input``): a label and the
         class probabilities per input, and the usage of what it encoded."""
         try:
-            body = await read_json(request, require_json=True)
-            self._vllm_model(body)
-            inputs = embedding_inputs(body.get("input"))
+            inputs = await self._vllm_inputs(request)
         except ApiError as exc:
             return exc.response(ErrorStyle.VLLM)
         return self._classify_answer(inputs)
@@ -133,9 +137,7 @@ class PoolingApi:
         """vLLM's ``/pooling`` (``PoolingRequest``: ``model``, ``input``): the pooled output per
         input (here the embedding vector), and the usage."""
         try:
-            body = await read_json(request, require_json=True)
-            self._vllm_model(body)
-            inputs = embedding_inputs(body.get("input"))
+            inputs = await self._vllm_inputs(request)
         except ApiError as exc:
             return exc.response(ErrorStyle.VLLM)
         data, tokens = [], 0
