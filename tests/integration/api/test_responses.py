@@ -1063,3 +1063,45 @@ async def test_a_record_key_of_another_type_is_a_503_that_says_so_not_unreachabl
         err = got.value.body
         assert "another type" in err["message"] and "unreachable" not in err["message"], err
         assert "secret" not in err["message"], err
+
+
+async def test_gateway_history_written_with_an_item_twice_lists_and_continues_it_once(sims, gateway, redis_server):
+    """A record an older release wrote (before a resent item was refused, before records kept the
+    ids of the turns before: no ``ids``) can hold one item id twice in its input. Its input_items
+    list that id once, so the SDK's auto-pagination, which goes on after a page's last id, ends
+    (it went round that id forever), and a follow-up shows the engine the item once and keeps it
+    once, where every later turn carried the repeat on."""
+    import redis.asyncio as aioredis
+
+    sim = await sims("vllm", "m", tool_call_parser="hermes")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": "gateway"},
+                       state={"redis_url": redis_server.url})
+    c = openai_client(gw)
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    r = await c.responses.create(model="m", input="Weather in Paris?", tools=tools, max_output_tokens=3)
+    call = r.output[0]
+    answer = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    r2 = await c.responses.create(model="m", previous_response_id=r.id, tools=tools, max_output_tokens=3,
+                                  input=[answer, {"role": "user", "content": "and Rome?"}])
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        [key] = [k async for k in client.scan_iter(match=f"*:resp:hist:{r2.id}")]
+        record = orjson.loads(await client.get(key))
+        # as an older release kept it: the call sent again before its answer, no ids of the turns before
+        record["input"].insert(2, call.model_dump(exclude_none=True))
+        record.pop("ids", None)
+        await client.set(key, orjson.dumps(record))
+    finally:
+        await client.aclose()
+    ids = []
+    async for item in c.responses.input_items.list(r2.id, limit=1):
+        ids.append(item.id)
+        if len(ids) > 20:
+            break
+    assert len(ids) == len(set(ids)) == 4, ids
+    r3 = await c.responses.create(model="m", previous_response_id=r2.id, tools=tools, max_output_tokens=3,
+                                  input="and Oslo?")
+    sent = posts(await sim_state(sim.url))[-1]["body"]["input"]
+    assert [i.get("id") for i in sent].count(call.id) == 1, sent
+    ids = [i.id async for i in c.responses.input_items.list(r3.id, limit=100)]
+    assert len(ids) == len(set(ids)) and ids.count(call.id) == 1, ids
