@@ -47,6 +47,7 @@ from gateway.apis.responses_request import (
     input_items,
     output_as_input,
     parse_responses,
+    unique_items,
     with_history,
 )
 from gateway.apis.responses_state import AskSiblings, MemoryStore, RedisStore, StoreUnavailable, WorkerStore
@@ -411,7 +412,7 @@ class ResponsesApi(ApiShape):
             if prev is not None:
                 record = await _as_previous(prev, self._record(prev, rec.user))
                 _not_failed(prev, record.get("response"))
-                history = list(record.get("input") or ()) + output_as_input(record.get("output"))
+                history = unique_items(list(record.get("input") or ()) + output_as_input(record.get("output")))
                 chain = chain_ids(record)
                 self._follow(prev, record, ireq.model, candidates)
             check_unique_ids(chain, input_items(ireq.data["input"]))
@@ -659,7 +660,7 @@ class ResponsesApi(ApiShape):
         if action == "delete":
             body: Any = await self._deleted(self.history, rid)
         elif page is not None:
-            body = _input_items_page(rid, list(record.get("input") or ()), page)
+            body = _input_items_page(rid, unique_items(list(record.get("input") or ())), page)
         else:
             _not_streamed(request.query)
             body = record.get("response") or {"id": rid, "object": "response"}

@@ -265,6 +265,24 @@ def chain_ids(record: dict[str, Any]) -> set[str]:
     return kept | item_ids(record.get("input")) | item_ids(record.get("output"))
 
 
+def unique_items(items: list[Any]) -> list[Any]:
+    """``items`` without an item whose id an earlier one names: a stored record's input as the
+    gateway now keeps one. A record an older release wrote can hold an item twice (a resent
+    function call, before :func:`check_unique_ids` refused it); read back as it is, its
+    ``input_items`` would list the id twice (an ``after`` cursor on it goes round) and each
+    follow-up would show the engine the item twice and keep the repeat."""
+    seen: set[str] = set()
+    out: list[Any] = []
+    for item in items:
+        rid = item.get("id") if item.__class__ is dict else None
+        if rid.__class__ is str:
+            if rid in seen:
+                continue
+            seen.add(rid)
+        out.append(item)
+    return out
+
+
 def check_unique_ids(seen: set[str], items: list[Any]) -> None:
     """A follow-up's new input ``items`` name no id its chain (``seen``: :func:`chain_ids`) or
     another of them names, as OpenAI requires: an item sent again (the function call a follow-up
