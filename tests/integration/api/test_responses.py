@@ -1105,3 +1105,32 @@ async def test_gateway_history_written_with_an_item_twice_lists_and_continues_it
     assert [i.get("id") for i in sent].count(call.id) == 1, sent
     ids = [i.id async for i in c.responses.input_items.list(r3.id, limit=100)]
     assert len(ids) == len(set(ids)) and ids.count(call.id) == 1, ids
+
+
+async def test_gateway_history_written_with_chat_usage_is_retrieved_in_responses_names(sims, gateway, redis_server):
+    """A record an older release wrote of SGLang's whole answer holds the engine's chat usage
+    (prompt_tokens, completion_tokens: that release stored the answer as it came). A GET of it
+    answers the usage in the Responses API's names, as the answer itself now is, where the SDK's
+    usage.input_tokens and output_tokens were None."""
+    import redis.asyncio as aioredis
+
+    sim = await sims("sglang", "m")
+    gw = await gateway([model_block("m", "sglang", [sim.url])], responses={"state": "gateway"},
+                       state={"redis_url": redis_server.url})
+    c = openai_client(gw)
+    r = await c.responses.create(model="m", input="Hello there", max_output_tokens=4)
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        [key] = [k async for k in client.scan_iter(match=f"*:resp:hist:{r.id}")]
+        record = orjson.loads(await client.get(key))
+        u = r.usage
+        record["response"]["usage"] = {"prompt_tokens": u.input_tokens, "completion_tokens": 4,
+                                       "total_tokens": u.input_tokens + 4, "reasoning_tokens": 0,
+                                       "prompt_tokens_details": {"cached_tokens": 0}}
+        await client.set(key, orjson.dumps(record))
+    finally:
+        await client.aclose()
+    got = await c.responses.retrieve(r.id)
+    assert (got.usage.input_tokens, got.usage.output_tokens, got.usage.total_tokens) == \
+        (u.input_tokens, 4, u.input_tokens + 4), got.usage
+    assert got.usage.input_tokens_details.cached_tokens == 0 and got.usage.output_tokens_details.reasoning_tokens == 0
