@@ -664,6 +664,10 @@ class ResponsesApi(ApiShape):
         else:
             _not_streamed(request.query)
             body = record.get("response") or {"id": rid, "object": "response"}
+            usage = body.get("usage")
+            renamed = responses_usage(usage) if isinstance(usage, dict) else None
+            if renamed is not None:         # a record an older release wrote: the engine's chat names
+                body = {**body, "usage": renamed}
         return web.Response(body=orjson.dumps(body), headers=rec.response_headers(), content_type="application/json")
 
     async def _on_owner(self, rec: RequestRecord, rid: str, user: str | None,
