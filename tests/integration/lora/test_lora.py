@@ -12,10 +12,11 @@ import openai
 import pytest
 
 from gateway.config.schema import config_from_dict
+from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS
 from gateway.server.app import RELOAD_KEY
 from tests.support.enginesim import restart_sim
 from tests.support.factories import model_block
-from tests.support.http import anthropic_client, openai_client, sim_state
+from tests.support.http import anthropic_client, chat_body, openai_client, post, sim_state
 from tests.support.lora import FAST_LORA, LORA_SIM, MSG, chat, load_calls
 from tests.support.metrics import metric
 from tests.support.waiting import until, wait_for
@@ -213,6 +214,34 @@ async def test_sglang_adapter_load_and_lora_path(sims, gateway):
     assert status == 200, body
     st = await sim_state(s.url)
     assert st["lora"]["registered"] == {"tone": "org/tone-lora"} and st["lora"]["cold_loads"] == 1
+
+
+async def test_an_sglang_request_naming_an_adapter_in_its_lora_path_is_refused(sims, gateway):
+    """SGLang runs a chat, completion or embedding request with the adapter its body's ``lora_path``
+    names, whatever its ``model`` says: a request for the base model carrying one would be routed,
+    limited, logged and counted as the base model's (on an endpoint that may not hold the adapter,
+    which the gateway may unload under it) while the engine ran the adapter. It is refused (400
+    naming ``lora_path``, nothing sent); a null one is the base model's; a request naming the adapter
+    in ``model`` carries the gateway's ``lora_path``, the client's replaced. vLLM picks an adapter by
+    ``model`` alone and ignores the field."""
+    s = await sims("sglang", "m", lora_modules=("tone=org/tone-lora",), **LORA_SIM)
+    v = await sims("vllm", "v", lora_modules=("tone=org/tone-lora",), **LORA_SIM)
+    gw = await gateway([model_block("m", "sglang", [s.url], adapters={"terse": "org/terse-lora"}),
+                        model_block("v", "vllm", [v.url])], lora=FAST_LORA)
+    for path, body in ((CHAT, chat_body(MSG, lora_path="tone")),
+                       (COMPLETIONS, {"model": "m", "prompt": "hi", "max_tokens": 2, "lora_path": ["tone"]}),
+                       (EMBEDDINGS, {"model": "m", "input": "hi", "lora_path": "tone"})):
+        r = await post(gw, body, path=path)
+        assert r.status == 400, (path, r.status, r.body[:200])
+        err = r.json()["error"]
+        assert err["param"] == "lora_path" and err["code"] == "unsupported_parameter", err
+        assert "`model`" in err["message"]
+    assert not [x for x in (await sim_state(s.url))["received"] if x["path"] in (CHAT, COMPLETIONS, EMBEDDINGS)]
+    assert (await post(gw, chat_body(MSG, lora_path=None))).status == 200
+    assert (await post(gw, chat_body(MSG, model="terse", lora_path="tone"))).status == 200
+    sent = [x["body"] for x in (await sim_state(s.url))["received"] if x["path"] == CHAT]
+    assert [b.get("lora_path") for b in sent] == [None, "terse"]
+    assert (await post(gw, chat_body(MSG, model="v", lora_path="tone"))).status == 200
 
 
 async def test_a_messages_request_for_an_sglang_adapter_is_refused_not_served_by_the_base_model(sims, gateway):
