@@ -105,11 +105,11 @@ from gateway.endpoints import Endpoint, EndpointPool, engine_headers
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import Counter, Histogram
 from gateway.pipeline.ledger import AdapterInFlight
-from gateway.request import body_bytes
+from gateway.request import bad_body, body_bytes
 from gateway.resilience.outcome import key_refused
 from gateway.upstream.monitor import EndpointRounds
 from gateway.upstream.upstream import Upstream, UpstreamFailure, engine_key_refused, no_socket_error
-from handlers import adapter_for
+from handlers import ADAPTERS, adapter_for
 
 if TYPE_CHECKING:
     from gateway.config.schema import Config
@@ -119,6 +119,12 @@ log = structlog.get_logger("switchyard.lora")
 
 # adapters remembered as recently routed per endpoint (the engine's slots are far fewer)
 _RECENT_KEPT = 64
+
+
+# the body members each engine picks an adapter by, besides ``model`` (SGLang's ``lora_path``): a
+# request for a base model that names one is refused (``Lora._refuse_adapter_in_body``)
+_ENGINE_BODY_KEYS: dict[str, tuple[str, ...]] = {e: tuple(a.lora_fields("")) for e, a in ADAPTERS.items()}
+_BODY_KEYS = frozenset(k for keys in _ENGINE_BODY_KEYS.values() for k in keys)
 
 
 class LoraMetrics:
@@ -208,6 +214,8 @@ class Lora:
         assert ireq is not None
         name = ireq.model
         if self.pool.has_model(name) or self.config.model(name) is not None:
+            if ctx.api is None and not _BODY_KEYS.isdisjoint(ireq.data):
+                self._refuse_adapter_in_body(ireq.data, name)
             return
         base = self.base_of(name)
         if base is None:
@@ -229,6 +237,22 @@ class Lora:
                                code="adapter_unsupported_path", error_class=ErrorClass.VALIDATION)
         ireq.data.update(fields)
         ireq.body = body_bytes(ireq.data, ireq.body)
+
+    def _refuse_adapter_in_body(self, data: dict[str, Any], model: str) -> None:
+        """A 400 for a request for base model ``model`` whose body names an adapter in a member its
+        engine picks one by (SGLang's ``lora_path``, a name or a list of them, one a prompt; null, ""
+        and a list of those name none): the engine would run the adapter while the gateway routed,
+        limited, logged and counted the base model, on an endpoint that may not hold the adapter,
+        and may unload it under the request."""
+        eps = self.pool.endpoints(model)
+        m = self.config.model(model)
+        engine = eps[0].engine if eps else m.engine if m is not None else None
+        for key in _ENGINE_BODY_KEYS.get(engine or "", ()):
+            v = data.get(key)
+            if v and (isinstance(v, str) or isinstance(v, list) and any(isinstance(x, str) and x for x in v)):
+                raise bad_body(f"`{key}` selects a LoRA adapter on {engine} engines, which the gateway does not "
+                               f"route by: name the adapter in `model` (its requests are routed to the endpoints "
+                               f"that serve it, and loaded there on demand)", key, "unsupported_parameter")
 
     async def prepare(self, ctx: RequestContext, candidates: list[Endpoint]) -> list[Endpoint]:
         """The candidates that serve the request's adapter, after loading it if none does."""

@@ -238,6 +238,8 @@ async def test_an_sglang_request_naming_an_adapter_in_its_lora_path_is_refused(s
         assert "`model`" in err["message"]
     assert not [x for x in (await sim_state(s.url))["received"] if x["path"] in (CHAT, COMPLETIONS, EMBEDDINGS)]
     assert (await post(gw, chat_body(MSG, lora_path=None))).status == 200
+    assert (await post(gw, {"model": "m", "prompt": ["a", "b"], "max_tokens": 1, "lora_path": [None, ""]},
+                       path=COMPLETIONS)).status == 200
     assert (await post(gw, chat_body(MSG, model="terse", lora_path="tone"))).status == 200
     sent = [x["body"] for x in (await sim_state(s.url))["received"] if x["path"] == CHAT]
     assert [b.get("lora_path") for b in sent] == [None, "terse"]
