@@ -179,6 +179,44 @@ async def test_errors_before_headers_are_anthropic_shaped(fleet):
             assert r.status == 400 and body["error"]["type"] == "invalid_request_error" and r.headers["request-id"]
 
 
+async def test_the_gateways_own_sheds_are_anthropics_529_overloaded_error(fleet):
+    """Anthropic answers overload with 529 ``overloaded_error`` (the SDK's ``OverloadedError``, which
+    it retries): a model with no ready endpoint (every breaker open) and a gateway draining are
+    that on /v1/messages, their Retry-After kept; the OpenAI paths keep their 503. A 503 the
+    gateway answers for another reason (its shared state unavailable) is ``api_error``."""
+    gw, _ = fleet
+    c = anthropic_client(gw)
+    eps = gw.gw.pool.endpoints("llama")
+    chat = {"model": "llama", "max_tokens": 4, "messages": MSGS}
+    for ep in eps:
+        ep.ejected = True
+    try:
+        for stream in (False, True):
+            with pytest.raises(anthropic.OverloadedError) as ei:
+                await c.messages.create(model="llama", max_tokens=4, messages=MSGS, stream=stream)
+            assert ei.value.status_code == 529 and ei.value.body["error"]["type"] == "overloaded_error"
+            assert ei.value.body["error"]["message"].startswith("no ready endpoint for model llama")
+            assert ei.value.response.headers["Retry-After"] == "5"
+        async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=chat) as r:
+            assert r.status == 503 and (await r.json())["error"]["type"] == "overloaded_error"
+    finally:
+        for ep in eps:
+            ep.ejected = False
+    gw.gw.lifecycle.draining = True
+    try:
+        with pytest.raises(anthropic.OverloadedError) as ei:
+            await c.messages.create(model="llama", max_tokens=4, messages=MSGS)
+        assert ei.value.body["error"] == {"type": "overloaded_error", "message": "the gateway is shutting down"}
+        assert ei.value.response.headers["Retry-After"] == "1"
+        async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=chat) as r:
+            assert r.status == 503
+    finally:
+        gw.gw.lifecycle.draining = False
+    text = await gw.metrics_text()
+    assert metric(text, "switchyard_path_requests_total", path="/v1/messages", status="529") == 3
+    assert metric(text, "switchyard_path_requests_total", path="/v1/chat/completions", status="503") == 2
+
+
 async def test_a_system_block_that_is_not_text_is_refused_before_routing(fleet):
     """Anthropic's ``system`` is a string or a list of text blocks; an image or a document there is
     a 400 naming the block, as Anthropic answers, not a prompt the engine renders without it."""

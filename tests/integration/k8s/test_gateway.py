@@ -384,6 +384,14 @@ async def test_a_model_looked_up_before_the_pods_are_listed_is_not_a_404(emu, si
         assert (status, retry_after, doc["error"]["code"]) == (503, "5", "service_unavailable"), doc
         assert "not been listed yet" in doc["error"]["message"]
         assert (await get("nobody"))[0] == 503
+        # Anthropic's SDK (anthropic-version) and its Messages requests: Anthropic's overload, 529
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            for method, path, body in (("GET", "/v1/models/llama", None),
+                                       ("POST", "/v1/messages", {"model": "llama", "max_tokens": 2, "messages": CHAT})):
+                async with s.request(method, gw.url + path, json=body, headers={"anthropic-version": "2023-06-01"}) as r:
+                    doc = await r.json()
+                    assert (r.status, r.headers.get("Retry-After")) == (529, "5"), doc
+                    assert doc["type"] == "error" and doc["error"]["type"] == "overloaded_error", doc
         emu.release_lists()
         await until(lambda: gw.gw.pool.ready("llama"))
         status, _, doc = await get("llama")

@@ -172,7 +172,8 @@ async def test_a_closed_policys_503_says_the_state_is_unavailable_whatever_redis
                 error = got["error"]
                 assert error["message"] == message, got
                 if path == "/v1/messages":
-                    assert got["type"] == "error" and error["type"] == "overloaded_error", got
+                    # not overload (Anthropic's 529): the gateway's shared state failed it
+                    assert got["type"] == "error" and error["type"] == "api_error", got
                 else:
                     assert error["code"] == "service_unavailable", got
 
