@@ -231,6 +231,14 @@ class GatewayError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, type_=self.type, param=self.param, code=self.code)
 
+    def with_status(self, status: int) -> GatewayError:
+        """This error answered with ``status`` (an API's own status for it), all else kept: a new
+        error, as one may be raised to several requests (a shared LoRA load's waiters)."""
+        out = GatewayError(status, self.message, param=self.param, code=self.code, type_=self.type,
+                           headers=self.headers, error_class=self.error_class)
+        out.model = self.model
+        return out
+
     def body_bytes(self) -> bytes:
         return orjson.dumps(self.body())
 

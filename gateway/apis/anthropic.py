@@ -12,7 +12,8 @@ says which engine serves which path), through the same pipeline as chat. What di
   ``message_start`` and ``message_delta``), so nothing has to be asked for.
 - **Errors.** Before headers: ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's
   error types for the status (``invalid_request_error``, ``not_found_error``,
-  ``rate_limit_error``, ``overloaded_error``, ...). After headers: an ``event: error`` frame with
+  ``rate_limit_error``, ``overloaded_error``, ...); the gateway's own 503 for want of capacity
+  is Anthropic's 529 ``overloaded_error`` (``own_error``), one for a failure ``api_error``. After headers: an ``event: error`` frame with
   the same body. An engine's error answer (vLLM sends this shape already, but OpenAI-shaped for
   validation errors) is re-shaped the same way, keeping its status and message. An engine's own
   error event in a stream passes on as it came, unless its error's type is none of Anthropic's
@@ -86,6 +87,37 @@ def anthropic_error(status: int, message: str, type_: str | None = None) -> dict
 def error_event(status: int, message: str) -> bytes:
     """The ``event: error`` frame that ends a stream the gateway cannot complete."""
     return b"event: error\ndata: " + orjson.dumps(anthropic_error(status, message)) + b"\n\n"
+
+
+# the gateway's own 503s that refuse a request for want of capacity: a model with no ready endpoint
+# (engines down, draining, their breakers open; none a router could choose), the gateway draining or
+# out of sockets, no prefill left to try. Anthropic answers overload with 529 ``overloaded_error``
+# (the SDK's ``OverloadedError``); Retry-After is kept
+_OVERLOAD = frozenset({ErrorClass.NO_ENDPOINT, ErrorClass.NO_ROUTE, ErrorClass.DRAINING, ErrorClass.GATEWAY_RESOURCES,
+                       ErrorClass.PD_PREFILL_TRANSPORT})
+
+
+def _overload(e: GatewayError) -> bool:
+    """Whether the gateway's own 503 ``e`` is overload: ``_OVERLOAD``, and a LoRA adapter no ready
+    endpoint has a free slot for (not one that failed to load: a failure, ``api_error``)."""
+    return e.error_class in _OVERLOAD or (e.error_class is ErrorClass.LORA_LOAD
+                                          and e.headers.get("x-error-lora-load") == "full")
+
+
+def own_error(e: GatewayError) -> GatewayError:
+    """The gateway's own error as Anthropic's API answers it: a 503 for want of capacity is its 529
+    ``overloaded_error``; the rest keep their status."""
+    return e.with_status(529) if e.status == 503 and _overload(e) else e
+
+
+def own_error_type(e: GatewayError) -> str | None:
+    """The type of the gateway's own error on these paths, when not the one for its status: a 503
+    left a 503 by ``own_error`` (the shared state unavailable, a LoRA adapter failing to load) is
+    a failure, not overload, so ``api_error``; an engine's 503 the gateway answers for it (a
+    prefill's) stays the engine's busy signal."""
+    if e.status == 503 and not e.error_class.name.startswith("PD_PREFILL"):
+        return "api_error"
+    return None
 
 
 def _bad(message: str) -> GatewayError:
@@ -301,7 +333,10 @@ class AnthropicApi(EngineSpecificApi):
         return path != COUNT_TOKENS
 
     def error_body(self, e: GatewayError) -> bytes:
-        return orjson.dumps(anthropic_error(e.status, e.message))
+        return orjson.dumps(anthropic_error(e.status, e.message, own_error_type(e)))
+
+    def own_error(self, e: GatewayError) -> GatewayError:
+        return own_error(e)
 
     def stream_error(self, ctx: Any, status: int, message: str, code: str | None) -> bytes:
         return error_event(status, message)

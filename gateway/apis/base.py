@@ -78,6 +78,11 @@ class ApiShape:
         """The body of an error answered before the response headers."""
         return e.body_bytes()
 
+    def own_error(self, e: GatewayError) -> GatewayError:
+        """An error the gateway answers itself, before the response headers, with the status this
+        API gives it (the status its answer, log line and metrics carry); default as it is."""
+        return e
+
     def upstream_error(self, status: int, raw: bytes, ctx: Any = None) -> tuple[int, bytes, str]:
         """An engine's error answer to the request of ``ctx`` re-shaped for the client: (status, body,
         message for the log). Default: OpenAI's nested shape, whatever envelope the engine used."""

@@ -567,6 +567,8 @@ class Pipeline:
     # -- error answers -------------------------------------------------------------------------
 
     def _error_response(self, ctx: RequestContext, e: GatewayError) -> web.StreamResponse:
+        if ctx.api is not None:
+            e = ctx.api.own_error(e)            # its API's status for it (Anthropic's 529 of overload)
         rec = ctx.rec
         rec.status = e.status
         rec.error_class = rec.error_class or e.error_class

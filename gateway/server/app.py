@@ -130,13 +130,17 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_l
             known = STANDARD_METHODS | {r.method for r in request.app.router.routes() if r.method != hdrs.METH_ANY}
         return request.method in known
 
-    def shaped(request: web.Request, err: GatewayError) -> bytes:
+    def api_of(request: web.Request) -> ApiShape | None:
         path = request.path
         api = apis.get(path)
         if api is None and anthropic is not None and (on_messages(path) or asks_anthropic(path, request.headers)):
             # a Messages path not served (batches, "/v1/messages%00"), or Anthropic's SDK asking
             # /v1/models (it sends anthropic-version): the SDK's shape
             api = anthropic
+        return api
+
+    def shaped(request: web.Request, err: GatewayError) -> bytes:
+        api = api_of(request)
         return api.error_body(err) if api is not None else err.body_bytes()
 
     def answer(request: web.Request, e: Exception) -> web.Response | None:
@@ -174,6 +178,9 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_l
                                 extra=getattr(request, "log_fields", None))
             return resp
         if isinstance(e, GatewayError):
+            api = api_of(request)
+            if api is not None:
+                e = api.own_error(e)            # its API's status for it (Anthropic's 529 of overload)
             if e.status == 413 and request_log is not None:
                 # a body over its limit found as it came (a chunked upload past batch.max_file_bytes):
                 # logged as the edge's 413 to a told length is, though the API's other answers are not
