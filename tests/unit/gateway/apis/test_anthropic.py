@@ -242,3 +242,30 @@ def test_messages_scanner_counts_the_deltas_that_carry_tokens_only():
     sc = MessagesScanner()                  # a frame without its event line: named by its data's type
     sc.feed(b'data: {"type":"content_block_delta","index":0,"delta":{"type":"signature_delta","signature":"x"}}\n\n', 1.0)
     assert sc.token_events == 0 and sc.first_token_at is None
+
+
+@pytest.mark.parametrize("spaced", [False, True])
+@pytest.mark.parametrize("named", [True, False])
+def test_messages_scanner_does_not_count_an_empty_delta(spaced, named):
+    """A delta whose text, thinking or input JSON is empty (an engine's empty token) carries no
+    generated token, as a chat chunk whose content is empty does not: no token event, no gap. A
+    text of quotes (``""`` in the bytes, escaped) is a token."""
+    def delta(d: dict) -> bytes:
+        data = {"type": "content_block_delta", "index": 0, "delta": d}
+        body = orjson.dumps(data).replace(b'":', b'": ') if spaced else orjson.dumps(data)
+        return (b"event: content_block_delta\n" if named else b"") + b"data: " + body + b"\n\n"
+    events = [
+        delta({"type": "thinking_delta", "thinking": ""}),
+        delta({"type": "thinking_delta", "thinking": "Hmm"}),                     # 2.0: the first token
+        delta({"type": "thinking_delta", "thinking": ""}),
+        delta({"type": "text_delta", "text": ""}),
+        delta({"type": "text_delta", "text": 'say ""'}),                          # 5.0
+        delta({"type": "input_json_delta", "partial_json": ""}),
+        delta({"type": "input_json_delta", "partial_json": '{"a": ""}'}),        # 7.0
+        delta({"type": "text_delta", "text": ""}),
+    ]
+    sc = MessagesScanner()
+    for t, ev in enumerate(events, 1):
+        assert sc.feed(ev, float(t)) == ev
+    assert sc.token_events == 3 and sc.first_token_at == 2.0 and sc.last_token_at == 7.0
+    assert sc.drain_itl() == [3.0, 2.0]
