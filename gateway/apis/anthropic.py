@@ -23,7 +23,9 @@ says which engine serves which path), through the same pipeline as chat. What di
   ``content_block_delta`` of generated tokens (``text_delta``, ``thinking_delta``,
   ``input_json_delta``) is the first token (TTFT); each one after it is an inter-token gap. A
   thinking block's ``signature_delta`` and a text block's ``citations_delta`` carry no token and
-  count for neither; only an event that names one of them is decoded to tell.
+  count for neither, nor does a delta whose text, thinking or JSON is empty (an engine's empty
+  token, as a chat chunk with empty content); only an event that names one of the two, or holds
+  two quotes together, is decoded to tell.
   ``message_start`` carries the input tokens, ``message_delta`` the output tokens and the stop
   reason, ``message_stop`` ends the stream. Only those three and ``error`` are JSON-decoded.
   A usage of zeros (SGLang's ``message_start``, and its ``message_delta`` after its own error
@@ -417,10 +419,18 @@ _DELTA = b"content_block_delta"
 _UNTOKENED = frozenset(("signature_delta", "citations_delta"))
 
 
+# the member of each delta of generated tokens that holds them: empty, the delta carries none (an
+# engine's empty token), as a chat chunk whose content is empty carries none
+_TOKENS_IN = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "partial_json"}
+
+
 def _maybe_untokened(data: bytes | bytearray, start: int, end: int) -> bool:
-    """Whether the event at ``data[start:end]`` may be a delta of a type in ``_UNTOKENED``: their
-    names are searched for, and only an event naming one is decoded to tell."""
-    return data.find(b"signature_delta", start, end) >= 0 or data.find(b"citations_delta", start, end) >= 0
+    """Whether the event at ``data[start:end]`` may be a delta of a type in ``_UNTOKENED``, or one
+    whose tokens are an empty string: their names, and two quotes together (an empty string, or an
+    escaped quote at a string's end), are searched for, and only an event holding one is decoded
+    to tell."""
+    return (data.find(b"signature_delta", start, end) >= 0 or data.find(b"citations_delta", start, end) >= 0
+            or data.find(b'""', start, end) >= 0)
 
 
 def _tokened(payload: bytes | None) -> bool:
@@ -437,8 +447,15 @@ def _tokened(payload: bytes | None) -> bool:
 
 def _delta_tokened(obj: dict[str, Any]) -> bool:
     delta = obj.get("delta")
-    kind = delta.get("type") if isinstance(delta, dict) else None
-    return not (isinstance(kind, str) and kind in _UNTOKENED)     # a list or an object: no type of a delta
+    if not isinstance(delta, dict):
+        return True
+    kind = delta.get("type")
+    if not isinstance(kind, str):       # a list or an object: no type of a delta
+        return True
+    if kind in _UNTOKENED:
+        return False
+    key = _TOKENS_IN.get(kind)
+    return key is None or delta.get(key) != ""
 
 
 def _parse_event(ev: bytes | bytearray) -> tuple[bytes | None, bytes | None]:
