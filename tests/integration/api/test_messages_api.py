@@ -217,6 +217,24 @@ async def test_the_gateways_own_sheds_are_anthropics_529_overloaded_error(fleet)
     assert metric(text, "switchyard_path_requests_total", path="/v1/chat/completions", status="503") == 2
 
 
+async def test_stop_sequences_that_are_not_a_list_of_strings_are_refused_before_routing(fleet):
+    """Anthropic's ``stop_sequences`` is a list of strings, and Anthropic and vLLM refuse a string
+    with a 400; on either engine the gateway refuses it as Anthropic does, before routing, so the
+    answer does not depend on which engine serves the model."""
+    gw, (v1, v2, s1) = fleet
+    c = anthropic_client(gw)
+    for model in ("llama", "qwen"):
+        for stop, message in (("never", "stop_sequences: Input should be a valid list"),
+                              (["never", 3], "stop_sequences.1: Input should be a valid string")):
+            with pytest.raises(anthropic.BadRequestError) as ei:
+                await c.messages.create(model=model, max_tokens=4, messages=MSGS, stop_sequences=stop)
+            assert ei.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+    for sim in (v1, v2, s1):
+        assert not [r for r in (await sim_state(sim.url))["received"] if r["path"] == "/v1/messages"]
+    msg = await c.messages.create(model="llama", max_tokens=4, messages=MSGS, stop_sequences=[])
+    assert msg.stop_reason == "max_tokens"
+
+
 async def test_a_system_block_that_is_not_text_is_refused_before_routing(fleet):
     """Anthropic's ``system`` is a string or a list of text blocks; an image or a document there is
     a 400 naming the block, as Anthropic answers, not a prompt the engine renders without it."""

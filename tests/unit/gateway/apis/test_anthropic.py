@@ -72,6 +72,10 @@ def test_claude_codes_per_request_attribution_block_is_not_part_of_the_prefix():
      "system.0.type: Input should be 'text'"),
     ({"model": "m", "max_tokens": 1, "messages": MESSAGES, "system": [{"type": "text", "text": "a"}, {"type": "tool_use"}]},
      "system.1.type: Input should be 'text'"),
+    ({"model": "m", "max_tokens": 1, "messages": MESSAGES, "stop_sequences": "END"},
+     "stop_sequences: Input should be a valid list"),
+    ({"model": "m", "max_tokens": 1, "messages": MESSAGES, "stop_sequences": ["END", 7]},
+     "stop_sequences.1: Input should be a valid string"),
 ])
 def test_messages_parse_refuses_bad_bodies(body, message):
     with pytest.raises(GatewayError) as ei:
