@@ -8,7 +8,7 @@ says which engine serves which path), through the same pipeline as chat. What di
   The prefix the router hashes is the system prompt followed by the messages, as the engine's
   chat template renders them in that order. ``metadata.user_id`` names the user when no ``user``
   header does. What Anthropic's API refuses and the engine would take is refused here too: a
-  ``temperature`` outside 0.0 to 1.0, a custom tool without a ``name`` or an ``input_schema`` object. The body is forwarded unchanged: the usage of a stream always arrives (in
+  ``temperature`` outside 0.0 to 1.0, ``stop_sequences`` that are not a list of strings, a custom tool without a ``name`` or an ``input_schema`` object. The body is forwarded unchanged: the usage of a stream always arrives (in
   ``message_start`` and ``message_delta``), so nothing has to be asked for.
 - **Errors.** Before headers: ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's
   error types for the status (``invalid_request_error``, ``not_found_error``,
@@ -211,6 +211,16 @@ def _check_temperature(v: Any) -> None:
         raise _bad("temperature: Input should be greater than or equal to 0")
 
 
+def _check_stop_sequences(stops: Any) -> None:
+    """``stop_sequences``: a list of strings, as Anthropic requires and vLLM's Messages request
+    reads it (both refuse a string); refused here, so the answer does not depend on the engine."""
+    if not isinstance(stops, list):
+        raise _bad("stop_sequences: Input should be a valid list")
+    for i, stop in enumerate(stops):
+        if not isinstance(stop, str):
+            raise _bad(f"stop_sequences.{i}: Input should be a valid string")
+
+
 def _check_tools(tools: Any) -> None:
     """Anthropic's ``tools``: a list of objects; a custom tool (``type`` absent or ``custom``) has a
     ``name`` and an ``input_schema`` object. Server tools (``web_search_20250305``, ``bash_20250124``,
@@ -278,6 +288,9 @@ class AnthropicApi(EngineSpecificApi):
             temperature = data.get("temperature")
             if temperature is not None:
                 _check_temperature(temperature)
+            stops = data.get("stop_sequences")
+            if stops is not None:
+                _check_stop_sequences(stops)
         tools = data.get("tools")
         if tools is not None:
             _check_tools(tools)
