@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from gateway.apis import anthropic
 from gateway.apis.anthropic import AnthropicApi, MessagesScanner
 from gateway.endpoints import EndpointPool
-from gateway.errors import GatewayError
+from gateway.errors import ErrorClass, GatewayError
 from gateway.pipeline.sse import MAX_EVENT_BYTES
 
 ANTHROPIC = AnthropicApi(EndpointPool())
@@ -98,6 +98,33 @@ def test_anthropic_error_shapes():
     assert orjson.loads(body)["error"] == {"type": "invalid_request_error", "message": "bad"}
     _, body, _ = ANTHROPIC.upstream_error(529, b'{"type":"error","error":{"type":"overloaded_error","message":"x"}}')
     assert orjson.loads(body)["error"]["type"] == "overloaded_error"
+
+
+@pytest.mark.parametrize("error,status,type_", [
+    (GatewayError(503, "no ready endpoint", error_class=ErrorClass.NO_ENDPOINT, headers={"Retry-After": "5"}),
+     529, "overloaded_error"),
+    (GatewayError(503, "no route", error_class=ErrorClass.NO_ROUTE), 529, "overloaded_error"),
+    (GatewayError(503, "shutting down", error_class=ErrorClass.DRAINING), 529, "overloaded_error"),
+    (GatewayError(503, "no sockets", error_class=ErrorClass.GATEWAY_RESOURCES), 529, "overloaded_error"),
+    (GatewayError(503, "no prefill", error_class=ErrorClass.PD_PREFILL_TRANSPORT), 529, "overloaded_error"),
+    (GatewayError(503, "full", header=("x-error-lora-load", "full"), error_class=ErrorClass.LORA_LOAD),
+     529, "overloaded_error"),
+    (GatewayError(503, "failed", header=("x-error-lora-load", "cooldown"), error_class=ErrorClass.LORA_LOAD),
+     503, "api_error"),
+    (GatewayError(503, "state", error_class=ErrorClass.STATE_UNAVAILABLE), 503, "api_error"),
+    (GatewayError(503, "prefill busy", error_class=ErrorClass.PD_PREFILL_HTTP_STATUS), 503, "overloaded_error"),
+    (GatewayError(429, "queue full", error_class=ErrorClass.ADMISSION_QUEUE_FULL), 429, "rate_limit_error"),
+    (GatewayError(504, "late", error_class=ErrorClass.UPSTREAM_TIMEOUT), 504, "timeout_error"),
+])
+def test_the_gateways_own_errors_take_anthropics_status_and_type(error, status, type_):
+    """Overload is Anthropic's 529 ``overloaded_error``; a 503 for a failure is ``api_error``; a
+    prefill's own 503 stays the engine's busy signal; other statuses are kept. The error is a new
+    one, its headers and class kept: the same error may be raised to several requests."""
+    answered = ANTHROPIC.own_error(error)
+    assert answered.status == status and orjson.loads(ANTHROPIC.error_body(answered))["error"]["type"] == type_
+    assert (answered.headers, answered.error_class, answered.message) == (error.headers, error.error_class, error.message)
+    assert error.status in (503, 429, 504)      # not changed in place
+    assert ANTHROPIC.own_error(answered) is answered
 
 
 def _frame(name: str, data: dict) -> bytes:
