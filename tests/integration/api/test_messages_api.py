@@ -197,6 +197,7 @@ async def test_the_gateways_own_sheds_are_anthropics_529_overloaded_error(fleet)
             assert ei.value.status_code == 529 and ei.value.body["error"]["type"] == "overloaded_error"
             assert ei.value.body["error"]["message"].startswith("no ready endpoint for model llama")
             assert ei.value.response.headers["Retry-After"] == "5"
+            assert ei.value.response.reason_phrase == "Overloaded"     # not an empty status line's
         async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=chat) as r:
             assert r.status == 503 and (await r.json())["error"]["type"] == "overloaded_error"
     finally:
