@@ -197,10 +197,15 @@ def error_body(status: int, message: str, *, type_: str | None = None, param: st
     return {"error": {"message": message, "type": type_ if type_ is not None else error_type(status), "param": param, "code": code}}
 
 
+# reason phrases of the statuses the gateway answers that no standard names (Anthropic's overload)
+EXTRA_REASONS = {529: "Overloaded"}
+
+
 def error_response(status: int, body: bytes, headers: Mapping[str, str] | None = None) -> web.Response:
     """The JSON answer of an error: ``body`` is the error in the request's API shape (``GatewayError.body_bytes``,
     an API's ``error_body``, a normalized engine error). Every error answer the gateway builds is this one."""
-    return web.Response(status=status, body=body, headers=headers, content_type="application/json")
+    return web.Response(status=status, reason=EXTRA_REASONS.get(status), body=body, headers=headers,
+                        content_type="application/json")
 
 
 class GatewayError(Exception):

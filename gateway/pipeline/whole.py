@@ -41,10 +41,15 @@ from aiohttp import web
 from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
 
+from gateway.errors import EXTRA_REASONS
+
 _SERVER = f"\r\nServer: {SERVER_SOFTWARE}\r\n".encode("ascii")
 _END = _SERVER + b"\r\n"       # the end of a head: Server, then the blank line
-# each status's line with aiohttp's reason phrase, made once (other codes have none)
-_STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
+# each status's line with aiohttp's reason phrase, and the gateway's for Anthropic's 529, made
+# once (other codes have none)
+_STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode())
+                 for s in HTTPStatus} | {code: b"HTTP/1.1 %d %s\r\n" % (code, phrase.encode())
+                                         for code, phrase in EXTRA_REASONS.items()}
 # the statuses an answer is written whole with: 200-599, but those no body may follow (204, 205,
 # 304), which aiohttp frames; one lookup in C
 _WHOLE_STATUSES = frozenset(range(200, 600)) - {204, 205, 304}
