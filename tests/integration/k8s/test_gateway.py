@@ -438,3 +438,40 @@ async def test_a_model_whose_only_pod_is_made_again_is_not_a_404_in_between(emu,
     r = await client.chat.completions.create(model="llama", messages=CHAT, max_tokens=2)
     assert r.choices[0].message.content
     await client.close()
+
+
+async def test_pods_of_one_name_in_two_namespaces_are_two_endpoints_by_name(emu, sims, gateway, tmp_path):
+    """A pod name is unique only within its namespace: with several namespaces watched, two pods of
+    one name (a StatefulSet's ``engine-0`` in each) are two endpoints, told apart wherever an
+    endpoint is named (the ``target-pod`` header, the ``endpoint`` metric label), and the one left
+    when the other is deleted keeps serving under its own name."""
+    a = await sims("vllm", "llama")
+    b = await sims("vllm", "llama")
+    for ns, sim in (("red", a), ("blue", b)):
+        emu.create_pod(ns, "engine-0", {M: "llama", "model.aibrix.ai/port": str(sim.port)}, ip="127.0.0.1")
+    kube = tmp_path / "kubeconfig"
+    kube.write_text(emu.kubeconfig())
+    gw = await gateway([], kubernetes={"enabled": True, "kubeconfig": str(kube), "namespaces": ["red", "blue"],
+                                       "retry_backoff_s": 0.05},
+                       routing={"strategy": "round-robin"})
+    assert await wait_for(lambda: len(gw.gw.pool.ready("llama")) == 2, timeout=5)
+    client = openai_client(gw)
+    served = set()
+    for _ in range(4):
+        raw = await client.chat.completions.with_raw_response.create(model="llama", messages=CHAT, max_tokens=2)
+        served.add(raw.headers["target-pod"])
+    assert served == {"red/engine-0", "blue/engine-0"}
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+        page = await r.text()
+    lines = [ln.rsplit(" ", 1)[0] for ln in page.splitlines() if ln and not ln.startswith("#")]
+    assert not [ln for ln in lines if lines.count(ln) > 1], "one series exported twice"
+    infos = [ln for ln in lines if ln.startswith("switchyard_endpoint_info{")]
+    assert sum('endpoint="red/engine-0"' in ln for ln in infos) == sum('endpoint="blue/engine-0"' in ln
+                                                                       for ln in infos) == 1
+
+    emu.delete_pod("red", "engine-0")
+    assert await wait_for(lambda: [e.name for e in gw.gw.pool.endpoints("llama")] == ["blue/engine-0"], timeout=5)
+    for _ in range(2):
+        raw = await client.chat.completions.with_raw_response.create(model="llama", messages=CHAT, max_tokens=2)
+        assert raw.headers["target-pod"] == "blue/engine-0"
+    await client.close()
