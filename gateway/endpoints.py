@@ -86,7 +86,7 @@ class Endpoint:
     min_prompt_tokens: int = 0
     max_prompt_tokens: int = 0     # 0: no upper bound
     source: str = "static"         # static | kubernetes
-    name: str = ""                 # pod name for Kubernetes; host:port otherwise
+    name: str = ""                 # pod name for Kubernetes (namespace/name, several watched); host:port otherwise
     # the key the engine was started with (``api_key`` of its model or endpoint): sent on every
     # request to it (``engine_headers``); kept out of the repr, hence out of logs and tracebacks
     api_key: str | None = field(default=None, repr=False)

@@ -619,7 +619,7 @@ class KubernetesDiscovery:
             view.uid, view.url, view.model) else None
         ep = Endpoint(url=view.url, model=view.model, engine=view.engine, role=view.role, roleset=view.roleset,
                       bootstrap_port=view.bootstrap_port, min_prompt_tokens=view.min_prompt_tokens,
-                      max_prompt_tokens=view.max_prompt_tokens, source="kubernetes", name=view.name,
+                      max_prompt_tokens=view.max_prompt_tokens, source="kubernetes", name=self._name(view),
                       api_key=self._api_key(view.model),
                       extra={"namespace": view.namespace, "pod": view.key, "uid": view.uid,
                              "metrics_url": view.metrics_url, "routing_strategy": view.routing_strategy,
@@ -636,6 +636,13 @@ class KubernetesDiscovery:
         log.info("kubernetes endpoint added", pod=key, model=view.model, url=view.url, engine=view.engine,
                  role=view.role, roleset=view.roleset, routable=view.routable,
                  reason=view.not_routable_reason or None)
+
+    def _name(self, view: PodView) -> str:
+        """The endpoint's name: the pod's name, or ``namespace/name`` when several namespaces (or
+        all) are watched, where a name is unique only within its namespace (a StatefulSet's
+        ``engine-0`` in two of them): the ``target-pod`` header and the ``endpoint`` metric label
+        must tell them apart, and so must what is kept per endpoint name."""
+        return view.name if self.scopes != [None] and len(self.scopes) == 1 else view.key
 
     def _set_routable(self, ep: Endpoint, view: PodView) -> None:
         if view.routable:

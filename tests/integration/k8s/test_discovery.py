@@ -93,25 +93,25 @@ async def test_namespaces_and_label_selector_are_honoured(emu, discover):
     emu.create_pod("a", "no-model", {"app": "db"})        # not selected by the default selector
     emu.create_pod("b", "canary", {M: "llama", "env": "canary"})
     d, pool = await discover(namespaces=["a", "b"], label_selector=f"{M},env!=canary")
-    assert names(pool) == {"p1", "p2"}
+    assert names(pool) == {"a/p1", "b/p2"}      # with several namespaces, an endpoint is namespace/name
     paths = {p for p, _ in emu.requests}
     assert paths == {"/api/v1/namespaces/a/pods", "/api/v1/namespaces/b/pods"}
     assert all(q.get("labelSelector") == f"{M},env!=canary" for _, q in emu.requests)
     # a pod that stops matching the selector leaves; one that starts matching arrives
     emu.set_labels("b", "p2", env="canary")
     emu.set_labels("b", "canary", env="prod")
-    await until(lambda: names(pool) == {"p1", "canary"})
+    await until(lambda: names(pool) == {"a/p1", "b/canary"})
 
 
 async def test_all_namespaces_uses_the_cluster_wide_path(emu, discover):
     emu.create_pod("x", "p1", {M: "llama"})
     emu.create_pod("y", "p2", {M: "qwen", "model.aibrix.ai/engine": "sglang"})
     d, pool = await discover()
-    assert names(pool) == {"p1", "p2"}
+    assert names(pool) == {"x/p1", "y/p2"}
     assert pool.endpoints("qwen")[0].engine == "sglang"
     assert {p for p, _ in emu.requests} == {"/api/v1/pods"}
     emu.create_pod("z", "p3", {M: "llama"})
-    await until(lambda: names(pool, "llama") == {"p1", "p3"})
+    await until(lambda: names(pool, "llama") == {"x/p1", "z/p3"})
 
 
 async def test_watch_uses_resource_version_and_bookmarks_and_resumes_without_relisting(emu, discover):
@@ -375,16 +375,16 @@ async def test_a_namespace_the_service_account_may_not_read_stops_no_other(emu, 
     d, pool = await discover(namespaces=["llm", "other"], registry=reg, sync=False)
     await until(lambda: samples(reg, "switchyard_kubernetes_requests_total")[("forbidden", "list")] >= 2)
     await until(lambda: len(emu.watchers) == 1)
-    assert names(pool, ready_only=True) == {"a"} and not d.synced.is_set() and pool.listed is False
+    assert names(pool, ready_only=True) == {"llm/a"} and not d.synced.is_set() and pool.listed is False
     emu.create_pod("llm", "b", {M: "llama"})
-    await until(lambda: names(pool) == {"a", "b"})
+    await until(lambda: names(pool) == {"llm/a", "llm/b"})
     watches = {w["namespace"]: w for w in d.status()["watches"]}
     assert watches["llm"]["state"] == "watching" and watches["llm"]["last_error"] is None
     err = watches["other"]["last_error"]
     assert watches["other"]["state"] in ("backing_off", "listing") and (err["verb"], err["result"]) == ("list", "forbidden")
     assert "forbidden" in err["message"]
     emu.forbidden_namespaces = set()
-    await until(lambda: names(pool) == {"a", "b", "x"}, timeout=15)   # the backoff has grown meanwhile
+    await until(lambda: names(pool) == {"llm/a", "llm/b", "other/x"}, timeout=15)   # the backoff has grown meanwhile
     assert d.synced.is_set() and pool.listed is True
     await until(lambda: len(emu.watchers) == 2)
 
@@ -783,7 +783,7 @@ async def test_an_api_server_whose_certificate_is_not_trusted_counts_tls_and_say
 
         api.create_pod("llm", "a", {M: "llama"})
         _, pool = await discover(kubeconfig=api.kubeconfig(ca=str(cluster_ca.cert)))   # the CA that signed it
-        assert names(pool, "llama") == {"a"}
+        assert names(pool, "llama") == {"llm/a"}
 
         # https:// to a server that speaks no TLS: a failed handshake, also tls
         reg = CollectorRegistry()
