@@ -475,3 +475,35 @@ async def test_pods_of_one_name_in_two_namespaces_are_two_endpoints_by_name(emu,
         raw = await client.chat.completions.with_raw_response.create(model="llama", messages=CHAT, max_tokens=2)
         assert raw.headers["target-pod"] == "blue/engine-0"
     await client.close()
+
+
+async def test_rolesets_of_one_name_in_two_namespaces_are_not_paired_across(emu, sims, gateway, tmp_path):
+    """A roleset name is unique only within its namespace, like a pod's: with several namespaces
+    watched, the prefill of ``rs-0`` in one is never paired with the decode of ``rs-0`` in the other
+    (two deployments of one model, whose engines were not set up to pass KV to each other)."""
+    pods = {}
+    for ns in ("red", "blue"):
+        for role in ("prefill", "decode"):
+            sim = pods[ns, role] = await sims("vllm", "llama", role=role)
+            emu.create_pod(ns, f"rs-0-{role}", {M: "llama", "model.aibrix.ai/port": str(sim.port),
+                                                "role-name": role, "roleset-name": "rs-0"},
+                           ip="127.0.0.1", ready=(ns, role) in (("red", "prefill"), ("blue", "decode")))
+    kube = tmp_path / "kubeconfig"
+    kube.write_text(emu.kubeconfig())
+    gw = await gateway([{"name": "llama", "strategy": "pd"}],
+                       kubernetes={"enabled": True, "kubeconfig": str(kube), "namespaces": ["red", "blue"],
+                                   "retry_backoff_s": 0.05})
+    assert await wait_for(lambda: len(gw.gw.pool.endpoints("llama")) == 4, timeout=5)
+    body = {"model": "llama", "messages": CHAT, "max_tokens": 3}
+    async with aiohttp.ClientSession() as s:
+        # ready: red's prefill and blue's decode, two halves of two rolesets: no pair
+        async with s.post(gw.base_url + "/chat/completions", json=body) as r:
+            assert r.status == 503, await r.text()
+        assert [(await sim_state(sim.url))["counts"]["started"] for sim in pods.values()] == [0, 0, 0, 0]
+        emu.set_ready("red", "rs-0-decode", True)
+        assert await wait_for(lambda: len(gw.gw.pool.ready("llama")) == 3, timeout=5)
+        for _ in range(3):
+            async with s.post(gw.base_url + "/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                assert (r.headers["prefill-target-pod"], r.headers["target-pod"]) == ("red/rs-0-prefill",
+                                                                                     "red/rs-0-decode")
