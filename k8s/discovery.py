@@ -617,7 +617,8 @@ class KubernetesDiscovery:
         # running its requests and holding its conversations (EndpointPool.replaced, as a reload's)
         was = cur.ep if cur is not None and (cur.view.uid, cur.view.url, cur.view.model) == (
             view.uid, view.url, view.model) else None
-        ep = Endpoint(url=view.url, model=view.model, engine=view.engine, role=view.role, roleset=view.roleset,
+        ep = Endpoint(url=view.url, model=view.model, engine=view.engine, role=view.role,
+                      roleset=None if view.roleset is None else self._name(view, view.roleset),
                       bootstrap_port=view.bootstrap_port, min_prompt_tokens=view.min_prompt_tokens,
                       max_prompt_tokens=view.max_prompt_tokens, source="kubernetes", name=self._name(view),
                       api_key=self._api_key(view.model),
@@ -637,12 +638,14 @@ class KubernetesDiscovery:
                  role=view.role, roleset=view.roleset, routable=view.routable,
                  reason=view.not_routable_reason or None)
 
-    def _name(self, view: PodView) -> str:
-        """The endpoint's name: the pod's name, or ``namespace/name`` when several namespaces (or
-        all) are watched, where a name is unique only within its namespace (a StatefulSet's
-        ``engine-0`` in two of them): the ``target-pod`` header and the ``endpoint`` metric label
-        must tell them apart, and so must what is kept per endpoint name."""
-        return view.name if self.scopes != [None] and len(self.scopes) == 1 else view.key
+    def _name(self, view: PodView, name: str | None = None) -> str:
+        """The endpoint's name (or, given ``name``, its roleset's): the pod's name, or
+        ``namespace/name`` when several namespaces (or all) are watched, where a name is unique only
+        within its namespace (a StatefulSet's ``engine-0``, a roleset ``rs-0``, in two of them): the
+        ``target-pod`` header and the ``endpoint`` metric label must tell two pods apart, what is
+        kept per endpoint name too, and P/D must not pair a prefill with another roleset's decode."""
+        name = view.name if name is None else name
+        return name if self.scopes != [None] and len(self.scopes) == 1 else f"{view.namespace}/{name}"
 
     def _set_routable(self, ep: Endpoint, view: PodView) -> None:
         if view.routable:
