@@ -755,6 +755,31 @@ async def test_a_pod_changed_in_place_is_the_same_engine_to_routing(emu, discove
     assert told == [(old, new)] and new.in_flight == 2
 
 
+async def test_a_reload_applies_the_model_settings_to_the_pods_at_once(emu, discover):
+    """A reload's ``kubernetes.models`` and model blocks (the engine of pods without the engine
+    label) apply to the pods discovery holds at once, not only to pods that change later: the pods
+    are listed again, and each whose endpoint they change is the same engine under its new settings
+    (its requests in flight counted there), even with no periodic resync."""
+    emu.create_pod("llm", "a", {M: "llama"})
+    emu.create_pod("llm", "b", {M: "qwen"})
+    d, pool = await discover(namespaces=["llm"], resync_interval_s=0, config_models=[{"name": "qwen"}])
+    (old,) = pool.endpoints("llama")
+    (qwen,) = pool.endpoints("qwen")
+    old.in_flight = 1
+    assert (old.max_prompt_tokens, qwen.engine) == (0, "vllm")
+    cfg = config_from_dict({"kubernetes": {**_BLOCK, "models": {"llama": {"max_prompt_tokens": 4096}}},
+                            "models": [{"name": "qwen", "engine": "sglang"}]})
+    d.reconfigure(cfg.kubernetes, cfg.models)
+    await until(lambda: [e.max_prompt_tokens for e in pool.endpoints("llama")] == [4096]
+                and [e.engine for e in pool.endpoints("qwen")] == ["sglang"])
+    (new,) = pool.endpoints("llama")
+    assert new is not old and new.url == old.url and new.in_flight == 1
+    assert d.stats["errors"] == 0
+
+
+_BLOCK = {"enabled": True, "kubeconfig": "unused", "namespaces": ["llm"]}
+
+
 async def test_an_api_server_whose_certificate_is_not_trusted_counts_tls_and_says_so(emu, discover, tmp_path):
     """An API server over TLS whose certificate the kubeconfig's certificate-authority did not sign
     (a cluster's CA rotated, the wrong kubeconfig): its lists count ``tls``, not ``connect`` (which
