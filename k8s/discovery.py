@@ -178,19 +178,44 @@ class KubernetesDiscovery:
         self._waiting_models: Counter[str] = Counter()
         self._left_at: dict[str, float] = {}
         pool.awaited = self._awaits
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task] = []       # one per scope, in the order of ``scopes``
+        self._ending: list[asyncio.Task] = []      # the loops stopped for a relist (``_relist_watching``)
         self._api_client: Any = None
         self._core: Any = None
         self.metrics = DiscoveryMetrics(registry, self.scopes, self._pod_counts)
 
     def reconfigure(self, kcfg: KubernetesConfig, models: Iterable[ModelConfig]) -> None:
         """A reloaded config (gateway/server/reload.py): the model blocks (a pod's default engine) and
-        ``kubernetes.models`` apply to pods as they change and at the next resync. The client,
-        namespaces and selector stay as started; the pods found so far stay in the pool."""
+        ``kubernetes.models``. When what a pod is mapped with changed, the namespaces being watched
+        are listed again at once, so the new settings apply to the pods held, not only to those that
+        change later (or at the next resync, never with none); an endpoint they change is the same
+        engine under its new settings, as a pod changed in place. The client, namespaces and
+        selector stay as started; the pods found so far stay in the pool."""
+        before = self._mapping()
         self.kcfg = msgspec.structs.replace(self.kcfg, models=kcfg.models)
         self.models = {m.name: m for m in models}
         for t in self._tracked.values():            # a model's engine key applies at once
             t.ep.api_key = self._api_key(t.view.model)
+        if self._mapping() != before:
+            self._relist_watching()
+
+    def _mapping(self) -> tuple:
+        """What ``map_pod`` reads of the config: ``kubernetes.models`` and each model's engine."""
+        return self.kcfg.models, {name: m.engine for name, m in self.models.items()}
+
+    def _relist_watching(self) -> None:
+        """List again now each namespace whose loop is watching (one listing, or waiting to, lists
+        with the settings of now anyway): its task is stopped, and one that waits for it to end
+        lists and watches in its place."""
+        self._ending = [t for t in self._ending if not t.done()]    # (one stopped before it took over)
+        for i, task in enumerate(self._tasks):
+            scope = self.scopes[i]
+            if self.watch_states[scope].state != "watching":
+                continue
+            task.cancel()
+            self._ending.append(task)
+            self._tasks[i] = asyncio.create_task(self._run(scope, after=task),
+                                                 name=f"switchyard-k8s-{scope or 'all'}")
 
     def _api_key(self, model: str) -> str | None:
         """The key of the engines of ``model`` (its block's ``api_key``), or None."""
@@ -239,12 +264,14 @@ class KubernetesDiscovery:
                  else "all", label_selector=self.kcfg.label_selector)
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = self._tasks + self._ending
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks.clear()
+        self._ending.clear()
         if self._api_client is not None:
             await self._api_client.close()
             self._api_client = None
@@ -316,7 +343,11 @@ class KubernetesDiscovery:
 
     # -- the loop ----------------------------------------------------------------------------
 
-    async def _run(self, scope: str | None) -> None:
+    async def _run(self, scope: str | None, after: asyncio.Task | None = None) -> None:
+        if after is not None:       # the loop this one takes over from, stopped: it is left first
+            await asyncio.wait([after])
+            with contextlib.suppress(ValueError):
+                self._ending.remove(after)
         first = self.kcfg.retry_backoff_s
         backoff = first
         loop = asyncio.get_running_loop()

@@ -445,6 +445,8 @@ async def test_kubernetes_endpoints_keep_working_across_a_reload(emu, sims, gate
     assert gw.gw.pool.endpoints("llama") == [pod_ep] and pod_ep.ready
     disc = gw.runner.app[DISCOVERY_KEY]
     assert disc.kcfg.models["llama"].max_prompt_tokens == 100000
+    # the pods are listed again with it: the pod's endpoint takes it, the same engine
+    assert await wait_for(lambda: [e.max_prompt_tokens for e in gw.gw.pool.endpoints("llama")] == [100000])
     client = openai_client(gw)
     r = await client.chat.completions.with_raw_response.create(model="chat", messages=CHAT, max_tokens=2)
     assert r.headers["x-served-model"] == "llama" and r.headers["target-pod"] == "llama-0"
