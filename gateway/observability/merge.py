@@ -30,8 +30,9 @@ served yet) is the sum over those that do.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from fractions import Fraction
+from typing import Any
 
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
@@ -39,6 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 MAX, MIN, SUM = "max", "min", "sum"
+OPENMETRICS = "application/openmetrics-text"      # the media type of an OpenMetrics page
 
 # gauges that are not summed over workers (the rest are)
 GAUGE_RULES: dict[str, str] = {
@@ -248,9 +250,44 @@ class _Families:
         return self._families
 
 
-def render(families: list[Metric]) -> bytes:
-    """Prometheus text format, as one process's ``/metrics`` is (HELP and TYPE once per family)."""
-    return generate_latest(_Families(families))  # type: ignore[arg-type]
+def render(families: list[Metric], encoder: Callable[[Any], bytes] = generate_latest) -> bytes:
+    """Prometheus text format, as one process's ``/metrics`` is (HELP and TYPE once per family); or
+    what ``encoder`` writes (one of ``choose_encoder``'s: OpenMetrics, from ``openmetrics(families)``)."""
+    return encoder(_Families(families))
+
+
+def openmetrics(families: list[Metric]) -> list[Metric]:
+    """The families of a text exposition (as ``parse`` reads them) as OpenMetrics has them: a
+    counter's, a histogram's or a summary's ``_created`` samples in that family, each after its
+    series' other samples, where the text format gives them a gauge family of their own (``X_created``
+    beside ``X``, which OpenMetrics refuses as a clash of names); and each family's samples grouped
+    by series (a histogram's buckets, ``_count``, ``_sum`` and ``_created`` together), which
+    OpenMetrics requires. What prometheus_client's OpenMetrics encoder then writes of them is what it
+    writes of the registry that made the text."""
+    by_name = {fam.name: fam for fam in families}
+    created: dict[str, Metric] = {}
+    for fam in families:
+        parent = by_name.get(fam.name[:-len("_created")]) if fam.name.endswith("_created") else None
+        if fam.type == "gauge" and parent is not None and parent.type in COUNTED:
+            created[parent.name] = fam
+    out = []
+    for fam in families:
+        if created.get(fam.name[:-len("_created")]) is fam:
+            continue                        # folded into its family
+        extra = created.get(fam.name)
+        if extra is None and fam.type not in ("histogram", "summary"):
+            out.append(fam)
+            continue
+        groups: dict[tuple, list[Sample]] = {}
+        for s in (*fam.samples, *(extra.samples if extra is not None else ())):
+            labels = s.labels if fam.type != "histogram" else {k: v for k, v in s.labels.items() if k != "le"}
+            if fam.type == "summary":
+                labels = {k: v for k, v in labels.items() if k != "quantile"}
+            groups.setdefault(tuple(sorted(labels.items())), []).append(s)
+        whole = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+        whole.samples = [s for group in groups.values() for s in group]
+        out.append(whole)
+    return out
 
 
 def merge_texts(texts: Iterable[str | list[Metric]]) -> bytes:

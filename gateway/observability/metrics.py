@@ -193,15 +193,15 @@ class Histogram(_Family):
 
     def collect(self):
         fam = self._family()
-        created = []
         for key, c in self._series():
             cumulative, n = [], 0
             for le, k in zip(self._les, c.counts, strict=True):
                 n += k
                 cumulative.append((le, n))
             fam.add_metric(key, cumulative, c.sum)
-            created.append(Sample(self._name + "_created", dict(zip(self._labelnames, key, strict=True)), c.created))
-        fam.samples.extend(created)
+            # after its series' other samples, as OpenMetrics groups them (the text format gives
+            # the ``_created`` samples a family of their own, in this order either way)
+            fam.samples.append(Sample(self._name + "_created", dict(zip(self._labelnames, key, strict=True)), c.created))
         yield fam
 
 
@@ -366,8 +366,9 @@ class GatewayMetrics:
             self.finished[key] = series
         return series
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, encoder: Callable[[Any], bytes] = generate_latest) -> bytes:
+        """The registry in the text format, or what ``encoder`` writes (one of ``choose_encoder``'s)."""
+        return encoder(self.registry)
 
 
 def observe_all(hist, values: list[float]) -> None:

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 import orjson
 import structlog
 from aiohttp import HttpVersion11, hdrs, web
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.exposition import choose_encoder
 
 from gateway.apis.anthropic_models import (
     ANTHROPIC_VERSION,
@@ -503,14 +503,16 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
             return _json(503, {"status": "no ready endpoints"})
         return _json(200, {"status": "ready", "models": ready_models})
 
-    async def metrics_page(_request: web.Request) -> web.Response:
-        body = metrics.render()
-        if siblings is not None:        # the whole gateway: every worker's figures merged
-            body = await siblings.metrics(body)
-        # the text format 0.0.4 (every name is a legacy one), named as prometheus_client's handler
-        # names it for a scrape that asks no other format; OpenMetrics is not offered
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4,
-                                                "X-Content-Type-Options": "nosniff"})
+    async def metrics_page(request: web.Request) -> web.Response:
+        # the format the scrape asks for, chosen and named as prometheus_client's handler does: the
+        # text format 0.0.4 unless the Accept header prefers OpenMetrics (Prometheus' does) or the
+        # text format 1.0.0 (the same text: every name is a legacy one)
+        encoder, content_type = choose_encoder(request.headers.get(hdrs.ACCEPT, ""))
+        if siblings is None:
+            body = metrics.render(encoder)
+        else:                           # the whole gateway: every worker's figures (text) merged
+            body = await siblings.metrics(metrics.render(), (encoder, content_type))
+        return web.Response(body=body, headers={"Content-Type": content_type, "X-Content-Type-Options": "nosniff"})
 
     app.router.add_get("/v1/models", models)
     app.router.add_get(r"/v1/models/{model_id:[\s\S]+}", model)     # the rest of the path, line breaks included

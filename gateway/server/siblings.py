@@ -50,6 +50,7 @@ import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import orjson
 import structlog
@@ -58,10 +59,12 @@ from prometheus_client.metrics_core import Metric
 
 from gateway.observability.merge import (
     COUNTER_RULES,
+    OPENMETRICS,
     counts_only,
     endpoints_of,
     merge,
     merge_chains,
+    openmetrics,
     parse,
     render,
     without_endpoints,
@@ -264,9 +267,10 @@ class Siblings:
                 if i not in answers]
         return list(answers.values()), [k for k in kept if k is not None]
 
-    async def metrics(self, own: bytes) -> bytes:
-        """The gateway's exposition: this worker's ``own`` (its registry's) merged with its
-        siblings' and the counts carried from the dead."""
+    async def metrics(self, own: bytes, fmt: tuple[Callable[[Any], bytes], str] | None = None) -> bytes:
+        """The gateway's exposition: this worker's ``own`` (its registry's, in the text format)
+        merged with its siblings' and the counts carried from the dead; in the text format, or in
+        ``fmt``, what ``choose_encoder`` chose for the scrape (its encoder and Content-Type)."""
         self.own(own)
         answers, gone = await self._gather("metrics")
         living: list[list[Metric]] = [parse(own.decode())]
@@ -315,7 +319,11 @@ class Siblings:
             for reason, n in beats.restarts().items():
                 restarts.add_metric([reason], n)
             extra.append(restarts)
-        return render([*families, *extra])
+        if fmt is None:
+            return render([*families, *extra])
+        encoder, content_type = fmt
+        return render(openmetrics([*families, *extra]) if content_type.startswith(OPENMETRICS) else [*families, *extra],
+                      encoder)
 
 
 def _endpoints_in(part: bytes) -> set[tuple[str, str]] | None:

@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 from prometheus_client.exposition import generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_parse
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config.schema import config_from_dict
@@ -18,7 +20,9 @@ from gateway.observability.merge import (
     gauge_rule,
     merge,
     merge_texts,
+    openmetrics,
     parse,
+    render,
     without_endpoints,
 )
 from gateway.observability.metrics import GatewayMetrics
@@ -53,6 +57,49 @@ def value(page: bytes, name: str, **labels: str) -> float:
 def test_one_exposition_comes_back_unchanged():
     text = worker({("m", "200"): 3}, [0.2], 1, 1)
     assert merge_texts([text]).decode() == text
+
+
+class Frozen:
+    """A registry's families collected once (the process's figures do not move between two
+    renders)."""
+
+    def __init__(self, registry) -> None:
+        self.families = list(registry.collect())
+
+    def collect(self):
+        return self.families
+
+
+def test_a_page_in_openmetrics_is_what_prometheus_client_writes_of_the_registry():
+    """A worker's registry in OpenMetrics is what prometheus_client's parser reads (a histogram's
+    ``_created`` with its series' other samples); the text a worker exposes, parsed and written in
+    OpenMetrics, is byte for byte what the OpenMetrics encoder writes of the registry itself (a
+    counter's and a histogram's ``_created`` in their family); the merge of two workers is one OpenMetrics page
+    its parser reads, each family once, the sums kept."""
+    m = GatewayMetrics()
+    m.requests.labels("m", "200", "least-request").inc(3)
+    m.requests.labels("x", "404", "least-request").inc()
+    for v in (0.02, 0.3):
+        m.ttft.labels("m").observe(v)
+        m.ttft.labels("x").observe(v)
+    m.loop_lag.observe(0.001)
+    frozen = Frozen(m.registry)
+    assert list(openmetrics_parse(openmetrics_latest(frozen).decode()))     # one worker's own page
+    text = generate_latest(frozen).decode()
+    assert render(openmetrics(parse(text)), openmetrics_latest) == openmetrics_latest(frozen)
+
+    a = worker({("m", "200"): 3, ("m", "500"): 1}, [0.02, 0.3], 1, 1, lag=[0.001])
+    b = worker({("m", "200"): 4, ("x", "404"): 2}, [0.3], 2, 1, lag=[0.5])
+    page = render(openmetrics(merge([a, b])), openmetrics_latest).decode()
+    assert page.endswith("# EOF\n")
+    families = list(openmetrics_parse(page))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names)) and not [n for n in names if n.endswith("_created")]
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+    labels = (("model", "m"), ("status", "200"), ("strategy", "least-request"))
+    assert got[("switchyard_requests_total", labels)] == 7
+    assert ("switchyard_requests_created", labels) in got
+    assert got[("switchyard_time_to_first_token_seconds_count", (("model", "m"),))] == 3
 
 
 def test_counters_and_histograms_add_up_by_label_set():
