@@ -9,6 +9,7 @@ Every wait is on a DOM condition, checked inside the page, with a bound; the pag
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import redis.asyncio as aioredis
@@ -257,4 +258,35 @@ async def test_the_tenants_line_says_why_the_shared_state_is_down(sims, gateway,
     finally:
         await r.config_set("maxmemory", 0)
         await r.aclose()
+    assert page.problems == [], "\n".join(page.problems)
+
+
+# the document as a gateway of two workers answers it an hour after its start, from the worker the
+# parent started again five seconds ago (its own uptime_s; started_at is the gateway's)
+RESTARTED_WORKER = """const __fetch2 = window.fetch;
+window.fetch = async function (...args) {
+  const r = await __fetch2.apply(this, args);
+  if (!String(args[0]).includes("status.json") || !r.ok) return r;
+  const doc = await r.json();
+  doc.gateway.started_at = doc.gateway.now - 3725;
+  doc.gateway.uptime_s = 5.2;
+  doc.gateway.workers = Object.assign({}, doc.gateway.workers,
+    {count: 2, answered: 1, reporting: 2, restarts: {exited: 1, stalled: 0}});
+  return new Response(JSON.stringify(doc), {status: 200, headers: {"Content-Type": "application/json"}});
+};"""
+
+
+async def test_the_heading_s_uptime_is_the_gateway_s_and_a_restarted_worker_s_is_its_own(sims, gateway, page):
+    """With several workers, the heading's "up" is the gateway's (since ``started_at``, the same
+    whichever worker answers), and the answering worker's own uptime is beside its pid: a worker
+    the parent started again does not make the gateway look just started."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], status=FAST_PAGE)
+    await page.send("Page.addScriptToEvaluateOnNewDocument", source=RESTARTED_WORKER)
+    await page.navigate(gw.url + "/status")
+    meta = await page.wait_for(q("#meta") + ".textContent.includes('answered by worker 1') && "
+                               + q("#meta") + ".textContent")
+    assert " · up 1h 02m" in meta, meta
+    assert f"answered by worker 1 (pid {os.getpid()}, up 0m 05s)" in meta, meta
+    assert "workers restarted: 1 exited" in meta, meta
     assert page.problems == [], "\n".join(page.problems)
