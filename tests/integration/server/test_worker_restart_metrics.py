@@ -1,7 +1,8 @@
 """``--workers 2``: a worker killed outright (SIGKILL) and started again by the parent. The gateway's
 counters and histograms never fall (Prometheus would read a fall as a reset, and ``rate()`` and
 ``increase()`` would count everything the other workers counted again), whichever worker answers
-each scrape; the dead worker's gauges leave with it; the status page's counts since start do not
+each scrape, nor does when each of their series started (``_created``); the dead worker's gauges
+leave with it; the status page's counts since start do not
 fall, and hold what the dead worker last reported to a scrape, as /metrics does (its requests with
 latency objectives too); and the counts a restarted worker carries do not bring back an endpoint removed since."""
 
@@ -21,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.view.service import watcher_of
 from tests.integration.server.test_workers import children_of, own_metrics, sibling_sockets
 from tests.support.gateway_process import gateway_process, get_new, post_new
-from tests.support.metrics import metric
+from tests.support.metrics import metric, sample_map
 from tests.support.ports import listen_port
 from tests.support.waiting import sigstop
 
@@ -134,9 +135,15 @@ async def test_counts_never_fall_when_the_worker_that_answered_last_is_killed(si
             # more traffic, then the victim answers the last scrape and the status page itself
             for _ in range(10):
                 assert (await post_new(port, "/v1/completions", COMPLETION))[0] == 200
+            # a series only the victim has: a request for a model nobody serves
+            async with victim.session.post(victim.base + "/v1/completions", json={**COMPLETION, "model": "nope"}) as r:
+                assert r.status == 404
             before = pages.saw(await victim.get("/metrics"))
             assert metric(before, "switchyard_requests_total", status="200") == 20
-            assert (await victim.status())["totals"]["requests_since_start"] == 20
+            created = {k: v for k, v in sample_map(before).items() if k[0].endswith("_created")}
+            only_victim = ("switchyard_requests_created", (("model", "-"), ("status", "404"), ("strategy", "")))
+            assert only_victim in created
+            assert (await victim.status())["totals"]["requests_since_start"] == 21
             os.kill(victim.pid, signal.SIGKILL)
             with contextlib.suppress(aiohttp.ClientError):
                 await streaming.read()
@@ -146,7 +153,10 @@ async def test_counts_never_fall_when_the_worker_that_answered_last_is_killed(si
         page = pages.saw(await survivor.get("/metrics"))
         assert metric(page, "switchyard_requests_total", status="200") == 20
         assert metric(page, "switchyard_in_flight_requests", model="m") == 0
-        assert (await survivor.status())["totals"]["requests_since_start"] == 20
+        assert (await survivor.status())["totals"]["requests_since_start"] == 21
+        # when each series started (``_created``, which OpenMetrics gives a counter's and a
+        # histogram's series) stays when the victim started it: it neither goes nor moves later
+        assert {k: v for k, v in sample_map(page).items() if k in created} == created
 
         await restarted(proc, victim.pid, port, pages)
         for _ in range(6):
@@ -155,8 +165,9 @@ async def test_counts_never_fall_when_the_worker_that_answered_last_is_killed(si
             page = pages.saw((await get_new(port, "/metrics"))[1])
             assert metric(page, "switchyard_requests_total", status="200") == 26
             assert metric(page, "switchyard_e2e_request_latency_seconds_count", model="m") == 26
+            assert {k: v for k, v in sample_map(page).items() if k in created} == created
             doc = (await get_new(port, "/status.json"))[1]
-            assert doc["totals"]["requests_since_start"] == 26
+            assert doc["totals"]["requests_since_start"] == 27
 
 
 @pytest.mark.timeout(120)
