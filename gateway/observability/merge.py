@@ -143,8 +143,14 @@ def parse(text: str) -> list[Metric]:
 
 
 def counts_only(families: Iterable[Metric]) -> list[Metric]:
-    """The counters, histograms and summaries (what a process counted, not what it held)."""
-    return [fam for fam in families if fam.type in COUNTED]
+    """The counters, histograms and summaries (what a process counted, not what it held), with when
+    each of their series started: the ``X_created`` gauge families the text format gives them
+    beside ``X`` (merged as the smallest, so a series a dead worker started first keeps its start;
+    OpenMetrics reads a later ``_created`` as a counter reset)."""
+    families = list(families)
+    counted = {fam.name for fam in families if fam.type in COUNTED}
+    return [fam for fam in families
+            if fam.type in COUNTED or (fam.name.endswith("_created") and fam.name[:-len("_created")] in counted)]
 
 
 def endpoints_of(families: Iterable[Metric]) -> set[tuple[str, str]]:
