@@ -27,8 +27,9 @@ async def test_the_metrics_page_names_the_text_format_s_version(sims, gateway):
     """The page is the text format 0.0.4 (every name a legacy one, so it reads the same as 1.0.0's
     with underscores), and its Content-Type says so, version included, as prometheus_client's
     handler says for a scrape that does not ask for another format (one that asks for the text
-    format 1.0.0 gets that name for the same text); a scrape that prefers OpenMetrics (Prometheus')
-    gets OpenMetrics 1.0.0, as that handler answers it."""
+    format 1.0.0 gets that name for the same text, and one whose version is no number the text
+    format 0.0.4, not a 500); a scrape that prefers OpenMetrics (Prometheus') gets OpenMetrics
+    1.0.0, as that handler answers it."""
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])])
     plain = choose_encoder("")[1]
@@ -42,6 +43,12 @@ async def test_the_metrics_page_names_the_text_format_s_version(sims, gateway):
                 assert want == plain or "version=1.0.0" in want
                 names = {f.name for f in text_string_to_metric_families(await r.text())}
                 assert "switchyard_requests" in names or "switchyard_in_flight_requests" in names, accept
+        # a version that is no number (which choose_encoder cannot compare) is one not asked for
+        for accept in ("application/openmetrics-text;version=abc", "text/plain;version=x.y"):
+            async with s.get(gw.url + "/metrics", headers={"Accept": accept}) as r:
+                assert r.status == 200, accept
+                assert r.headers["Content-Type"] == plain, (accept, r.headers["Content-Type"])
+                assert {f.name for f in text_string_to_metric_families(await r.text())}
         for accept in (PROMETHEUS_ACCEPT, "application/openmetrics-text"):
             async with s.get(gw.url + "/metrics", headers={"Accept": accept}) as r:
                 assert r.status == 200
