@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 import orjson
 import structlog
 from aiohttp import HttpVersion11, hdrs, web
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
 
 from gateway.apis.anthropic_models import (
     ANTHROPIC_VERSION,
@@ -507,7 +507,10 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
         # the format the scrape asks for, chosen and named as prometheus_client's handler does: the
         # text format 0.0.4 unless the Accept header prefers OpenMetrics (Prometheus' does) or the
         # text format 1.0.0 (the same text: every name is a legacy one)
-        encoder, content_type = choose_encoder(request.headers.get(hdrs.ACCEPT, ""))
+        try:
+            encoder, content_type = choose_encoder(request.headers.get(hdrs.ACCEPT, ""))
+        except (TypeError, ValueError):     # a version that is no number (``version=abc``): none asked for
+            encoder, content_type = generate_latest, CONTENT_TYPE_PLAIN_0_0_4
         if siblings is None:
             body = metrics.render(encoder)
         else:                           # the whole gateway: every worker's figures (text) merged
