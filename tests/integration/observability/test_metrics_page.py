@@ -1,5 +1,6 @@
-"""``GET /metrics`` as a Prometheus server scrapes it: the body in the text exposition format and a
-Content-Type that says which version of it, as prometheus_client's own handler answers."""
+"""``GET /metrics`` as a Prometheus server scrapes it: the body in the format its Accept header
+prefers (OpenMetrics, or the text exposition format) and a Content-Type that says which, version
+included, as prometheus_client's own handler answers; with one worker and with several."""
 
 from __future__ import annotations
 
