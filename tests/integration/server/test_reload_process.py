@@ -1327,3 +1327,40 @@ async def test_an_admin_reload_a_sibling_has_not_applied_when_its_wait_ends_is_a
     assert (status, body.get("result"), body.get("generation")) == (202, "in_progress", 2), (status, body)
     warned = [line for line in logs.lines if line.get("event") == "POST /admin/reload answered before every worker applied the reload"]
     assert len(warned) == 1 and warned[0]["waited_s"] == 1, warned
+
+
+@pytest.mark.timeout(90)
+async def test_an_admin_reload_the_stopped_parent_has_not_begun_is_answered_202_queued_and_then_applied(sims, tmp_path):
+    """``POST /admin/reload`` with --workers 2 while the parent is stopped (SIGSTOP; a parent busy
+    elsewhere is the same): when ``server.admin_reload_wait_s`` is over the parent has not begun
+    the reload, which stays asked for (its SIGHUP pending), so the answer is 202 ``queued`` with
+    the generation still serving, and once the parent runs again every worker applies it."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n", log_level="info").replace(
+        "reload_settle_s: 0,", "reload_settle_s: 0, admin_reload_wait_s: 0.5,")
+    path.write_text(text)
+    async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:
+        logs = LogLines(proc)
+        await worker_views(port, 2)
+        path.write_text(text + "aliases: [{name: one, targets: [{model: m}]}]\n")
+        await sigstop(proc.pid)
+        try:
+            async with aiohttp.ClientSession() as s, s.post(f"http://127.0.0.1:{port}/admin/reload",
+                                                            headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                status, body = r.status, await r.json()
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        applied = await logs.until(2)
+        views = await worker_views(port, 2)
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            assert await proc.wait() == 0
+        await logs.close()
+    assert (status, body.get("result"), body.get("trigger"), body.get("generation")) == \
+        (202, "queued", "admin", 1), (status, body)
+    assert "server.admin_reload_wait_s" in body["message"] and "/status.json" in body["message"], body
+    assert [(line["event"], line["trigger"], line["generation"]) for line in applied] == \
+        [("config reloaded", "admin", 2)] * 2, applied
+    assert len(views) == 2 and all(v == {"m", "one"} for v in views.values()), views
