@@ -37,8 +37,9 @@ meanwhile), hands every worker the text it read
 applies that text, so a file rewritten meanwhile cannot leave them on different configs. A worker
 that receives ``POST /admin/reload`` signals the parent, so every worker reloads, and answers with
 its own result (202 ``in_progress`` when, ``server.admin_reload_wait_s`` after the ask, the parent
-still reads the file or this worker applies it: a large file parsing; 504 ``reload_timeout`` when the
-parent has not begun it) once every sibling that serves has applied that reload too (so an API key the
+still reads the file or this worker applies it: a large file parsing; 202 ``queued`` when the
+parent has not begun it, stopped or busy: the ask stays counted and its SIGHUP pending, so it
+applies once the parent gets to it) once every sibling that serves has applied that reload too (so an API key the
 reload removed is refused by every worker once the answer came; a sibling that has not within
 ``server.admin_reload_wait_s`` of the ask, its loop stalled or a large file parsing there, is left
 behind with a warning, and an applied reload is answered 202 ``in_progress``). A worker's generation is then the parent's count of applied reloads (in the
@@ -287,7 +288,7 @@ class ReloadMetrics:
 
 @dataclass
 class ReloadResult:
-    result: str                          # ok | invalid | restart_required
+    result: str                          # ok | invalid | restart_required (and, answers only: in_progress | queued)
     generation: int
     trigger: str
     error: str | None = None
@@ -601,7 +602,7 @@ class Reloader:
             result = await self.reload_off_loop("admin")
         if result.result == "ok":
             return web.Response(status=200, body=orjson.dumps(result.body()), content_type="application/json")
-        if result.result == "in_progress":      # accepted: it applies once parsed, its result logged
+        if result.result in ("in_progress", "queued"):  # accepted: it applies once parsed, its result logged
             body = {"result": result.result, "generation": result.generation, "trigger": result.trigger,
                     "message": result.error}
             return web.Response(status=202, body=orjson.dumps(body), content_type="application/json")
@@ -642,9 +643,16 @@ class Reloader:
                 return ReloadResult("in_progress", self.live.generation, "admin",
                                     error=f"the reload is under way after {wait_s:g}s (server.admin_reload_wait_s): "
                                           "its result is logged, and in /status.json (gateway.config)")
-            raise GatewayError(504, f"the parent process did not begin this reload within {wait_s:g}s "
-                                    "(stopped or busy): it applies it once it gets to it",
-                               code="reload_timeout", error_class=ErrorClass.ADMIN) from None
+            # the parent has not begun it (stopped, or busy): the ask is counted and its SIGHUP
+            # pending, so the parent applies it once it gets to it; the answer says so rather
+            # than that it failed
+            log.warning("POST /admin/reload answered before the parent began its reload", waited_s=wait_s,
+                        parent_pid=self.parent_pid, generation=self.live.generation)
+            return ReloadResult("queued", self.live.generation, "admin",
+                                error=f"the parent process has not begun this reload after {wait_s:g}s "
+                                      "(server.admin_reload_wait_s; stopped or busy): it is queued and applies "
+                                      "once the parent gets to it; its result is logged, and in /status.json "
+                                      "(gateway.config)")
         finally:
             self._waiters = [(a, w) for a, w in self._waiters if w is not waiter]
         # the siblings got the same reload: the answer goes once they applied it too
