@@ -1364,3 +1364,44 @@ async def test_an_admin_reload_the_stopped_parent_has_not_begun_is_answered_202_
     assert [(line["event"], line["trigger"], line["generation"]) for line in applied] == \
         [("config reloaded", "admin", 2)] * 2, applied
     assert len(views) == 2 and all(v == {"m", "one"} for v in views.values()), views
+
+
+@pytest.mark.timeout(90)
+async def test_a_reload_whose_fifo_the_parent_waits_for_is_refused_after_a_bounded_time(sims, tmp_path):
+    """The config file replaced by a FIFO no one writes, with --workers 2: the parent's read of a
+    reload is refused once no text has come for ``server.reload_read_timeout_s`` (2 s), logged with
+    key path <file> by the parent and every worker and counted as invalid, the running config
+    kept; the next reload of a plain file applies."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    text = config_text(port, [sim.url], log_level="info")
+    path.write_text(text)
+    held = HeldReads(path, tmp_path)
+    async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:
+        logs = LogLines(proc)
+        await worker_views(port, 2)
+        try:
+            held.fifo()
+            proc.send_signal(signal.SIGHUP)
+            await held.reader()             # the parent has the file open, its text not written
+            refused = await logs.until(3)
+        finally:
+            held.close(text + "aliases: [{name: one, targets: [{model: m}]}]\n")
+        page = await per_worker(port, 2)
+        proc.send_signal(signal.SIGHUP)
+        applied = (await logs.until(5))[3:]
+        views = await worker_views(port, 2)
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            assert await proc.wait() == 0
+        await logs.close()
+    assert sorted(line["event"] for line in refused) == [
+        "config reload refused, restarted workers keep the running config"] + \
+        ["config reload refused; the running config is kept"] * 2, refused
+    assert all(line["key_path"] == "<file>" and "no text came in 2 s" in line["error"] for line in refused), refused
+    for text_ in page.values():
+        assert metric(text_, "switchyard_config_reload_total", result="invalid") == 1
+        assert metric(text_, "switchyard_config_generation") == 1
+    assert [(line["event"], line["generation"]) for line in applied] == [("config reloaded", 2)] * 2, applied
+    assert len(views) == 2 and all(v == {"m", "one"} for v in views.values()), views
