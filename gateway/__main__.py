@@ -28,12 +28,15 @@ from gateway.config.schema import (  # noqa: E402
     Config,
     ConfigError,
     ReadStopped,
+    ServerConfig,
     config_from_file,
     load_config,
     log_no_effect,
     no_effect,
     read_config_file,
     read_settled,
+    read_within,
+    settle_window_s,
 )
 from gateway.observability.logs import configure_logging  # noqa: E402
 from gateway.version import version  # noqa: E402
@@ -137,9 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     def load(deprecations: list[Deprecation] | None = None) -> Config:
         """The config file with the command line's overrides, at each reload of one process: in a
         thread (gateway/server/reload.py), one reload at a time, so a file that keeps it waiting for
-        its text (a FIFO no one writes) is refused after ``RELOAD_READ_WAIT_S``, not waited for
-        while the reloads after it queue."""
-        return parse(read_config_file(args.config, wait_s=RELOAD_READ_WAIT_S), deprecations)
+        its text (a FIFO no one writes, a hung mount) is refused after ``server.reload_read_timeout_s``,
+        not waited for while the reloads after it queue."""
+        wait_s = config.server.reload_read_timeout_s or None    # ``server`` is read at start only
+        text = read_within(lambda given_up: read_config_file(args.config, given_up, wait_s),
+                           read_limit_s(config.server), args.config)
+        return parse(text, deprecations)
 
     deprecated: list[Deprecation] = []      # logged once logging follows the config's format
     from gateway.server.workers import hold_for_tests
@@ -226,7 +232,12 @@ def main(argv: list[str] | None = None) -> int:
         text: str | None = None
         try:
             # once whole: a file written in place was read half written (gateway/config/schema.py)
-            text = read_settled(args.config, settle_s, stopped=lambda: beats.stops() != stops, deferred=deferred)
+            # and bounded: a FIFO no one writes, a hung mount, refuse the reload after
+            # server.reload_read_timeout_s, where the parent waited for them until a stop
+            wait_s = running.server.reload_read_timeout_s or None
+            text = read_within(lambda given_up: read_settled(
+                args.config, settle_s, stopped=lambda: beats.stops() != stops or given_up(), deferred=deferred,
+                wait_s=wait_s), read_limit_s(running.server), args.config)
             new = parse(text, deprecations)
             check_offline(started, running, new)
         except Exception as e:
@@ -317,7 +328,12 @@ def workers_warnings(config: Config, workers: int) -> None:
 HOLD_BEFORE_CONFIG_ENV = "SWITCHYARD_TEST_HOLD_BEFORE_CONFIG"
 
 
-RELOAD_READ_WAIT_S = 2.0     # how long one process's reload waits for more of the file's text
+def read_limit_s(server: ServerConfig) -> float:
+    """How long a reload's read of the file may take at most (0: no limit): twice
+    ``server.reload_read_timeout_s`` (a FIFO's wait for text, bounded by it once, says so first)
+    after the longest wait for the file to be left unchanged (``server.reload_settle_s``)."""
+    timeout = server.reload_read_timeout_s
+    return 2 * timeout + settle_window_s(server.reload_settle_s) if timeout > 0 else 0.0
 
 
 def stopped_while_starting() -> bool:

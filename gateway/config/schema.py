@@ -21,11 +21,12 @@ import os
 import re
 import select
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import msgspec
@@ -170,6 +171,7 @@ class ServerConfig(Block):
     workers: Annotated[Annotated[int, Meta(ge=1)] | Literal["auto"], Meta(description="Processes serving the same port (SO_REUSEPORT), each a whole gateway sharing one routing view with the others (view:); auto: as many as the CPUs of the cgroup's quota (and at most one per 256 MiB of its memory limit), or 1 when admission is enabled (its priority is strict within one process), a model lists LoRA adapters to load on demand while view.workers or view.share_monitoring is off (the workers would not know of each other's adapters in flight), or limits or the admin API are configured without state.redis_url (their counters and keys would be per process). --workers overrides it.")] = "auto"
     worker_stall_timeout_s: Annotated[Amount, Meta(description="With several workers: a worker whose event loop has not run for this long (a blocking call, a deadlock, a stopped process) is killed and restarted by the parent, since the kernel keeps handing it new connections it would never answer, in seconds (0: never; else at least 2). Start-up is not judged. Counted in switchyard_worker_restarts_total{reason=\"stalled\"}.")] = 20.0
     reload_settle_s: Annotated[Amount, Meta(description="A reload (SIGHUP, POST /admin/reload) reads the config file once it has been left unchanged this long, in seconds, and again if it changed while it was read: a file written in place (an editor that truncates it then writes, kubectl cp) is read whole, not its first half; a reload deferred so is logged (config reload deferred) and counted in switchyard_config_reload_deferred_total, and one whose file is still changing after 10 s (or 3 times this, if longer) is refused (0: read at once).")] = 0.5
+    reload_read_timeout_s: Annotated[Amount, Meta(description="How long a reload (SIGHUP, POST /admin/reload) waits for the config file's text, in seconds: a path that is a FIFO no one writes is refused once no text came for this long, and a file on a hung mount (NFS, a stalled FUSE daemon) once its read has not returned for twice this long after the wait for the file to be left unchanged (reload_settle_s); the reload is refused with key path <file>, logged and counted in switchyard_config_reload_total{result=\"invalid\"}, and the running config kept, by one process and by the --workers parent alike. While a read left so has not returned, a reload is refused at once (0: wait for as long as it takes; the --workers parent until a stop).")] = 2.0
     admin_reload_wait_s: Annotated[Amount, Meta(description="With several workers: how long POST /admin/reload waits for the parent to read the config file and every worker to apply it before it answers, in seconds (a file near the 4 MiB bound takes seconds to parse, in the parent and then in each worker). A reload still under way then (the parent reading the file, or the worker asked applying it) is answered 202 in_progress, and applies once parsed; a parent that has not begun it (stopped, or busy) is answered 202 queued, and applies it once it gets to it; a sibling that has not applied it is left behind with a warning, and a reload the worker asked applied is answered 202 in_progress too (an API key it removed still works there).")] = 10.0
     drain_delay_s: Annotated[Amount, Meta(description="After SIGTERM, how long new connections are still accepted while /ready answers 503, so load balancers can take the gateway out first, in seconds (at most shutdown_grace_s; SIGINT skips it).")] = 5.0
     log_format: Annotated[Literal["auto", "json", "console"], Meta(description="Format of log lines: json, console, or auto (console when stderr is a terminal, else JSON). --log-format overrides it.")] = "auto"
@@ -639,10 +641,16 @@ class Settling:
         return wait
 
 
+def settle_window_s(settle_s: float) -> float:
+    """How long ``Settling`` waits at most for a file that keeps changing (0 when it does not wait)."""
+    return max(SETTLE_LIMIT_S, 3 * settle_s) if settle_s > 0 else 0.0
+
+
 def read_settled(path: str | Path, settle_s: float, stopped: Callable[[], bool] | None = None,
-                 deferred: Callable[[], None] | None = None) -> str:
+                 deferred: Callable[[], None] | None = None, wait_s: float | None = None) -> str:
     """``read_config_file`` once the file is whole (``Settling``), waiting in this thread: the
-    --workers parent's reload. ``stopped`` ends a wait as it ends ``read_config_file``'s."""
+    --workers parent's reload. ``stopped`` ends a wait as it ends ``read_config_file``'s, and
+    ``wait_s`` bounds the wait for a FIFO's text as it bounds that one's."""
     settling = Settling(path, settle_s, deferred)
     while True:
         wait = settling.wait_s()
@@ -655,7 +663,7 @@ def read_settled(path: str | Path, settle_s: float, stopped: Callable[[], bool] 
         if wait > 0:
             continue
         try:
-            text = read_config_file(path, stopped)
+            text = read_config_file(path, stopped, wait_s)
         except ReadStopped:
             raise
         except ConfigError:
@@ -668,6 +676,50 @@ def read_settled(path: str | Path, settle_s: float, stopped: Callable[[], bool] 
 
 class ReadStopped(ConfigError):
     """The gateway was stopped while ``read_config_file`` waited for the file's text."""
+
+
+T = TypeVar("T")
+_unreturned: list[threading.Thread] = []     # reads ``read_within`` gave up on that have not returned yet
+UNRETURNED_WAIT_S = 0.2     # how long a read given up on is waited for: one waiting for a FIFO's text ends within 0.1 s
+
+
+def read_within(read: Callable[[Callable[[], bool]], T], limit_s: float, path: str | Path) -> T:
+    """``read(given_up)`` in a thread of its own, waited for ``limit_s`` at most (0: for as long as
+    it takes); then a ``ConfigError`` naming the file. A file on a hung mount (NFS, a FUSE daemon
+    that stopped answering) blocks its stat, open or read in the kernel, where nothing ends it: the
+    reload waited for it for good, and the reloads after it behind it. ``given_up()`` turns true
+    then, and a read that asks it in its waits (a FIFO's, ``read_config_file``'s ``stopped``) ends;
+    one blocked in the kernel is left to itself, and while it has not returned a read is refused
+    at once (another would block the same way, a thread each)."""
+    if limit_s <= 0:
+        return read(lambda: False)
+    _unreturned[:] = [t for t in _unreturned if t.is_alive()]
+    if _unreturned:
+        raise ConfigError("<file>", "not read: an earlier read of the file has not returned yet (a hung mount?)",
+                          str(path))
+    given_up = threading.Event()
+    outcome: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, read(given_up.is_set)))
+        except BaseException as e:       # raised in the caller's thread
+            outcome.append((False, e))
+
+    reader = threading.Thread(target=run, name="config-read", daemon=True)
+    reader.start()
+    reader.join(limit_s)
+    if reader.is_alive():
+        given_up.set()
+        reader.join(UNRETURNED_WAIT_S)
+        if reader.is_alive():
+            _unreturned.append(reader)
+        raise ConfigError("<file>", f"not read: the read did not return within {limit_s:g} s "
+                                    "(server.reload_read_timeout_s; a hung mount?)", str(path))
+    ok, value = outcome[0]
+    if ok:
+        return value
+    raise value
 
 
 def read_config_file(path: str | Path, stopped: Callable[[], bool] | None = None, wait_s: float | None = None) -> str:

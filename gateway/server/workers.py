@@ -332,7 +332,7 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
 
     # the reload under way: its file read and parsed in a thread of its own (``on_reload``), so
     # that this loop goes on forwarding stops and watching the workers meanwhile (a file of a few
-    # MiB takes seconds to parse, a FIFO no one writes never comes); what it returns is applied
+    # MiB takes seconds to parse; a FIFO no one writes, server.reload_read_timeout_s); what it returns is applied
     # and told to the workers here, in the loop, one reload at a time
     reloading: threading.Thread | None = None
     again = False                       # a SIGHUP came while it ran: the file is read again after it

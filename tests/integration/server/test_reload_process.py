@@ -28,12 +28,15 @@ CHAT = [{"role": "user", "content": "Keep the trains running."}]
 TOKEN = "admin-token-for-workers"
 
 
-def config_text(port: int, urls: list[str], *, extra: str = "", log_level: str = "warning") -> str:
+def config_text(port: int, urls: list[str], *, extra: str = "", log_level: str = "warning",
+                read_timeout_s: float | None = 60.0) -> str:
     """A file these tests write and reload at once: read as it is (``reload_settle_s: 0``; the wait
-    for a file written in place is tested on its own)."""
+    for a file written in place is tested on its own), its text waited for as long as a test holds
+    it back (``reload_read_timeout_s``; None: the default, whose bound is tested on its own)."""
     eps = ", ".join(f"'{u}'" for u in urls)
+    read = f"reload_read_timeout_s: {read_timeout_s}, " if read_timeout_s is not None else ""
     return (f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-            f"server: {{drain_delay_s: 0, shutdown_grace_s: 5, reload_settle_s: 0, log_level: {log_level}}}\n"
+            f"server: {{drain_delay_s: 0, shutdown_grace_s: 5, reload_settle_s: 0, {read}log_level: {log_level}}}\n"
             "health: {interval_s: 0.5}\n"
             f"models: [{{name: m, engine: vllm, endpoints: [{eps}]}}]\n{extra}")
 
@@ -993,7 +996,7 @@ async def test_a_reload_of_one_process_waits_a_bounded_time_for_a_fifos_text(sim
     sim = await sims("vllm", "m")
     port = listen_port()
     path = tmp_path / "gw.yaml"
-    text = config_text(port, [sim.url])
+    text = config_text(port, [sim.url], read_timeout_s=None)
     path.write_text(text)
     held = HeldReads(path, tmp_path)
     async with gateway_process(path, port, "--workers", "1", "--log-format", "json") as proc:
@@ -1375,7 +1378,7 @@ async def test_a_reload_whose_fifo_the_parent_waits_for_is_refused_after_a_bound
     sim = await sims("vllm", "m")
     port = listen_port()
     path = tmp_path / "gw.yaml"
-    text = config_text(port, [sim.url], log_level="info")
+    text = config_text(port, [sim.url], log_level="info", read_timeout_s=None)
     path.write_text(text)
     held = HeldReads(path, tmp_path)
     async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:

@@ -1,13 +1,15 @@
-"""A reload's wait for a config file written in place to be whole (``server.reload_settle_s``)."""
+"""A reload's wait for a config file written in place to be whole (``server.reload_settle_s``), and
+its bound on a read that does not return (``server.reload_read_timeout_s``)."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
 
-from gateway.config.schema import ConfigError, Settling
+from gateway.config.schema import ConfigError, Settling, read_within
 
 
 def test_a_file_left_alone_is_read_at_once_and_one_just_written_waits(tmp_path):
@@ -61,3 +63,35 @@ def test_a_file_that_keeps_changing_is_refused_and_no_regular_file_is_read_at_on
     assert Settling(tmp_path / "fifo", 60.0).wait_s() == 0.0
     assert Settling(tmp_path / "missing", 60.0).wait_s() == 0.0       # the read says why
     assert Settling(f, 0.0).wait_s() == 0.0                           # off
+
+
+def test_a_read_that_does_not_return_is_given_up_and_the_next_refused_until_it_returns(tmp_path):
+    """A file on a hung mount blocks its read in the kernel, where nothing ends it (here a read
+    that waits on an event it does not ask ``given_up`` of): it is refused after the limit, and
+    while it has not returned another read is refused at once, not started in a thread of its own;
+    a read that asks ``given_up`` in its waits (a FIFO's) ends when given up."""
+    path = tmp_path / "gw.yaml"
+    hung = threading.Event()
+    with pytest.raises(ConfigError, match="did not return within 0.05 s") as e:
+        read_within(lambda given_up: hung.wait(), 0.05, path)
+    assert e.value.key_path == "<file>"
+    with pytest.raises(ConfigError, match="an earlier read of the file has not returned"):
+        read_within(lambda given_up: "text", 1.0, path)
+    hung.set()
+    ended = threading.Event()
+
+    def polls(given_up) -> str:
+        while not given_up():
+            time.sleep(0.001)
+        ended.set()
+        return "late"
+
+    for t in [t for t in threading.enumerate() if t.name == "config-read"]:     # the hung one, returned now
+        t.join(5)
+    with pytest.raises(ConfigError, match="did not return"):
+        read_within(polls, 0.05, path)
+    assert ended.is_set()
+    assert read_within(lambda given_up: "text", 1.0, path) == "text"
+    assert read_within(lambda given_up: "no limit", 0.0, path) == "no limit"
+    with pytest.raises(ValueError, match="raised"):
+        read_within(lambda given_up: (_ for _ in ()).throw(ValueError("raised")), 1.0, path)
