@@ -229,15 +229,21 @@ def main(argv: list[str] | None = None) -> int:
                            reason="the file changed within reload_settle_s: it is read once left unchanged")
             later(say_deferred)
 
+        wait_s = running.server.reload_read_timeout_s or None
+
+        def settled(given_up: Callable[[], bool]) -> str:
+            """The file's text once whole: a file written in place was read half written
+            (gateway/config/schema.py). A stop, or the read given up on, ends its waits."""
+            def stopped() -> bool:
+                return beats.stops() != stops or given_up()
+            return read_settled(args.config, settle_s, lambda: read_config_file(args.config, stopped, wait_s),
+                                stopped, deferred)
+
         text: str | None = None
         try:
-            # once whole: a file written in place was read half written (gateway/config/schema.py)
-            # and bounded: a FIFO no one writes, a hung mount, refuse the reload after
+            # bounded: a FIFO no one writes, a hung mount, refuse the reload after
             # server.reload_read_timeout_s, where the parent waited for them until a stop
-            wait_s = running.server.reload_read_timeout_s or None
-            text = read_within(lambda given_up: read_settled(
-                args.config, settle_s, stopped=lambda: beats.stops() != stops or given_up(), deferred=deferred,
-                wait_s=wait_s), read_limit_s(running.server), args.config)
+            text = read_within(settled, read_limit_s(running.server), args.config)
             new = parse(text, deprecations)
             check_offline(started, running, new)
         except Exception as e:

@@ -641,16 +641,20 @@ class Settling:
         return wait
 
 
+T = TypeVar("T")
+
+
 def settle_window_s(settle_s: float) -> float:
     """How long ``Settling`` waits at most for a file that keeps changing (0 when it does not wait)."""
     return max(SETTLE_LIMIT_S, 3 * settle_s) if settle_s > 0 else 0.0
 
 
-def read_settled(path: str | Path, settle_s: float, stopped: Callable[[], bool] | None = None,
-                 deferred: Callable[[], None] | None = None, wait_s: float | None = None) -> str:
-    """``read_config_file`` once the file is whole (``Settling``), waiting in this thread: the
-    --workers parent's reload. ``stopped`` ends a wait as it ends ``read_config_file``'s, and
-    ``wait_s`` bounds the wait for a FIFO's text as it bounds that one's."""
+def read_settled(path: str | Path, settle_s: float, read: Callable[[], T], stopped: Callable[[], bool] | None = None,
+                 deferred: Callable[[], None] | None = None) -> T:
+    """What ``read`` reads of the file ``path`` (its text, or its config), read once the file is
+    whole (``Settling``), waiting in this thread: every reload that reads the file (the --workers
+    parent's, in its reload's thread; one process's, in a thread of the loop's). ``stopped`` ends
+    a wait with ``ReadStopped`` (``read`` asks it in its own waits, ``read_config_file``'s)."""
     settling = Settling(path, settle_s, deferred)
     while True:
         wait = settling.wait_s()
@@ -663,7 +667,7 @@ def read_settled(path: str | Path, settle_s: float, stopped: Callable[[], bool] 
         if wait > 0:
             continue
         try:
-            text = read_config_file(path, stopped, wait_s)
+            value = read()
         except ReadStopped:
             raise
         except ConfigError:
@@ -671,14 +675,13 @@ def read_settled(path: str | Path, settle_s: float, stopped: Callable[[], bool] 
                 continue
             raise
         if not settling.changed():
-            return text
+            return value
 
 
 class ReadStopped(ConfigError):
     """The gateway was stopped while ``read_config_file`` waited for the file's text."""
 
 
-T = TypeVar("T")
 _unreturned: list[threading.Thread] = []     # reads ``read_within`` gave up on that have not returned yet
 UNRETURNED_WAIT_S = 0.2     # how long a read given up on is waited for: one waiting for a FIFO's text ends within 0.1 s
 

@@ -59,6 +59,7 @@ import hashlib
 import hmac
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
@@ -71,7 +72,7 @@ from aiohttp import web
 from prometheus_client import Counter, Gauge
 
 from gateway.aliases import Aliases, NoAliases
-from gateway.config.schema import Config, ConfigError, Settling, check_strategies, log_no_effect
+from gateway.config.schema import Config, ConfigError, check_strategies, log_no_effect, read_settled
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
@@ -368,6 +369,9 @@ class Reloader:
         # answer with the number of the parent's told reload it is (None: not one the parent told)
         self._waiters: list[tuple[int | None, asyncio.Future[tuple[ReloadResult, int | None]]]] = []
         self._one_at_a_time = asyncio.Lock()     # reloads read and parse their file off the loop
+        # set once the gateway stopped serving: a reload's wait for its file (in a thread) ends, so
+        # that the loop's executor, which the loop's close waits for, is free at once
+        self.stopping = threading.Event()
         self._tasks: set[asyncio.Task[None]] = set()
 
     def reload(self, trigger: str, config: Config | None = None, parent_generation: int | None = None,
@@ -438,25 +442,14 @@ class Reloader:
 
     async def _read_whole(self, trigger: str, loader: Callable[[], Config]) -> Config:
         """``loader``'s config, read once the file is whole (``server.reload_settle_s``,
-        ``gateway.config.schema.Settling``) when it reads the file: in one process (a --workers
-        worker parses the text its parent read, once whole)."""
+        ``gateway.config.schema.read_settled``, the --workers parent's wait too) when it reads the
+        file: in one process (a --workers worker parses the text its parent read, once whole). In a
+        thread, as the read itself: the loop goes on serving while it waits."""
         if self.parent_told is not None or loader is not self.loader or self.source is None:
             return await asyncio.to_thread(loader)
         settle_s = self.live.config.server.reload_settle_s
-        settling = Settling(self.source, settle_s, lambda: self._deferred(trigger, settle_s))
-        while True:
-            wait = settling.wait_s()
-            if wait > 0:
-                await asyncio.sleep(wait)
-                continue
-            try:
-                config = await asyncio.to_thread(loader)
-            except ConfigError:
-                if settling.changed():      # read while it was written (cut inside a character, say)
-                    continue
-                raise
-            if not settling.changed():
-                return config
+        return await asyncio.to_thread(read_settled, self.source, settle_s, loader, self.stopping.is_set,
+                                       lambda: self._deferred(trigger, settle_s))
 
     def _deferred(self, trigger: str, settle_s: float) -> None:
         self.m.take_deferred(self.m.deferred_count + 1)

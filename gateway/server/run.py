@@ -259,6 +259,7 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
                 await runner.cleanup()
         if beat is not None:
             beat.stop()
+        reloader.stopping.set()
         ignore_reloads(loop)
         log.info("stopped")
 
