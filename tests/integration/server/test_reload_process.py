@@ -1408,3 +1408,38 @@ async def test_a_reload_whose_fifo_the_parent_waits_for_is_refused_after_a_bound
         assert metric(text_, "switchyard_config_generation") == 1
     assert [(line["event"], line["generation"]) for line in applied] == [("config reloaded", 2)] * 2, applied
     assert len(views) == 2 and all(v == {"m", "one"} for v in views.values()), views
+
+
+@pytest.mark.timeout(90)
+async def test_an_admin_reload_to_a_worker_whose_parent_was_killed_is_refused_503_and_signals_no_one(sims, tmp_path):
+    """The --workers parent killed outright (SIGKILL, the OOM killer): each worker drains, and
+    still takes requests for ``server.drain_delay_s``. ``POST /admin/reload`` then has no parent to
+    read the file for every worker: it is answered 503 ``reload_unavailable``, OpenAI-shaped, and
+    no signal is sent to the pid the parent had (which the system may give another process)."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n", log_level="info").replace(
+        "drain_delay_s: 0,", "drain_delay_s: 2,")
+    path.write_text(text)
+    async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:
+        logs = LogLines(proc)
+        sessions = await pinned_workers(port, 2)
+        try:
+            proc.kill()
+            async with asyncio.timeout(20):     # reaped (its workers still hold its stderr): its pid names no process
+                while proc.returncode is None:
+                    await asyncio.sleep(0.01)
+            answers = []
+            for http in sessions.values():
+                async with http.post(f"http://127.0.0.1:{port}/admin/reload",
+                                     headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                    answers.append((r.status, await r.json()))
+        finally:
+            for s in sessions.values():
+                await s.close()
+        for pid in sessions:        # a second stop: each ends its drain at once
+            os.kill(pid, signal.SIGTERM)
+        await logs.close()          # the workers ended: their stderr closed
+    assert [(status, body["error"]["code"]) for status, body in answers] == [(503, "reload_unavailable")] * 2, answers
+    assert not [line for line in logs.lines if line.get("event") == "internal error"], logs.lines
