@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import signal
 import sys
 import time
@@ -292,8 +293,10 @@ def main(argv: list[str] | None = None) -> int:
             handoff = ConfigHandoff(run_dir.path)   # the text each reload of the parent's read
             # a worker parses it as the parent did; the parent logs its warnings, once
             handed = functools.partial(handoff.get, parse=lambda text: parse(text, []))
+            parent_pid = os.getpid()
             return run_workers(workers, lambda index: serve_one(WorkerInfo(index, workers, run_dir.path, beats,
-                                                                           generation, started_at, handed)),
+                                                                           generation, started_at, handed,
+                                                                           parent_pid)),
                                parent_log, on_reload=reread, heartbeats=beats,
                                stall_timeout=lambda: config.server.worker_stall_timeout_s,
                                orphaned=run_dir.close_if_last,

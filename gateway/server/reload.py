@@ -321,6 +321,13 @@ def config_digest(config: Config) -> str:
 HANDED_TRIES = 100      # reads of the parent's last told reload while its text is replaced under the reader
 
 
+def _parent_gone(pid: int) -> GatewayError:
+    log.warning("POST /admin/reload refused: the parent process is gone", parent_pid=pid)
+    return GatewayError(503, f"the gateway's parent process ({pid}) is gone (killed; this worker is stopping): "
+                             "there is no one to read the config file for every worker, nothing was reloaded",
+                        code="reload_unavailable", error_class=ErrorClass.ADMIN)
+
+
 def _not_handed() -> Config:
     raise ConfigError("<file>", "the parent handed no config text for this reload; the running config is kept")
 
@@ -617,13 +624,21 @@ class Reloader:
         """Ask the parent to signal every worker, this one included, and wait for this one's
         reload, then for its siblings to have applied it too."""
         assert self.parent_pid is not None
+        # a parent killed outright (SIGKILL, the OOM killer) leaves its workers draining: no one
+        # reads the file for them, and its pid may name another process by now (the worker's
+        # parent is then init, or a subreaper)
+        if os.getppid() != self.parent_pid:
+            raise _parent_gone(self.parent_pid)
         loop = asyncio.get_running_loop()
         wait_s = self.live.config.server.admin_reload_wait_s
         deadline = loop.time() + wait_s
         waiter = loop.create_future()
         ask = self.parent_asked() if self.parent_asked is not None else None
+        try:
+            os.kill(self.parent_pid, signal.SIGHUP)
+        except ProcessLookupError:      # gone since it was looked at
+            raise _parent_gone(self.parent_pid) from None
         self._waiters.append((ask, waiter))
-        os.kill(self.parent_pid, signal.SIGHUP)
         try:
             async with asyncio.timeout_at(deadline):
                 result, seq = await asyncio.shield(waiter)

@@ -206,7 +206,7 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
     reloader = app[RELOAD_KEY]
     reloader.source = source
     if worker is not None:      # POST /admin/reload asks the parent, which signals every worker
-        reloader.parent_pid = os.getppid()
+        reloader.parent_pid = worker.parent_pid if worker.parent_pid is not None else os.getppid()
         if worker.heartbeats is not None:       # the generation is the parent's count, the same in every worker
             # and each reload the parent tells of names its trigger, and the asks of this worker it
             # came after (gateway/server/heartbeat.py); those told before this worker was forked

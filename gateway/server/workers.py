@@ -220,6 +220,9 @@ class WorkerInfo:
     # the config text the parent read for its reload number n, as this worker applies it (a loader,
     # None when the parent has none: gateway/server/handoff.py); None: the worker reads the file
     handed: Callable[[int], Callable[[], Any] | None] | None = None
+    # the parent's pid, as the parent knew it before the fork: a worker that asks it for a reload
+    # signals that pid, not its own parent's at that moment (init, once the parent was killed)
+    parent_pid: int | None = None
 
     def beat(self) -> Beat | None:
         """This worker's heartbeat (gateway/server/heartbeat.py), not yet started; None without one."""
