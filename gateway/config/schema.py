@@ -717,8 +717,10 @@ def read_within(read: Callable[[Callable[[], bool]], T], limit_s: float, path: s
         reader.join(UNRETURNED_WAIT_S)
         if reader.is_alive():
             _unreturned.append(reader)
-        raise ConfigError("<file>", f"not read: the read did not return within {limit_s:g} s "
-                                    "(server.reload_read_timeout_s; a hung mount?)", str(path))
+        # a read that ended once given up on says why, unless it only says it was given up on
+        if reader.is_alive() or isinstance(outcome[0][1], ReadStopped):
+            raise ConfigError("<file>", f"not read: the read did not return within {limit_s:g} s "
+                                        "(server.reload_read_timeout_s; a hung mount?)", str(path))
     ok, value = outcome[0]
     if ok:
         return value
@@ -762,12 +764,13 @@ def _read_all(fd: int, path: str, stopped: Callable[[], bool] | None, wait_s: fl
         while True:
             # a FIFO no writer opened yet is not ready (its read would say end of file)
             if waits and not poll.poll(100 if stopped is not None or wait_s is not None else None):
-                if stopped is not None and stopped():
-                    raise ReadStopped("<file>", "not read: the gateway was stopped while it waited for "
-                                                "the file's text", path)
+                # the bound first: a read given up on past it (``read_within``) says why
                 if wait_s is not None and time.monotonic() - since > wait_s:
                     raise ConfigError("<file>", f"not read: no text came in {wait_s:g} s (a FIFO no one "
                                                 "writes?)", path)
+                if stopped is not None and stopped():
+                    raise ReadStopped("<file>", "not read: the gateway was stopped while it waited for "
+                                                "the file's text", path)
                 continue
             try:
                 chunk = os.read(fd, 1 << 16)

@@ -32,7 +32,7 @@ def config_text(port: int, urls: list[str], *, extra: str = "", log_level: str =
                 read_timeout_s: float | None = 60.0) -> str:
     """A file these tests write and reload at once: read as it is (``reload_settle_s: 0``; the wait
     for a file written in place is tested on its own), its text waited for as long as a test holds
-    it back (``reload_read_timeout_s``; None: the default, whose bound is tested on its own)."""
+    it back (``reload_read_timeout_s``; None: the default; the bound is tested on its own)."""
     eps = ", ".join(f"'{u}'" for u in urls)
     read = f"reload_read_timeout_s: {read_timeout_s}, " if read_timeout_s is not None else ""
     return (f"listen: {{host: 127.0.0.1, port: {port}}}\n"
@@ -989,14 +989,14 @@ async def test_a_stop_while_the_parent_waits_for_a_fifos_text_at_a_reload_ends_t
 
 @pytest.mark.timeout(90)
 async def test_a_reload_of_one_process_waits_a_bounded_time_for_a_fifos_text(sims, tmp_path):
-    """A reload of one process: the config file replaced by a FIFO no one writes
-    refuses the reload once its text has not come for a couple of seconds (key path <file>), and
-    the gateway goes on serving and stops at SIGTERM. Before, the loop waited in the read for as
+    """A reload of one process: the config file replaced by a FIFO no one writes refuses the
+    reload once its text has not come for ``server.reload_read_timeout_s`` (here 0.5 s; key path
+    <file>), and the gateway goes on serving and stops at SIGTERM. Before, the loop waited in the read for as
     long as no one wrote, answering nothing, and only SIGKILL ended the gateway."""
     sim = await sims("vllm", "m")
     port = listen_port()
     path = tmp_path / "gw.yaml"
-    text = config_text(port, [sim.url], read_timeout_s=None)
+    text = config_text(port, [sim.url], read_timeout_s=0.5)
     path.write_text(text)
     held = HeldReads(path, tmp_path)
     async with gateway_process(path, port, "--workers", "1", "--log-format", "json") as proc:
@@ -1372,13 +1372,13 @@ async def test_an_admin_reload_the_stopped_parent_has_not_begun_is_answered_202_
 @pytest.mark.timeout(90)
 async def test_a_reload_whose_fifo_the_parent_waits_for_is_refused_after_a_bounded_time(sims, tmp_path):
     """The config file replaced by a FIFO no one writes, with --workers 2: the parent's read of a
-    reload is refused once no text has come for ``server.reload_read_timeout_s`` (2 s), logged with
+    reload is refused once no text has come for ``server.reload_read_timeout_s`` (here 0.5 s), logged with
     key path <file> by the parent and every worker and counted as invalid, the running config
     kept; the next reload of a plain file applies."""
     sim = await sims("vllm", "m")
     port = listen_port()
     path = tmp_path / "gw.yaml"
-    text = config_text(port, [sim.url], log_level="info", read_timeout_s=None)
+    text = config_text(port, [sim.url], log_level="info", read_timeout_s=0.5)
     path.write_text(text)
     held = HeldReads(path, tmp_path)
     async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:
@@ -1402,7 +1402,7 @@ async def test_a_reload_whose_fifo_the_parent_waits_for_is_refused_after_a_bound
     assert sorted(line["event"] for line in refused) == [
         "config reload refused, restarted workers keep the running config"] + \
         ["config reload refused; the running config is kept"] * 2, refused
-    assert all(line["key_path"] == "<file>" and "no text came in 2 s" in line["error"] for line in refused), refused
+    assert all(line["key_path"] == "<file>" and "no text came in 0.5 s" in line["error"] for line in refused), refused
     for text_ in page.values():
         assert metric(text_, "switchyard_config_reload_total", result="invalid") == 1
         assert metric(text_, "switchyard_config_generation") == 1

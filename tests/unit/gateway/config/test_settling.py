@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gateway.config.schema import ConfigError, Settling, read_within
+from gateway.config.schema import ConfigError, ReadStopped, Settling, read_within
 
 
 def test_a_file_left_alone_is_read_at_once_and_one_just_written_waits(tmp_path):
@@ -80,17 +80,25 @@ def test_a_read_that_does_not_return_is_given_up_and_the_next_refused_until_it_r
     hung.set()
     ended = threading.Event()
 
-    def polls(given_up) -> str:
+    def polls(given_up) -> str:     # as read_config_file's wait for a FIFO's text
         while not given_up():
             time.sleep(0.001)
         ended.set()
-        return "late"
+        raise ReadStopped("<file>", "not read: stopped", str(path))
 
     for t in [t for t in threading.enumerate() if t.name == "config-read"]:     # the hung one, returned now
         t.join(5)
     with pytest.raises(ConfigError, match="did not return"):
         read_within(polls, 0.05, path)
     assert ended.is_set()
+
+    def own_bound(given_up) -> str:     # one that ends once given up on with its own reason says it
+        while not given_up():
+            time.sleep(0.001)
+        raise ConfigError("<file>", "not read: no text came in 0.01 s", str(path))
+
+    with pytest.raises(ConfigError, match="no text came"):
+        read_within(own_bound, 0.05, path)
     assert read_within(lambda given_up: "text", 1.0, path) == "text"
     assert read_within(lambda given_up: "no limit", 0.0, path) == "no limit"
     with pytest.raises(ValueError, match="raised"):
