@@ -311,3 +311,47 @@ async def test_an_sdk_whose_pooled_connection_the_drain_closes_asks_again_on_a_n
         if drain is not None:
             drain.cancel()
             await asyncio.gather(drain, return_exceptions=True)
+
+
+def _chunked(body: bytes) -> bytes:
+    """A chat request whose body is chunked: aiohttp's request path, not the fast lane's."""
+    head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: gateway.test\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n")
+    return head.encode() + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+
+
+@pytest.mark.parametrize("path", ["lane", "aiohttp"])
+async def test_a_request_pipelined_behind_a_stream_under_way_at_the_drain_is_answered(sims, gateway, path):
+    """A stream whose head went out before the drain (kept alive: it could not say
+    ``Connection: close`` any more) ends with its connection; a request the client pipelined
+    behind it, whose bytes the gateway read, is answered first, with ``Connection: close``, not
+    dropped with the connection: the client, told nothing, could not know whether it was served,
+    nor ask again (RFC 9112 §9.3.1: a POST is not retried blindly)."""
+    sim = await sims("vllm", "m", itl_ms=25)
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    streamed = orjson.dumps({**BODY, "max_tokens": 40})
+    first = request("POST", "/v1/chat/completions", streamed) if path == "lane" else _chunked(streamed)
+    conn = await Conn.open(gw.port)
+    drain = None
+    try:
+        conn.writer.write(first)
+        conn.data = await conn.reader.readuntil(b"data: ")        # the stream is under way, kept alive
+        conn.writer.write(request("POST", "/v1/chat/completions", orjson.dumps({**BODY, "stream": False,
+                                                                                "max_tokens": 2})))
+        protocols = list(gw.runner.server._connections)
+        async with asyncio.timeout(10):     # the gateway read the pipelined request
+            while not any(p._e_pipelined for p in protocols):
+                await asyncio.sleep(0.005)
+        drain = asyncio.create_task(drain_and_stop(gw.runner, gw.runner.app, grace=60, delay=30))
+        stream = await conn.answer()
+        assert stream.status == 200 and stream.body.rstrip().endswith(b"data: [DONE]")
+        assert stream.headers.get("connection") != "close"
+        answer = await conn.answer()
+        assert answer.status == 200 and answer.headers.get("connection") == "close", answer.headers
+        assert answer.json()["choices"][0]["message"]["content"]
+        assert await conn.closed()
+    finally:
+        conn.close()
+        if drain is not None:
+            drain.cancel()
+            await asyncio.gather(drain, return_exceptions=True)
