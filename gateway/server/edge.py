@@ -54,7 +54,8 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   one, elsewhere once the load balancers caught up), and every other connection closes after the
   answer it is giving, or the first one of a connection accepted since: that answer says
   ``Connection: close`` when its head has not gone out yet (a stream under way ends with its
-  connection instead).
+  connection instead, or, when the client pipelined a request behind it that the edge read, after
+  that request's answer, which says ``Connection: close``: ``_e_drain_next``).
 - **CORS**, when ``server.cors_allowed_origins`` lists origins (gateway/server/cors.py): a browser's
   preflight to an API path is answered before the application (and written to the request log as
   a request of its own), and a request with an ``Origin``
@@ -834,7 +835,8 @@ class EdgeProtocol(web.RequestHandler):
 
     def _lane_done(self, keep: bool) -> None:
         self._e_request = None
-        if not keep or self.transport is None or self._force_close or self._close or self._edge.draining:
+        if not keep or self.transport is None or self._force_close or self._close \
+                or (self._edge.draining and not self._e_drain_next(keep, bool(self._lane_held))):
             self.force_close()
             return
         self._next_keepalive_close_time = self._e_loop.time() + self._keepalive_timeout
@@ -908,7 +910,8 @@ class EdgeProtocol(web.RequestHandler):
 
     async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
                               start_time: float | None) -> tuple[web.StreamResponse, bool]:
-        if self._edge.draining:         # the connection closes after this answer (``e_drain``)
+        # the connection closes after this answer (``e_drain``), or after the next one (``_e_drain_next``)
+        if self._edge.draining and not self._e_drain_next(resp.prepared and resp.keep_alive, bool(self._messages)):
             if isinstance(resp, web.StreamResponse):
                 resp.force_close()
             else:                       # a WrittenAnswer
@@ -926,6 +929,18 @@ class EdgeProtocol(web.RequestHandler):
             # a body still arriving keeps its clock (aiohttp reads and drops it after the answer)
             if self._e_phase != _BODY or payload is None or payload.is_eof():
                 self._e_after_request()
+
+    def _e_drain_next(self, kept_alive: bool, queued: bool) -> bool:
+        """During the drain, whether the connection stays open after an answer for the next request:
+        when the answer's head went out kept alive (``kept_alive``: it was under way when the drain
+        began) and bytes of a next request were read meanwhile (``queued``: a parsed one, or
+        ``_e_pipelined``). Its client was told nothing of a close, so that request gets its own
+        answer, with ``Connection: close`` (``e_request_started``, ``_lane_start``), rather than being
+        dropped with the connection: the client could not tell whether it was served, nor send a
+        POST again blindly (RFC 9112 §9.3.1). An answer that says ``Connection: close`` ends the
+        connection, and a request pipelined behind it is not read (RFC 9112 §9.6): its client knows
+        it was not served."""
+        return kept_alive and (queued or self._e_pipelined)
 
     def _e_half_close(self) -> None:
         """An answer that closes the connection while the request's body is still coming (a 413 to
