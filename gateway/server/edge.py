@@ -31,7 +31,7 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   through ``handle_error`` in plain text. ``EdgeProtocol.handle_error`` answers in OpenAI shape,
   Anthropic's for a request to a Messages path (aiohttp gives it no path for a request it could not
   parse: the edge keeps the first bytes of the head it reads, ``_e_line``, and reads the path from
-  them, its target in origin or absolute form), with ``request-id``, and with 431 for header fields that are too large or too many; the
+  them, its target in origin or absolute form), with ``request-id``, and with 431 for header fields that are too large or too many (414 for a request-target over the line limit, RFC 9112 §3); the
   answer to a head it could not parse goes out in HTTP/1.1 (aiohttp's stand-in request says 1.0).
   A request line whose method is a token the parser does not know (``FOO``) is RFC 9110 §9.1's 501,
   not a malformed request: the gateway implements no such method (the router's 404 and 405 for a
@@ -205,7 +205,7 @@ ACCEPT_ENCODING = ", ".join(DECODED_CODINGS)
 # content-encoding: brotli (br). Please install `Brotli`"
 _NO_DECODER = re.compile(r"content-encoding: [^()]* \(([a-z0-9-]+)\)")
 
-_REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large",
+_REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large", 414: "URI Too Long",
             431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable",
             504: "Gateway Timeout"}
 
@@ -1224,6 +1224,9 @@ class EdgeProtocol(web.RequestHandler):
                 # a token, but no method the parser knows: none the gateway implements
                 return self._e_not_implemented(request, m.group(1).decode("ascii"))
         status, text, code = edge.classify(status, exc, message)
+        if status == 431 and isinstance(exc, LineTooLong) and self._e_unparsed and self._e_long_target(exc):
+            status, code = 414, "uri_too_long"
+            text = f"the request-target is longer than {edge.limits.max_header_bytes} bytes (server.max_header_bytes)"
         edge.metrics.protocol_errors.labels(str(status)).inc()
         if status >= 500:
             self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
@@ -1245,6 +1248,19 @@ class EdgeProtocol(web.RequestHandler):
         else:
             self._e_logged(rid, given, request.method, path, status, text, request)
         return resp
+
+    def _e_long_target(self, exc: LineTooLong) -> bool:
+        """Whether the line the parser found too long is the request line's target (RFC 9112 §3: a
+        414, where a header field's is a 431): the request line does not end within the head's
+        kept first bytes (``_e_line``), and the line the parser quotes (its first 100 bytes) is the
+        start of the target there."""
+        line = self._e_line
+        quoted = exc.args[0] if exc.args else None
+        if b"\r\n" in line or not isinstance(quoted, bytes | bytearray) or not quoted.endswith(b"..."):
+            return False
+        space = line.find(b" ")
+        start = bytes(quoted[:-3])
+        return space > 0 and bool(start) and line.startswith(start, space + 1)
 
     def _e_not_implemented(self, request: web.BaseRequest, method: str) -> web.Response:
         """The 501 of a method the HTTP parser stopped at (it knows every method a route serves): the
