@@ -172,6 +172,12 @@ _CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})(?:[ \t]*;[ \t]*" + _EXT_TOKEN + 
 _CHUNK_PART = re.compile(rb"[0-9A-Fa-f]{0,15}(?:[ \t;][^\r\n]*)?\r?")
 _BROKEN = -2        # ``_chunked_end``: a line of the chunked framing that came whole does not parse
 
+# the bytes of a chunked body's framing (its size lines, their extensions, the CRLFs, its trailers)
+# taken beyond 8 per byte of its data (a chunk of one byte has 5: ``1``, two CRLFs): RFC 9112
+# §7.1.1's bound on chunk extensions, which the HTTP parser reads at any length (``_e_framing``)
+CHUNK_FRAMING_SLACK = 65536
+CHUNK_FRAMING_PER_BYTE = 8
+
 # CR and LF, the bytes of the empty lines a server ignores before a request line (RFC 9112 §2.2)
 _EMPTY_LINE = b"\r\n"
 

@@ -16,7 +16,7 @@ import logging
 import orjson
 import pytest
 
-from gateway.server.edge import EdgeProtocol
+from gateway.server.edge import CHUNK_FRAMING_SLACK, EdgeProtocol
 from tests.support.edge import assert_openai_error, edge_gateway, exchange, parse_responses, request
 from tests.support.loops import on_both_loops
 from tests.support.waiting import wait_for
@@ -730,3 +730,39 @@ async def test_empty_lines_before_a_head_the_parser_refuses_lend_nothing_to_its_
             assert [r.status for r in ex.responses][-1] == 501, (parts, _answers(ex))
         ex = await exchange(gw.port, b"\r\n" + BROKEN_ON_MESSAGES, wait=8.0)
         assert ex.first.status == 400 and ex.first.json()["type"] == "error", ex.first.body
+
+
+@on_both_loops
+async def test_a_chunked_body_whose_framing_outgrows_its_data_is_refused_and_one_in_small_chunks_is_served():
+    """RFC 9112 §7.1.1: a server ought to limit the length of the chunk extensions it takes. The
+    HTTP parser reads a chunk's size line of any length, so a client could send gigabytes of one
+    (no byte of data: no body limit applies) for as long as the body clocks allow. Framing beyond
+    ``CHUNK_FRAMING_SLACK`` plus 8 bytes per byte of data is a 400; a body sent a byte per chunk
+    (5 bytes of framing each) is served."""
+    async with edge_gateway(**SERVER) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        try:
+            writer.write(H + b"Transfer-Encoding: chunked\r\n\r\n")
+            await writer.drain()
+            async with asyncio.timeout(8):      # the handler reads the body: the rest comes as its bytes
+                while not any(p._e_phase == 3 for p in gw.runner.server._connections):
+                    await asyncio.sleep(0.005)
+            # a size line that never ends, cut as its last byte passes the bound (nothing is left
+            # unread when the connection closes, so no reset can destroy the answer)
+            line = b"10;a=" + b"b" * (CHUNK_FRAMING_SLACK + 1 - 5)
+            writer.write(line)
+            await writer.drain()
+            async with asyncio.timeout(8):
+                data = b""
+                while chunk := await reader.read(65536):
+                    data += chunk
+            got, _ = parse_responses(data, eof=True)
+            err = assert_openai_error(got[0], 400)
+            assert err["code"] == "bad_body" and "chunked framing" in err["message"], err
+        finally:
+            writer.close()
+        small = b"".join(b"1\r\n" + BODY[i:i + 1] + b"\r\n" for i in range(len(BODY))) + b"0\r\n\r\n"
+        ex = await exchange(gw.port, H + b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n", small)
+        assert ex.first.status == 200, ex.first.body
+        got = await gw.received()
+        assert len(got) == 1 and got[0]["json_object"], got
