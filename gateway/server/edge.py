@@ -37,6 +37,9 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   not a malformed request: the gateway implements no such method (the router's 404 and 405 for a
   method the parser knows, ``PROPFIND``, are made a 501 too, gateway/server/app.py); the connection
   closes, the rest of the request's framing being unknown.
+- **Chunked framing.** A chunked body's framing (its size lines with their extensions, CRLFs,
+  trailers) is bounded by its data (``_e_framing``): the parser reads a size line at any length,
+  which no body limit counts (RFC 9112 §7.1.1 asks a server to bound chunk extensions).
 - **Answers that close before the body came.** A refusal at the head that closes the connection
   (a 413 to a told length, a version, a coding) shuts the connection's write side right after the
   answer, so the client reads its end at once; aiohttp's read-and-drop of what the client still
@@ -403,6 +406,13 @@ def _chunked_end(data: bytes, pos: int) -> int:
             return _BROKEN
 
 
+def _chunked_body(request: web.BaseRequest) -> bool:
+    """Whether ``request``'s body is in the chunked transfer coding (the parser takes it only as
+    the last coding, and the edge refuses any other before it)."""
+    coding = request.headers.get(hdrs.TRANSFER_ENCODING)
+    return coding is not None and coding.rsplit(",", 1)[-1].strip().lower() == "chunked"
+
+
 def _error_type(status: int) -> str | None:
     """Errors the edge answers are the client's doing below 500: ``invalid_request_error``."""
     return "invalid_request_error" if status < 500 else None
@@ -449,7 +459,7 @@ class EdgeProtocol(web.RequestHandler):
 
     __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_timer_at", "_e_stall", "_e_taken", "_e_rx_head",
                  "_e_pipelined", "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
-                 "_e_read_paused", "_e_loop", "_e_line", "_e_heads", "_e_unparsed", "_e_head_at", "_lane", "_lane_held", "_lane_server",
+                 "_e_read_paused", "_e_framed", "_e_framed_from", "_e_loop", "_e_line", "_e_heads", "_e_unparsed", "_e_head_at", "_lane", "_lane_held", "_lane_server",
                  "_lane_part", "_lane_task", "_lane_next", "_lane_wake", "_lane_parse", "_lane_request")
 
     def __init__(self, manager: web.Server, *, edge: Edge, loop: asyncio.AbstractEventLoop, **kwargs: Any) -> None:
@@ -472,6 +482,8 @@ class EdgeProtocol(web.RequestHandler):
         self._e_body_end = 0.0
         self._e_counted = False
         self._e_read_paused = False     # the handler is not consuming the body: the silence is ours
+        self._e_framed = 0              # bytes of a chunked body read since its handler started (``_e_framing``)
+        self._e_framed_from = -1        # its data's bytes then (-1: no chunked body is being read)
         self._e_line = b""              # the first bytes of the head aiohttp is parsing (``_LINE_KEEP``)
         self._e_heads: dict[int, bytes] | None = None   # those of heads fed behind a request in one read (``_e_feed``)
         self._e_unparsed = False        # the request started last is aiohttp's for a head it could not parse
@@ -593,6 +605,10 @@ class EdgeProtocol(web.RequestHandler):
                 self._e_broken_body(f"malformed request body: {_cause_text(broken)}")
             elif payload.is_eof():
                 self._e_body_done()
+            elif self._e_framed_from >= 0 and self._e_framing(len(data), payload):
+                self._e_broken_body(f"malformed request body: its chunked framing (chunk sizes, extensions, trailers) "
+                                    f"passed {CHUNK_FRAMING_PER_BYTE} bytes per byte of data by more than "
+                                    f"{CHUNK_FRAMING_SLACK} bytes")
             return
         if phase == _BUSY:
             if not self._e_pipelined and not data.strip(b"\r\n"):
@@ -907,6 +923,8 @@ class EdgeProtocol(web.RequestHandler):
         # (were the connection taken for idle once the answer is out, the lane would read them as a
         # next request while aiohttp's parser reads them as the body it discards)
         self._e_phase = _BODY
+        chunked = _chunked_body(request)
+        self._e_framed, self._e_framed_from = 0, payload.total_bytes if chunked else -1
         lim = self._edge.limits
         now = self._e_last_rx = self._e_loop.time()
         self._e_body_end = now + lim.body_total_timeout_s if lim.body_total_timeout_s else float("inf")
@@ -947,6 +965,17 @@ class EdgeProtocol(web.RequestHandler):
         connection, and a request pipelined behind it is not read (RFC 9112 §9.6): its client knows
         it was not served."""
         return kept_alive and (queued or self._e_pipelined)
+
+    def _e_framing(self, n: int, payload: Any) -> bool:
+        """Whether the chunked body being read, ``n`` more of its bytes read, has more framing than
+        RFC 9112 §7.1.1 lets a server take: the bytes read since its handler started, less the data
+        they carried (the body's bytes as the parser gives them: decoded, with a content coding,
+        so a compressed body only looks leaner), past ``CHUNK_FRAMING_PER_BYTE`` per byte of data
+        and ``CHUNK_FRAMING_SLACK``. The parser reads a chunk's size line, its extensions, at any
+        length, and no body limit counts them."""
+        self._e_framed += n
+        data = payload.total_bytes - self._e_framed_from
+        return self._e_framed - data > CHUNK_FRAMING_SLACK + CHUNK_FRAMING_PER_BYTE * data
 
     def _e_half_close(self) -> None:
         """An answer that closes the connection while the request's body is still coming (a 413 to
