@@ -383,3 +383,29 @@ async def test_a_request_whose_body_comes_after_its_head_counts_its_duration_fro
             line = next(x for x in lines if x["request_id"] == rid)
             assert line["status"] == 200
             assert line["duration_ms"] >= (sent - held_from) * 1000, (framing, line["duration_ms"], sent - held_from)
+
+
+async def test_a_client_leaving_while_its_body_comes_is_logged_and_counted_on_the_lane_as_off_it(sims, gateway):
+    """A client that leaves before its whole body came (its head whole, as httpx writes it apart)
+    gets the line and counts of a client's cancel, a 499 ``client_cancel`` and
+    ``switchyard_client_cancels_total``, whether the lane held the request for its body or
+    aiohttp's path read it (a chunked one)."""
+    from gateway.server.app import GATEWAY_KEY
+
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    body = {"model": "m", "messages": CHAT, "max_tokens": 2}
+    edge = gw.runner.server
+    with gw.runner.app[GATEWAY_KEY].request_log.capture() as lines:
+        for rid, framing in (("left-lane", "length"), ("left-aiohttp", "chunked")):
+            raw = _req(body, rid=rid, framing=framing)
+            reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+            writer.write(raw[:raw.index(b"\r\n\r\n") + 12])
+            await writer.drain()
+            assert await wait_for(lambda: any(p._request_in_progress for p in edge._connections), timeout=5)
+            writer.close()
+            assert await wait_for(lambda rid=rid: any(x["request_id"] == rid for x in lines), timeout=5), rid
+    mine = {x["request_id"]: x for x in lines}
+    for rid in ("left-lane", "left-aiohttp"):
+        assert (mine[rid]["status"], mine[rid]["error_class"]) == (499, "client_cancel"), mine[rid]
+    assert 'switchyard_client_cancels_total{model="-",stage="before_headers"} 2.0' in await gw.metrics_text()
