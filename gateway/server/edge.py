@@ -316,6 +316,9 @@ def error_response_bytes(status: int, message: str, *, code: str, request_id: st
     return head.encode("ascii") + body
 
 
+# the handlers of held lane requests whose client left (``EdgeProtocol._lane_left``), referenced until done
+_LEFT: set[asyncio.Task] = set()
+
 # a worker that keeps refusing connections at its cap says so at most once in this many seconds
 REFUSED_LOG_EVERY_S = 60.0
 
@@ -527,7 +530,8 @@ class EdgeProtocol(web.RequestHandler):
         self._edge.connections -= 1
         self._e_cancel_timers()
         self._e_request = self._e_payload = None
-        if self._lane_part is not None:
+        left = self._lane_part
+        if left is not None:
             self._lane_part = None
             self._lane_released()
         self._lane = self._lane_next = None
@@ -536,6 +540,23 @@ class EdgeProtocol(web.RequestHandler):
         if task is not None and not task.done():
             task.cancel()               # the client went away: as aiohttp cancels its handler
         super().connection_lost(exc)
+        if left is not None:
+            self._lane_left(left)
+
+    def _lane_left(self, pending: lane.Pending) -> None:
+        """The client of a request the lane held for its body left (``connection_lost``): its
+        handler runs on a body whose read is the client's cancel (``lane.LeftBody``), as aiohttp's
+        handler reading a body is cancelled, so the request has the line and the counts of a client
+        that left (a 499 ``client_cancel``), timed from its head."""
+        server = self._lane_server
+        if server is None:
+            return
+        request = self._lane_request(pending.path, pending.headers, b"", False, self, pending.head_read)
+        request.content = lane.LeftBody()
+        request.content_length = pending.need - pending.start
+        task = request.task = self._e_loop.create_task(server.direct[pending.path](request))
+        _LEFT.add(task)
+        task.add_done_callback(_LEFT.discard)
 
     def data_received(self, data: bytes) -> None:
         phase = self._e_phase

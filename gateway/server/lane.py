@@ -34,7 +34,9 @@ read that holds a whole request and bytes after it (pipelined requests, or a req
 is one of those: the first runs on the lane, the rest is held (``Split``). aiohttp's parser, given
 such a read, drops the requests it parsed when a later part fails, so a request followed by junk
 would get no answer; this way it gets its answer, and the junk its 400.
-A client that disconnects cancels the lane's task as it cancels aiohttp's handler.
+A client that disconnects cancels the lane's task as it cancels aiohttp's handler; one that leaves
+while its request is held for the body has the request's handler run on a body whose read is its
+cancel (``LeftBody``), so its line and counts are those of a client leaving on aiohttp's path.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ class LaneRequest(dict):
         return None if peer is None else str(peer)
 
     async def read(self) -> bytes:
-        return self.content.read_nowait()
+        return self.content.read_nowait()       # (``LeftBody``: raises the client's cancel)
 
     def __hash__(self) -> int:          # keyed by identity, as aiohttp's requests are
         return id(self)
@@ -199,6 +201,26 @@ class Pending:
 
 
 Parsed = tuple[str, CIMultiDictProxy[str], bytes, bool]
+
+
+class LeftBody:
+    """The body of a held request (``Pending``) whose client left before it came whole: its read
+    is the client's cancel, as the read of a body on aiohttp's path is cancelled when its client
+    leaves, so the handler writes the line and counts of a client's cancel (a 499)."""
+
+    __slots__ = ()
+
+    def is_eof(self) -> bool:
+        return False
+
+    def read_nowait(self, n: int = -1) -> bytes:
+        raise asyncio.CancelledError
+
+    def exception(self) -> None:
+        return None
+
+    def feed_eof(self) -> None:
+        return None
 
 
 class Split:
