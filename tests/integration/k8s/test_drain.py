@@ -320,38 +320,102 @@ def _chunked(body: bytes) -> bytes:
     return head.encode() + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
 
 
+async def _held_engine(go: asyncio.Event, asked: list[str]):
+    """An engine whose stream sends one event, then waits for ``go`` before it ends; a request
+    not streamed is answered at once."""
+    async def chat(request: web.Request) -> web.StreamResponse:
+        asked.append(request.headers.get("x-request-id", ""))
+        if (await request.json()).get("stream"):
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            await out.write(TOKEN_EVENT)
+            await go.wait()
+            await out.write(b"data: [DONE]\n\n")
+            return out
+        return web.json_response({"id": "c1", "object": "chat.completion", "created": 1, "model": "m",
+                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "wagon"},
+                                               "finish_reason": "stop"}]})
+    return fake_engine(chat)
+
+
 @pytest.mark.parametrize("path", ["lane", "aiohttp"])
-async def test_a_request_pipelined_behind_a_stream_under_way_at_the_drain_is_answered(sims, gateway, path):
+async def test_a_request_pipelined_behind_a_stream_under_way_at_the_drain_is_answered(gateway, path):
     """A stream whose head went out before the drain (kept alive: it could not say
     ``Connection: close`` any more) ends with its connection; a request the client pipelined
     behind it, whose bytes the gateway read, is answered first, with ``Connection: close``, not
     dropped with the connection: the client, told nothing, could not know whether it was served,
     nor ask again (RFC 9112 §9.3.1: a POST is not retried blindly)."""
-    sim = await sims("vllm", "m", itl_ms=25)
-    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    go, asked = asyncio.Event(), []
     streamed = orjson.dumps({**BODY, "max_tokens": 40})
     first = request("POST", "/v1/chat/completions", streamed) if path == "lane" else _chunked(streamed)
-    conn = await Conn.open(gw.port)
-    drain = None
-    try:
-        conn.writer.write(first)
-        conn.data = await conn.reader.readuntil(b"data: ")        # the stream is under way, kept alive
-        conn.writer.write(request("POST", "/v1/chat/completions", orjson.dumps({**BODY, "stream": False,
-                                                                                "max_tokens": 2})))
-        protocols = list(gw.runner.server._connections)
-        async with asyncio.timeout(10):     # the gateway read the pipelined request
-            while not any(p._e_pipelined for p in protocols):
-                await asyncio.sleep(0.005)
-        drain = asyncio.create_task(drain_and_stop(gw.runner, gw.runner.app, grace=60, delay=30))
-        stream = await conn.answer()
-        assert stream.status == 200 and stream.body.rstrip().endswith(b"data: [DONE]")
-        assert stream.headers.get("connection") != "close"
-        answer = await conn.answer()
-        assert answer.status == 200 and answer.headers.get("connection") == "close", answer.headers
-        assert answer.json()["choices"][0]["message"]["content"]
-        assert await conn.closed()
-    finally:
-        conn.close()
-        if drain is not None:
-            drain.cancel()
-            await asyncio.gather(drain, return_exceptions=True)
+    async with await _held_engine(go, asked) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        conn = await Conn.open(gw.port)
+        drain = None
+        try:
+            conn.writer.write(first)
+            conn.data = await conn.reader.readuntil(b"data: ")        # the stream is under way, kept alive
+            conn.writer.write(request("POST", "/v1/chat/completions",
+                                      orjson.dumps({**BODY, "stream": False, "max_tokens": 2})))
+            async with asyncio.timeout(10):     # the gateway read the pipelined request
+                while not any(p._e_pipelined for p in gw.runner.server._connections):
+                    await asyncio.sleep(0.005)
+            drain = asyncio.create_task(drain_and_stop(gw.runner, gw.runner.app, grace=60, delay=30))
+            await asyncio.sleep(0)
+            go.set()
+            stream = await conn.answer()
+            assert stream.status == 200 and stream.body.rstrip().endswith(b"data: [DONE]")
+            assert stream.headers.get("connection") != "close"
+            answer = await conn.answer()
+            assert answer.status == 200 and answer.headers.get("connection") == "close", answer.headers
+            assert answer.json()["choices"][0]["message"]["content"] == "wagon"
+            assert await conn.closed()
+            assert len(asked) == 2
+        finally:
+            go.set()
+            conn.close()
+            if drain is not None:
+                drain.cancel()
+                await asyncio.gather(drain, return_exceptions=True)
+
+
+async def test_a_request_pipelined_behind_an_answer_that_says_close_is_not_read(gateway):
+    """An answer whose head goes out after the drain began says ``Connection: close``; a request
+    the client pipelined behind it is not served (RFC 9112 §9.6: its client knows from the close
+    that it was not, and sends it again), and the connection ends cleanly behind the answer (no
+    reset that could destroy it before the client read it)."""
+    asked: list[str] = []
+    go = asyncio.Event()
+
+    async def chat(request: web.Request) -> web.Response:
+        asked.append(request.headers.get("x-request-id", ""))
+        await go.wait()             # held until the drain began
+        return web.json_response({"id": "c1", "object": "chat.completion", "created": 1, "model": "m",
+                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "wagon"},
+                                               "finish_reason": "stop"}]})
+
+    whole = {**BODY, "stream": False, "max_tokens": 2}
+    async with fake_engine(chat) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        conn = await Conn.open(gw.port)
+        drain = None
+        try:
+            conn.writer.write(request("POST", "/v1/chat/completions", orjson.dumps(whole), {"x-request-id": "one"})
+                              + request("POST", "/v1/chat/completions", orjson.dumps(whole), {"x-request-id": "two"}))
+            async with asyncio.timeout(10):     # the first is with the engine, the second read behind it
+                while not asked or not any(p._e_pipelined for p in gw.runner.server._connections):
+                    await asyncio.sleep(0.005)
+            drain = asyncio.create_task(drain_and_stop(gw.runner, gw.runner.app, grace=60, delay=30))
+            await asyncio.sleep(0)
+            go.set()
+            answer = await conn.answer()
+            assert answer.status == 200 and answer.headers.get("connection") == "close", answer.headers
+            assert answer.headers["request-id"] == "one"
+            assert await conn.closed()
+            assert asked == ["one"]
+        finally:
+            go.set()
+            conn.close()
+            if drain is not None:
+                drain.cancel()
+                await asyncio.gather(drain, return_exceptions=True)
