@@ -44,6 +44,22 @@ async def test_admin_needs_its_own_token(gw):
         assert r.status == 401 and r.headers["WWW-Authenticate"] == "Bearer"
 
 
+async def test_every_admin_answer_is_kept_by_no_cache_and_not_sniffed(gw):
+    """The answer to POST /admin/keys shows the key once; no admin answer (a key, the users and
+    their usage, a refusal) may be kept by a browser's or a proxy's cache, nor read as another type."""
+    asks = [("POST", "/admin/keys", {"user": "dora"}, TOKEN, 201), ("GET", "/admin/keys", None, TOKEN, 200),
+            ("GET", "/admin/users/alice", None, TOKEN, 200), ("POST", "/admin/users", [], TOKEN, 400),
+            ("GET", "/admin/keys/nope", None, TOKEN, 404), ("GET", "/admin/reload", None, TOKEN, 405),
+            ("POST", "/admin/reload", None, TOKEN, 409), ("GET", "/admin/users", None, "wrong", 401)]
+    async with aiohttp.ClientSession() as s:
+        for method, path, body, token, status in asks:
+            async with s.request(method, gw.url + path, json=body, headers={"Authorization": f"Bearer {token}"}) as r:
+                assert r.status == status, (method, path, await r.text())
+                assert r.content_type == "application/json" and r.charset in (None, "utf-8"), (method, path)
+                assert r.headers.get("Cache-Control") == "no-store", (method, path, dict(r.headers))
+                assert r.headers.get("X-Content-Type-Options") == "nosniff", (method, path, dict(r.headers))
+
+
 async def test_no_admin_token_no_admin_api(sims, gateway):
     sim = await sims("vllm", "m")
     g = await gateway([model_block("m", "vllm", [sim.url])], auth={"api_keys": [{"key": ALICE, "user": "a"}]})
