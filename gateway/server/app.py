@@ -196,18 +196,26 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_l
     return answer
 
 
+# on every /admin/* answer: kept by no browser's or proxy's cache, and never read as another type
+ADMIN_HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
+
+
 async def _identified(request: web.Request, response: web.StreamResponse) -> None:
     """``request-id`` and ``x-request-id`` on every answer the application makes (the models list,
     /health, /ready, the status page, the Files and Batches API, their errors), as the pipeline
     puts them on its own: the client's ``x-request-id`` when it is sane, else a fresh id. An
     aiohttp signal, sent before the head is written; the inference paths the edge hands to their
-    handler directly have no route, so their answers (which carry both already) never pay for it."""
+    handler directly have no route, so their answers (which carry both already) never pay for it.
+    An answer of the admin API (``/admin/*``, its errors included) gets ``ADMIN_HEADERS``: it may
+    hold a key shown once, the users and their usage, and no cache may keep it."""
     headers = response.headers
     rid = headers.get("request-id")
     if rid is None:
         rid = headers["request-id"] = request_id_from(given_request_id(request.headers))
     if "x-request-id" not in headers:
         headers["x-request-id"] = rid
+    if request.path.startswith("/admin/"):
+        headers.update(ADMIN_HEADERS)
 
 
 def _error_middleware(answer):
