@@ -120,6 +120,7 @@ async def test_users_crud(gw):
     ("POST", "/admin/keys", {"user": "u", "key": "sk-\u00e9\u00e9\u00e9-0123456789"}, "key"),
     ("POST", "/admin/keys", {"user": "u", "key": "sk-" + "k" * 1022}, "key"),
     ("POST", "/admin/keys", {"user": "u", "expires": 1}, "expires"),
+    ("POST", "/admin/keys", {"user": "u", "key": TOKEN}, "key"),      # an API key is not the admin token
 ])
 async def test_bad_admin_input_is_a_400_naming_the_field(gw, method, path, body, param):
     status, err = await Admin(gw)(method, path, body)

@@ -1,5 +1,7 @@
 """Config loading: typed objects, defaults, and errors that name the key and the file."""
 
+import hashlib
+
 import pytest
 
 from gateway.config.schema import ConfigError, load_config, parse_config
@@ -210,6 +212,27 @@ def test_a_client_key_or_admin_token_no_request_can_present_names_its_key_and_do
         parse_config(GOOD + text + "\n", source="conf.yaml")
     assert ei.value.key_path == key, str(ei.value)
     assert "secret" not in str(ei.value)
+
+
+SHARED_SHA256 = hashlib.sha256(b"sk-shared-secret-1").hexdigest()
+
+
+@pytest.mark.parametrize("text,key", [
+    ('auth: {admin_token: sk-shared-secret-1, api_keys: [{key: sk-shared-secret-1, user: a}]}', "auth.api_keys[0].key"),
+    ("auth: {admin_token: sk-shared-secret-1, api_keys: [{key: sk-ok-1, user: a}, "
+     f'{{key_sha256: "{SHARED_SHA256}", user: b}}]}}', "auth.api_keys[1].key"),
+    ("auth: {admin_token_env: SY_TEST_ADMIN_TOKEN, api_keys: [{key: sk-shared-secret-1, user: a}]}",
+     "auth.api_keys[0].key"),
+])
+def test_a_client_key_that_is_the_admin_token_is_refused_and_not_shown(monkeypatch, text, key):
+    """An API key is not an admin token (docs/tenancy.md): a client key that is the admin token too
+    would open /admin/* and /status.json to every client holding it. Refused with the config, as a
+    key given twice is, naming the key and showing neither."""
+    monkeypatch.setenv("SY_TEST_ADMIN_TOKEN", "sk-shared-secret-1")
+    with pytest.raises(ConfigError) as ei:
+        parse_config(GOOD + text + "\n", source="conf.yaml")
+    assert ei.value.key_path == key, str(ei.value)
+    assert "secret" not in str(ei.value) and "admin token" in str(ei.value)
 
 
 def test_a_client_key_with_a_space_inside_is_one_a_request_can_present():
