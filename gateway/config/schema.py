@@ -380,7 +380,7 @@ class AuthConfig(Block):
     _secret = ("admin_token",)
     api_keys: Annotated[tuple[ApiKey, ...], Meta(description="Accepted client API keys (Authorization: Bearer ...); empty: no gateway authentication unless enabled is true.")] = ()
     enabled: Annotated[bool | None, Meta(description="Require an API key on every request; null: on when api_keys is not empty.")] = None
-    admin_token: Annotated[Name | None, Meta(description="Bearer token of the admin API (/admin/*); null: the admin API is off. No whitespace at its ends, line break or NUL, which no request could present (nor in the value of admin_token_env).")] = None
+    admin_token: Annotated[Name | None, Meta(description="Bearer token of the admin API (/admin/*); null: the admin API is off. No whitespace at its ends, line break or NUL, which no request could present (nor in the value of admin_token_env); not the key of any of api_keys, since an API key is not an admin token.")] = None
     admin_token_env: Annotated[Name | None, Meta(description="Name of an environment variable holding admin_token (instead of admin_token).")] = None
     forward_authorization: Annotated[bool, Meta(description="With authentication on, also pass the client's Authorization header on to the engines (by default they never see the client's key).")] = False
 
@@ -390,8 +390,13 @@ class AuthConfig(Block):
             where = (f"admin_token_env: the value of {self.admin_token_env}" if self.admin_token_env is not None
                      else "admin_token: the token")
             raise ValueError(f"{where} {_UNPRESENTABLE}")
+        admin = hashlib.sha256(self.admin_token.encode()).hexdigest() if self.admin_token is not None else None
         seen: dict[str, int] = {}
         for i, k in enumerate(self.api_keys):
+            if k.key_sha256 == admin:
+                # every client holding the key could read and change users and keys, and read /status.json
+                raise ValueError(f"api_keys[{i}].key: the same as the admin token; an API key is not an admin "
+                                 "token, give them different values")
             if k.key_sha256 in seen:
                 raise ValueError(f"api_keys[{i}].key: same key as auth.api_keys[{seen[k.key_sha256]}]")
             seen[k.key_sha256] = i

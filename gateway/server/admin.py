@@ -25,6 +25,7 @@ A key's ``user`` is any valid name: a user needs no record (as a config key's us
 
 from __future__ import annotations
 
+import hmac
 import re
 from typing import Any
 
@@ -291,6 +292,9 @@ class AdminAPI:
             raise _bad(f"'key' must be {MIN_KEY_LENGTH} to {MAX_KEY_LENGTH} visible ASCII characters, no space or "
                        "control character, as a client can send it in a header (omit it to have one generated)", "key")
         digest = key_digest(plain)
+        admin = self.t.admin_digest
+        if admin is not None and hmac.compare_digest(digest, admin):
+            raise _bad("'key' must not be the admin token: an API key is not an admin token", "key")
         if self.dir.key(digest) is not None:
             raise _conflict("this key already exists")
         rec = KeyRecord(digest=digest, user=user, name=name, created=now())
