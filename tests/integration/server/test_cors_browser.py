@@ -39,6 +39,15 @@ async function ask(base, key, stream) {
     return {failed: e.name + ": " + e.message};
   }
 }
+// what any page may do without a preflight: a plain GET, its answer read if CORS allows it
+async function read(url) {
+  try {
+    const r = await fetch(url);
+    return {status: r.status, text: await r.text()};
+  } catch (e) {
+    return {failed: e.name + ": " + e.message};
+  }
+}
 </script>
 </body></html>"""
 
@@ -136,3 +145,20 @@ async def test_a_page_is_refused_the_answer_with_cors_off(sims, gateway, page):
         await page.navigate(origin + "/")
         got = await _ask(page, gw, stream=False)
         assert got == {"failed": "TypeError: Failed to fetch"}, got
+
+
+async def test_a_page_on_a_listed_origin_reads_the_api_and_not_the_gateways_own_pages(sims, gateway, page):
+    """CORS lets pages call the API; /status.json (open without auth: internal addresses, users,
+    request ids), /metrics (open with auth too), /status, /health and /ready are not the API, and a
+    preflight to them is refused. A plain GET needs no preflight: its answer must not carry
+    Access-Control-Allow-Origin either, or the page reads what the browser would otherwise keep
+    from it."""
+    async with playground() as origin:
+        sim = await sims("vllm", "m")
+        gw = await gateway([model_block("m", "vllm", [sim.url])], server={"cors_allowed_origins": [origin]})
+        await page.navigate(origin + "/")
+        got = await page.evaluate(f"read({json.dumps(gw.url + '/v1/models')})")
+        assert got.get("status") == 200 and json.loads(got["text"])["data"][0]["id"] == "m", got
+        for path in ("/status.json", "/metrics", "/status", "/health", "/ready"):
+            got = await page.evaluate(f"read({json.dumps(gw.url + path)})")
+            assert got == {"failed": "TypeError: Failed to fetch"}, (path, got)
