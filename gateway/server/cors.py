@@ -17,10 +17,13 @@ Off (the list empty, the default), nothing here runs: no request pays for it. On
   the request classes it knows), so every answer to it, a stream's and every error's included, goes
   through aiohttp's response objects, whose ``prepare`` calls the request's ``_prepare_hook``. There
   the allowed origin, the response headers a page may read (``EXPOSED``) and ``Vary: Origin`` are
-  added. The fast lane leaves a request with an ``Origin`` to aiohttp (``lane.parse``'s ``decline``).
+  added, to the answers of the API's paths (``is_api_path``); an answer of another path (a plain
+  ``GET /status.json`` or ``/metrics`` needs no preflight) gets ``Vary: Origin`` alone, so the
+  browser keeps it from the page. The fast lane leaves a request with an ``Origin`` to aiohttp (``lane.parse``'s ``decline``).
   The few answers the edge writes to the socket itself, with no response object (a 408 of a body
   that stopped coming, the 400 of a body whose framing breaks), get the same headers
-  (``head_lines``) when the request's head was read; a head that never came whole, or did not
+  (``head_lines``) when the request's head was read (``Vary: Origin`` alone for a path outside
+  the API); a head that never came whole, or did not
   parse, names no Origin, and its answer has none of them.
 - A request without an ``Origin`` (any client that is not a browser) is served as with CORS off,
   its answers with ``Vary: Origin`` added, so that a shared cache does not hand one of them, made
@@ -45,7 +48,7 @@ its API keys from the ``Authorization`` or ``x-api-key`` header, which a page se
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from typing import Any, ClassVar
 
 from aiohttp import hdrs, web
@@ -102,9 +105,17 @@ def allowed_headers(policy: CorsPolicy, origin: str | None) -> tuple[tuple[str, 
     return (hdrs.ACCESS_CONTROL_ALLOW_ORIGIN, allowed), (hdrs.ACCESS_CONTROL_EXPOSE_HEADERS, EXPOSED)
 
 
-def outcome(policy: CorsPolicy, origin: str | None) -> str:
-    """A request's outcome that is no preflight: ``allowed`` when its origin is, else ``refused``."""
-    return "refused" if policy.allow_origin(origin) is None else "allowed"
+def outcome(policy: CorsPolicy, origin: str | None, api: bool = True) -> str:
+    """A request's outcome that is no preflight: ``allowed`` when its origin is and its path is the
+    API's (``api``), else ``refused``."""
+    return "refused" if not api or policy.allow_origin(origin) is None else "allowed"
+
+
+def is_api_path(path: str, api: Container[str]) -> bool:
+    """Whether CORS lets a page call ``path``: ``/v1/...`` or an inference path (``api``: the paths
+    the edge hands to their handler). The gateway's own pages (``/status``, ``/status.json``,
+    ``/metrics``, ``/health``, ``/ready``), ``/admin/*`` and unknown paths are not."""
+    return path.startswith("/v1/") or path in api
 
 
 def head_lines(policy: CorsPolicy, origin: str | None) -> str:
@@ -130,21 +141,26 @@ class CorsRequest(web.Request):
     aiohttp prepares it. A subclass per policy (``request_class``) holds the policy."""
 
     policy: ClassVar[CorsPolicy]
+    api: ClassVar[frozenset[str]]
 
     @property
     def log_fields(self) -> dict[str, str]:
         """Fields of its request log line (``RequestContext.start`` reads them, and the line of an
         unknown path's or a method's refusal): ``cors``, the outcome; a preflight that gets here,
-        to a path outside the API (the edge answers the API's), is ``preflight_refused``."""
+        to a path outside the API (the edge answers the API's), is ``preflight_refused``, and
+        another request to such a path ``refused``."""
         if is_preflight(self):
             return {"cors": "preflight_refused"}
-        return {"cors": outcome(self.policy, self.headers.get(hdrs.ORIGIN))}
+        return {"cors": outcome(self.policy, self.headers.get(hdrs.ORIGIN), is_api_path(self.path, self.api))}
 
     async def _prepare_hook(self, response: web.StreamResponse) -> None:
         headers = response.headers
         # a preflight's answer has its own; one to a path outside the API (the edge answers the API's)
-        # gets that path's 404 or 405 without them: the browser keeps the page from calling it
-        if hdrs.ACCESS_CONTROL_ALLOW_ORIGIN not in headers and not is_preflight(self):
+        # gets that path's 404 or 405 without them: the browser keeps the page from calling it. So
+        # does any other answer of a path outside the API (a plain GET of /status.json or /metrics
+        # needs no preflight): the browser keeps it from the page
+        if (hdrs.ACCESS_CONTROL_ALLOW_ORIGIN not in headers and not is_preflight(self)
+                and is_api_path(self.path, self.api)):
             headers.update(allowed_headers(self.policy, self.headers.get(hdrs.ORIGIN)))
         add_vary(headers)
         await super()._prepare_hook(response)
@@ -162,8 +178,9 @@ class VaryRequest(web.Request):
 whole.writes_for(VaryRequest, b"Vary: Origin\r\n")
 
 
-def request_class(policy: CorsPolicy) -> type[CorsRequest]:
-    return type("CorsRequest", (CorsRequest,), {"policy": policy})
+def request_class(policy: CorsPolicy, api: Iterable[str] = ()) -> type[CorsRequest]:
+    """The request class for ``policy``; ``api``: the inference paths besides ``/v1/...`` (``is_api_path``)."""
+    return type("CorsRequest", (CorsRequest,), {"policy": policy, "api": frozenset(api)})
 
 
 def is_preflight(request: web.BaseRequest) -> bool:

@@ -127,6 +127,7 @@ from gateway.server.cors import (
     CorsRequest,
     VaryRequest,
     head_lines,
+    is_api_path,
     is_preflight,
     outcome,
     preflight,
@@ -343,6 +344,8 @@ class Edge:
         self.draining = False
         # gateway/server/cors.py; None: CORS off
         self.cors = CorsPolicy(limits.cors_allowed_origins) if limits.cors_allowed_origins else None
+        # the inference paths besides /v1/... that CORS lets a page call (``is_api_path``): the server's
+        self.cors_api: frozenset[str] = frozenset()
         # with CORS on, ``switchyard_cors_requests_total`` by outcome (the gateway's metric, or one of its own)
         self.cors_counted: dict[str, Any] = {}
         if self.cors is not None:
@@ -1142,13 +1145,16 @@ class EdgeProtocol(web.RequestHandler):
                             self.e_head_started() if started is None else started, request_log,
                             extra=getattr(request, "log_fields", None))
 
-    def _e_cors(self, headers: Any) -> str:
+    def _e_cors(self, headers: Any, path: str | None) -> str:
         """CORS's header lines for the edge's own answer to a request whose head was read
-        (``headers``; None: none was), when CORS is on."""
-        cors = self._edge.cors
+        (``headers``; None: none was), when CORS is on; ``Vary: Origin`` alone for a path outside
+        the API."""
+        edge = self._edge
+        cors = edge.cors
         if cors is None or headers is None:
             return ""
-        return head_lines(cors, headers.get(hdrs.ORIGIN))
+        api = path is not None and is_api_path(path, edge.cors_api)
+        return head_lines(cors, headers.get(hdrs.ORIGIN) if api else None)
 
     def _e_broken_body(self, message: str = "malformed request body: its chunked framing or content encoding "
                        "is broken") -> None:
@@ -1159,7 +1165,7 @@ class EdgeProtocol(web.RequestHandler):
             request = self._e_request
             self.transport.write(error_response_bytes(
                 400, message, code="bad_body", request_id=rid, path=self._e_request_path(),
-                cors=self._e_cors(request.headers if request is not None else None),
+                cors=self._e_cors(request.headers if request is not None else None, self._e_request_path()),
                 headers=request.headers if request is not None else None))
             if request is not None:
                 self._e_logged_running(request, rid, 400, message)
@@ -1203,7 +1209,7 @@ class EdgeProtocol(web.RequestHandler):
             path = path or self._e_request_path()
             rid = rid or request_id_from(None)
             self.transport.write(error_response_bytes(
-                408, message, code="request_timeout", request_id=rid, path=path, cors=self._e_cors(headers),
+                408, message, code="request_timeout", request_id=rid, path=path, cors=self._e_cors(headers, path),
                 headers=headers))
             if request is not None and method is None:
                 self._e_logged_running(request, rid, 408, message)
@@ -1673,9 +1679,10 @@ def _cors_preflights(handler: Any, cors: CorsPolicy, methods: str, direct: dict[
     its outcome (``counted``)."""
     async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
         if isinstance(request, CorsRequest):
-            result = outcome(cors, request.headers.get(hdrs.ORIGIN))     # allowed, refused
+            api = is_api_path(request.path, direct)
+            result = outcome(cors, request.headers.get(hdrs.ORIGIN), api)     # allowed, refused
             if is_preflight(request):
-                if request.path.startswith("/v1/") or request.path in direct:
+                if api:
                     started = head_started(request)
                     result = "preflight_" + result
                     counted[result].inc()
@@ -1704,7 +1711,8 @@ class EdgeServer(web.Server):
         direct = direct or {}
         cors = edge.cors
         if cors is not None:            # a request with an Origin is a CorsRequest (gateway/server/cors.py)
-            inner = _cors_factory(inner, request_class(cors))
+            edge.cors_api = frozenset(direct)
+            inner = _cors_factory(inner, request_class(cors, direct))
 
         def request_factory(message, payload, protocol, writer, task):
             version = message.version
