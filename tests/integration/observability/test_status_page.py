@@ -290,3 +290,30 @@ async def test_the_heading_s_uptime_is_the_gateway_s_and_a_restarted_worker_s_is
     assert f"answered by worker 1 (pid {os.getpid()}, up 0m 05s)" in meta, meta
     assert "workers restarted: 1 exited" in meta, meta
     assert page.problems == [], "\n".join(page.problems)
+
+
+XSS = '<img src=x onerror="window.__pwned=1">"><svg onload="window.__pwned=2"><script>window.__pwned=3</script>'
+
+
+async def test_markup_in_what_clients_and_engines_name_is_shown_as_text(sims, gateway, page):
+    """A served model's name (as the engine reports it), a model name a client made up, a user
+    header, the error message that quotes them: each holds markup that would run a script, and the
+    page shows it as text, with the Content-Security-Policy bypassed, so its rendering alone is
+    what is checked."""
+    model = "m" + XSS
+    sim = await sims("vllm", model)
+    gw = await gateway([model_block(model, "vllm", [sim.url])], status=FAST_PAGE,
+                       limits={"default_user": {"rpm": 100}})
+    assert await chat(gw, model, headers={"user": "u" + XSS}) == 200
+    assert await chat(gw, "nope" + XSS, rid="unknown-model") == 404
+    assert await chat(gw, model, rid="engine-500", headers={"user": "w" + XSS, "x-sim-fault": "status=500"}) >= 500
+    await page.send("Page.setBypassCSP", enabled=True)
+    await page.navigate(gw.url + "/status")
+    await page.wait_for("document.querySelectorAll('#errors tbody tr').length === 2 && "
+                        "document.querySelectorAll('#tenants tbody tr').length === 2")
+    assert await page.evaluate("window.__pwned === undefined")
+    assert await page.evaluate("document.querySelectorAll('main img, main script, main svg:not(.spark)').length") == 0
+    shown = await page.evaluate("document.querySelector('main').innerText")
+    for text in (model, "nope" + XSS, "u" + XSS, "w" + XSS):
+        assert text in shown, text
+    assert page.problems == [], "\n".join(page.problems)
