@@ -144,6 +144,32 @@ async def test_with_auth_the_page_asks_for_the_admin_token(sims, gateway, page):
     assert page.problems == [], "\n".join(page.problems)
 
 
+async def test_a_link_carries_a_base64_admin_token_as_it_is(sims, gateway, page):
+    """An admin token made with ``openssl rand -base64 32`` holds ``+``, ``/`` and ``=``: a link
+    with it in ``#token=`` or ``?token=``, as written, gives the page that token. A ``%`` escape is
+    read as one (``%20`` a space, which a token may hold inside)."""
+    token = "q1+Zx/9Kf+0wTn2=="
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], status=FAST_PAGE, auth={"admin_token": token})
+    for link in ("/status#token=" + token, "/status?token=" + token):
+        await page.navigate(gw.url + "/health")        # the origin's storage, emptied
+        await page.evaluate("sessionStorage.clear(); true")
+        await page.navigate(gw.url + link)
+        await page.wait_for(f"!{q('#login')}.hidden || document.querySelectorAll('#endpoints tbody tr').length === 1")
+        assert await page.evaluate("Object.values(sessionStorage)") == [token], link
+        assert await page.evaluate(q("#login") + ".hidden") is True, link
+        assert await page.evaluate("location.search + location.hash") == ""
+    spaced = "ad min+1"
+    gw = await gateway([model_block("m", "vllm", [sim.url])], status=FAST_PAGE, auth={"admin_token": spaced})
+    await page.navigate(gw.url + "/health")
+    await page.evaluate("sessionStorage.clear(); true")
+    await page.navigate(gw.url + "/status#token=ad%20min%2B1")
+    await page.wait_for("document.querySelectorAll('#endpoints tbody tr').length === 1")
+    assert await page.evaluate("Object.values(sessionStorage)") == [spaced]
+    problems = [p for p in page.problems if "/favicon.ico" not in p]      # /health's page asks for one
+    assert problems == [], "\n".join(problems)
+
+
 # The page's poll timer is recorded and run at once (time is not waited for), and its fetch can be
 # made to fail as when the gateway is down.
 POLL_CLOCK = """window.__delays = []; window.__down = false;
