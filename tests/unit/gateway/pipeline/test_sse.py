@@ -446,6 +446,36 @@ def test_a_big_event_in_bare_cr_lines_is_converted_once_not_at_every_read(monkey
     assert sum(converted) < 2 * len(data), (sum(converted), len(data))
 
 
+
+def _kept(s: SSEScanner) -> int:
+    """The bytes a scanner keeps between reads: its buffer, and the LF copy of a bare-CR stream's."""
+    return len(s._buf) + len(s._lf or b"")
+
+
+@pytest.mark.parametrize("bare_cr", [False, True])
+def test_an_event_past_the_bound_keeps_only_its_last_bytes_not_up_to_the_bound_again(monkeypatch, bare_cr):
+    """Once an event outgrew MAX_EVENT_BYTES its bytes pass as they come and only its end is read:
+    the scanner keeps its last few KiB (its finish, a blank line split across reads), however long
+    it goes on, where it kept growing to the bound again before it was cut back (8 MiB a stream, 16
+    with bare CRs, for every stream of such events). The bytes relayed are the engine's all the same."""
+    monkeypatch.setattr(sse, "MAX_EVENT_BYTES", 64 * 1024)
+    big = _echo_chunk(0, "length", 20000)
+    assert len(big) > 8 * 64 * 1024
+    data = big + DONE
+    if bare_cr:
+        data = _bare_cr(data)
+    s = SSEScanner()
+    out, most = [], 0
+    for i in range(0, len(data), 8192):
+        out.append(s.feed(data[i:i + 8192], 0.0))
+        if i > 2 * 64 * 1024:          # well past the bound
+            most = max(most, _kept(s))
+    out.append(s.finish())
+    assert b"".join(out) == data
+    assert s.token_events == 1 and s.finish_reason == "length" and s.done
+    assert most <= 2 * 2 * sse._BIG_TAIL, most
+
+
 # -- usage_tokens ----------------------------------------------------------------------------------
 
 
