@@ -303,7 +303,7 @@ class SSEScanner:
         self.error: dict | None = None             # in-stream `data: {"error": ...}`
         self.done = False                          # saw `data: [DONE]`
         self.events = 0                            # events with a data payload (incl. [DONE])
-        self._buf = bytearray()    # the current incomplete event (or its last 2 bytes if skipped)
+        self._buf = bytearray()    # the current incomplete event (or its last _BIG_TAIL bytes if skipped)
         self._sent = 0             # how many leading bytes of _buf went out already (an event past MAX_EVENT_BYTES)
         self._skip = False         # the current event outgrew MAX_EVENT_BYTES: do not scan it
         self._now = 0.0
@@ -475,6 +475,15 @@ class SSEScanner:
                 result += bytes(self._buf[self._sent:])
             flags |= self._overflow()
             self._sent = len(self._buf)
+        elif self._skip and len(self._buf) > _BIG_TAIL:
+            # an event past the bound goes on: its bytes went out, its last ones are all its end needs
+            # (its finish, a blank line split across reads); kept to the bound again, a stream of
+            # such events pinned 8 MiB (16 with its LF copy) for as long as it lasted
+            cut = min(len(self._buf) - _BIG_TAIL, self._sent)
+            del self._buf[:cut]
+            if self._lf is not None:
+                del self._lf[:cut]
+            self._sent -= cut
         if flags & _CONTENT:
             self._mark(now)
         return result
