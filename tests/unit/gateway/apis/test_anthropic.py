@@ -176,6 +176,27 @@ def test_messages_scanner_forwards_an_event_over_the_scan_limit_as_it_comes():
     assert sc.finish() == b""               # an incomplete last event is not forwarded
 
 
+
+@pytest.mark.parametrize("line_end", [b"\n", b"\r"])
+def test_messages_scanner_keeps_only_the_last_bytes_of_an_event_past_the_scan_limit(monkeypatch, line_end):
+    """Its bytes went out as they came: the scanner keeps the last two (a blank line split across
+    reads), where it kept the event growing to the limit again before it was cut back."""
+    monkeypatch.setattr(anthropic, "MAX_EVENT_BYTES", 64 * 1024)
+    huge = _frame("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                          "delta": {"type": "text_delta", "text": "x" * (8 * 64 * 1024)}})
+    cut = STREAM.index(b"event: content_block_stop")
+    data = (STREAM[:cut] + huge + STREAM[cut:]).replace(b"\n", line_end)
+    sc = MessagesScanner()
+    out, most = [], 0
+    for i in range(0, len(data), 8192):
+        out.append(sc.feed(data[i:i + 8192], float(i)))
+        if i > 2 * 64 * 1024:
+            most = max(most, len(sc._buf))
+    out.append(sc.finish())
+    assert b"".join(out) == data and sc.done and sc.finish_reason == "end_turn"
+    assert most <= 8192, most
+
+
 def test_messages_scanner_in_stream_error_and_eventless_frames():
     sc = MessagesScanner()
     sc.feed(b'data: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"x"}}\n\n', 1.0)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import re
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.apis import responses_stream
 from gateway.apis.responses_stream import ResponsesScanner, failed_after_error, failure_events
 from gateway.pipeline.sse import MAX_EVENT_BYTES
 
@@ -157,6 +159,26 @@ def test_an_event_over_the_scan_limit_is_forwarded_as_it_comes():
     assert s.feed(huge[100:], 0.0) == huge[:100] + huge[100:]       # ... until it outgrows the limit
     assert s.feed(b'"}\n\n' + stream()[1][:10], 0.0) == b'"}\n\n'
     assert s.finish() == b""
+
+
+
+@pytest.mark.parametrize("line_end", [b"\n", b"\r"])
+def test_an_event_past_the_scan_limit_keeps_only_its_last_bytes_however_long_it_goes_on(monkeypatch, line_end):
+    """Its bytes went out as they came: the scanner keeps the last two (a blank line split across
+    reads), where it kept the event growing to the limit again before it was cut back."""
+    monkeypatch.setattr(responses_stream, "MAX_EVENT_BYTES", 64 * 1024)
+    huge = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"' \
+        + b"x" * (8 * 64 * 1024) + b'"}\n\n'
+    data = (stream()[0] + huge + stream()[-1]).replace(b"\n", line_end)
+    s = ResponsesScanner()
+    out, most = [], 0
+    for i in range(0, len(data), 8192):
+        out.append(s.feed(data[i:i + 8192], 0.0))
+        if i > 2 * 64 * 1024:
+            most = max(most, len(s._buf))
+    out.append(s.finish())
+    assert b"".join(out) == data and s.usage is not None
+    assert most <= 8192, most
 
 
 def test_the_output_a_failed_response_carries_is_what_the_client_was_sent_once():
