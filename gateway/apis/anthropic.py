@@ -548,8 +548,10 @@ class MessagesScanner:
             del buf[:start]
         elif start < len(chunk):
             self._buf = bytearray(chunk[start:])
-        if len(self._buf) > MAX_EVENT_BYTES:
-            self._skip = True           # not scanned, and not held either: forwarded as it comes
+        if self._skip or len(self._buf) > MAX_EVENT_BYTES:
+            # not scanned, and not held either: forwarded as it comes, its last bytes kept (a blank
+            # line split across reads) at every read, not grown back to the bound
+            self._skip = True
             del self._buf[:-2]
         if self._skip:
             if pending:

@@ -120,10 +120,9 @@ class ResponsesScanner:
             sent = 0
         if len(data) > MAX_EVENT_BYTES:        # not scanned, still forwarded
             self._skip = True
-        if self._skip:                         # forwarded as it comes
+        if self._skip:                         # forwarded as it comes, its last bytes kept (a blank line split across reads)
             out += data[sent:]
-            if len(data) > MAX_EVENT_BYTES:
-                del data[:-2]
+            del data[:-2]
             sent = len(data)
         self._sent = sent
         return out
