@@ -9,6 +9,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from gateway.pipeline.relay import VIEW_ABOVE
 from tests.support.factories import model_block
 from tests.support.fake_engine import fake_engine
 from tests.support.http import openai_client, post
@@ -53,10 +54,24 @@ BROKEN = {
 }
 
 
+def _beyond_a_double(size: str) -> bytes:
+    """A chat answer with a number beyond a double's range in its logprobs (a member the relay does
+    not read), ``small`` or ``large`` (read through ``answer_view``'s partial decode)."""
+    filler = [{"token": "x", "logprob": -0.5, "top_logprobs": []}] * (8 if size == "small" else TOKENS)
+    raw = orjson.dumps({"id": "chat-1", "object": "chat.completion", "created": 1, "model": "m",
+                        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                                     "logprobs": {"content": [*filler, {"token": "y", "logprob": -7.0}]},
+                                     "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}})
+    return raw.replace(b"-7.0", b"-1e999")
+
+
 async def _engine(request: web.Request) -> web.Response:
     data = await request.json()
     broken = request.headers.get("x-broken")
-    if broken is not None:
+    if request.headers.get("x-beyond") is not None:
+        raw = _beyond_a_double(request.headers["x-beyond"])
+    elif broken is not None:
         raw = BROKEN[broken]()
     else:
         raw = _chat(data) if request.path.endswith("/chat/completions") else _completion(data)
@@ -95,3 +110,19 @@ async def test_a_large_whole_answer_that_is_no_json_object_is_a_502(gateway):
             assert ei.value.status_code == 502 and ei.value.body["code"] == "upstream_bad_response", broken
         text = await gw.metrics_text()
         assert metric(text, "switchyard_upstream_errors_total", error_class="protocol") == len(BROKEN)
+
+
+async def test_a_number_beyond_a_doubles_range_in_a_member_not_read_is_relayed_at_any_size(gateway):
+    """RFC 8259 sets no bound on a number; the gateway reads the members it needs of an answer
+    (usage, finish reasons, the message), and one it does not read (logprobs) is relayed as the
+    engine wrote it, in a small answer as in one read through the partial decode."""
+    assert len(_beyond_a_double("small")) < VIEW_ABOVE < len(_beyond_a_double("large"))
+    async with fake_engine(_engine, ("/v1/chat/completions",)) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+        with gw.gw.request_log.capture() as logs:
+            for size in ("small", "large"):
+                r = await post(gw.url, chat, headers={"x-beyond": size})
+                assert r.status == 200 and r.body == _beyond_a_double(size), size
+        assert [(e["status"], e["prompt_tokens"], e["completion_tokens"], e["finish_reason"])
+                for e in logs if e["event"] == "request"] == [(200, 5, 2, "stop")] * 2

@@ -106,3 +106,18 @@ def test_a_large_answer_that_is_not_json_is_refused_as_by_the_whole_decode(raw):
         orjson.loads(raw)
     with pytest.raises(orjson.JSONDecodeError):
         answer_view(raw)
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_a_number_beyond_a_doubles_range_is_refused_only_in_a_member_the_relay_reads(large):
+    """RFC 8259 sets no bound on a number's size (orjson refuses one past a double's): in a member
+    the relay does not read it is skipped, in a small answer as in a large one; in one it reads
+    (usage), the answer is refused at either size."""
+    obj = {"choices": [{"index": 0, "message": {"content": "hi"}, "logprobs": [-7.0], "finish_reason": "stop"}],
+           "usage": {"prompt_tokens": 3}}
+    raw = (_padded(obj) if large else orjson.dumps(obj)).replace(b"-7.0", b"-1e999")
+    view = answer_view(raw)
+    assert view["choices"] == [{"index": 0, "message": {"content": "hi"}, "finish_reason": "stop"}]
+    assert view["usage"] == {"prompt_tokens": 3}
+    with pytest.raises(orjson.JSONDecodeError):
+        answer_view(raw.replace(b'"prompt_tokens":3', b'"prompt_tokens":1e999'))
