@@ -141,23 +141,39 @@ def answer_view(body: bytes) -> object:
     skipped: decoding all of it took the most of the time such an answer spent in the gateway (a
     Python object for every logprob, made and freed again). Raises ``orjson.JSONDecodeError`` for a
     body that is not JSON, as ``orjson.loads``; an answer that is JSON but no object, or whose
-    choices are not a list of objects, is decoded whole."""
+    choices are not a list of objects, is decoded whole. A number beyond a double's range (RFC 8259
+    bounds none; orjson refuses it) in a member not read is skipped at any size: a small answer
+    orjson refuses is read as a large one is before it is refused."""
     if len(body) > VIEW_ABOVE:
-        try:
-            a = _ANSWER.decode(body)
-        except msgspec.DecodeError:     # not JSON, or not this shape: decoded whole below, as before
-            pass
-        else:
-            if body.isascii() or _utf8(body):       # the strings skipped are not checked by the decode
-                view: dict = {}
-                if a.choices is not msgspec.UNSET:
-                    view["choices"] = [{k: v for k, v in (("index", c.index), ("finish_reason", c.finish_reason),
-                                                          ("message", c.message)) if v is not msgspec.UNSET}
-                                       for c in a.choices]
-                if a.usage is not msgspec.UNSET:
-                    view["usage"] = a.usage
-                return view
-    return orjson.loads(body)
+        view = _view(body)
+        if view is not None:
+            return view
+        return orjson.loads(body)
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        view = _view(body)
+        if view is None:
+            raise
+        return view
+
+
+def _view(body: bytes) -> dict | None:
+    """``answer_view``'s partial decode; None when the body is not a JSON object of that shape in UTF-8."""
+    try:
+        a = _ANSWER.decode(body)
+    except msgspec.DecodeError:     # not JSON, or not this shape: decoded whole, as before
+        return None
+    if not (body.isascii() or _utf8(body)):     # the strings skipped are not checked by the decode
+        return None
+    view: dict = {}
+    if a.choices is not msgspec.UNSET:
+        view["choices"] = [{k: v for k, v in (("index", c.index), ("finish_reason", c.finish_reason),
+                                              ("message", c.message)) if v is not msgspec.UNSET}
+                           for c in a.choices]
+    if a.usage is not msgspec.UNSET:
+        view["usage"] = a.usage
+    return view
 
 
 _MEMBERS: dict[tuple[str, ...], msgspec.json.Decoder] = {}
