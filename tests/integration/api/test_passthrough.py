@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from enginesim.audio_api import BYTES_PER_SECOND, transcript
+from gateway.pipeline.relay import VIEW_ABOVE
 from tests.support.factories import model_block
 from tests.support.fake_engine import fake_engine
 from tests.support.gateway_process import gateway_process, post_new
@@ -593,3 +594,29 @@ async def test_large_pass_through_answers_are_relayed_exactly_with_their_usage_c
                     async with s.post(gw.url + path, json=body) as r:
                         assert r.status == 200 and await r.read() == orjson.dumps(answers[path]), path
         assert [e["prompt_tokens"] for e in logs if e["event"] == "request"] == [11, 13, rows * 4]
+
+
+async def test_a_number_beyond_a_doubles_range_in_a_pooling_answer_is_relayed_with_its_usage_at_any_size(gateway):
+    """A number orjson refuses (``1e999``: RFC 8259 bounds none) in a vector: the answer is relayed
+    as the engine wrote it and its usage counted, in a small answer as in a large one (read for its
+    usage alone)."""
+    def answer(rows: int) -> bytes:
+        return orjson.dumps({"object": "list", "data": [{"index": i, "data": [0.5, -7.0]} for i in range(rows)],
+                             "usage": {"prompt_tokens": 11, "total_tokens": 11}}).replace(b"-7.0", b"1e999")
+
+    answers = {"small": answer(2), "large": answer(20000)}
+    assert len(answers["small"]) < VIEW_ABOVE < len(answers["large"])
+
+    async def engine(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=answers[request.headers["x-size"]], content_type="application/json")
+
+    async with fake_engine(engine, paths=("/pooling",)) as url:
+        gw = await gateway([model_block("llama", "vllm", [url])])
+        with gw.gw.request_log.capture() as logs:
+            async with aiohttp.ClientSession() as s:
+                for size in answers:
+                    async with s.post(gw.url + "/pooling", json={"model": "llama", "input": "hi"},
+                                      headers={"x-size": size}) as r:
+                        assert r.status == 200 and await r.read() == answers[size], size
+        assert [e["prompt_tokens"] for e in logs if e["event"] == "request"] == [11, 11]
