@@ -1,8 +1,11 @@
-"""Large whole answers (a completion's prompt logprobs, a chat's logprobs of many tokens): relayed
-byte for byte, with their usage counted and their finish reasons read as for any answer, and one
-that is no JSON object still the engine's protocol fault."""
+"""Large answers (a completion's prompt logprobs, a chat's logprobs of many tokens): relayed byte
+for byte, with their usage counted and their finish reasons read as for any answer, and one that is
+no JSON object still the engine's protocol fault; a streamed event far past the scan bound too."""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
 
 import openai
 import orjson
@@ -126,3 +129,60 @@ async def test_a_number_beyond_a_doubles_range_in_a_member_not_read_is_relayed_a
                 assert r.status == 200 and r.body == _beyond_a_double(size), size
         assert [(e["status"], e["prompt_tokens"], e["completion_tokens"], e["finish_reason"])
                 for e in logs if e["event"] == "request"] == [(200, 5, 2, "stop")] * 2
+
+
+def _event_of(content: bytes, finish: str | None) -> bytes:
+    return (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+            b'"delta":{"content":"' + content + b'"},"finish_reason":' + (b'"%s"' % finish.encode() if finish else b"null")
+            + b"}]}\n\n")
+
+
+async def test_a_streamed_event_far_past_the_scan_bound_reaches_the_client_whole(gateway):
+    """An engine's 20 MiB event (past the 8 MiB scan bound, in 64 KiB chunks as an engine writes a
+    long line), between ordinary ones, in LF and in bare-CR lines: the client gets every byte, the
+    log line its first token, its finish and its usage, and the engine's connection is reused."""
+    big = _event_of(b"y" * (20 << 20), "stop")
+    usage = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[],' \
+            b'"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}\n\n'
+    stream = _event_of(b"hi", None) + big + usage + b"data: [DONE]\n\n"
+    conns = set()       # the connections that carried a request for an answer
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if not head.startswith(b"POST"):         # the monitor's scrape
+                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                    continue
+                conns.add(writer)
+                length = next(int(v) for k, _, v in (ln.partition(b":") for ln in head.split(b"\r\n"))
+                              if k.lower() == b"content-length")
+                body = orjson.loads(await reader.readexactly(length))
+                data = stream.replace(b"\n", b"\r") if body["user"] == "cr" else stream
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+                for i in range(0, len(data), 1 << 16):
+                    part = data[i:i + (1 << 16)]
+                    writer.write(b"%x\r\n%b\r\n" % (len(part), part))
+                    await writer.drain()
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        gw = await gateway([model_block("m", "vllm", [url])], health={"enabled": False})
+        with gw.gw.request_log.capture() as logs:
+            for framing in ("lf", "cr"):
+                chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "user": framing,
+                        "stream_options": {"include_usage": True}}
+                r = await post(gw.url, chat)
+                want = stream.replace(b"\n", b"\r") if framing == "cr" else stream
+                assert r.status == 200 and r.body == want, framing
+        lines = [e for e in logs if e["event"] == "request"]
+        assert [(e["status"], e["finish_reason"], e["prompt_tokens"], e["completion_tokens"], e["error_class"])
+                for e in lines] == [(200, "stop", 3, 2, None)] * 2
+        assert all(e["ttft_ms"] is not None for e in lines)
+        assert len(conns) == 1 and gw.gw.upstream.open_connections == 1
+    finally:
+        server.close()
