@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import gzip
 import socket
 import struct
 import time
@@ -19,6 +20,7 @@ import aiohttp
 import orjson
 import pytest
 
+from gateway.pipeline import relay
 from gateway.upstream import h1client
 from gateway.upstream.h1client import (
     HIGH_WATER,
@@ -1159,3 +1161,57 @@ async def test_a_switch_of_protocols_is_a_502_protocol_failure_through_the_gatew
         assert status == 502 and marker == "protocol" and "switched protocols" in err["message"], err
         assert [e["error_class"] for e in logs if e["event"] == "request"] == ["upstream_protocol"]
         assert gw.gw.pool.endpoints("m")[0].in_flight == 0 and gw.gw.upstream.open_connections == 0
+
+
+async def test_an_engines_error_answer_whose_body_breaks_stalls_or_is_coded_is_still_its_status(gateway, monkeypatch):
+    """An engine's error status came, its body did not as it should: cut short by the connection's
+    end, a chunk framing it breaks, a stall past the bound on an error body's wait, or a coding
+    the gateway does not decode. The client gets the engine's status (its Retry-After on a 503)
+    with what came of the body it can read, not a 500 internal error or a wait for as long as the
+    engine stalls; the connection is closed."""
+    monkeypatch.setattr(relay, "ERROR_BODY_WAIT_S", 0.3, raising=False)
+    head = "HTTP/1.1 {} X\r\nContent-Type: application/json\r\n{}\r\n"
+    start = b'{"error":{"message":"busy"'
+
+    async def errors(server, req, writer):
+        if req["method"] == "GET":          # its health probes and scrapes
+            writer.write(answer(b"{}"))
+            await writer.drain()
+            return True
+        how = orjson.loads(req["body"])["user"]
+        if how == "cut":
+            writer.write(head.format(503, "Content-Length: 1000\r\n").encode() + start)
+        elif how == "bad_chunk":
+            writer.write(head.format(500, "Transfer-Encoding: chunked\r\n").encode() + b"zz\r\n" + start)
+        elif how == "stall":
+            writer.write(head.format(500, "Content-Length: 1000\r\n").encode() + start)
+            await writer.drain()
+            await req["reader"].read()      # until the gateway lets go
+        else:
+            coded = gzip.compress(start + b"}}")
+            writer.write(head.format(500, f"Content-Encoding: gzip\r\nContent-Length: {len(coded)}\r\n").encode() + coded)
+        await writer.drain()
+        return False
+
+    async with Engine(errors) as eng:
+        gw = await gateway([model_block("m", "vllm", [eng.url])], health={"enabled": False},
+                           retry={"enabled": False})
+        got = {}
+        with gw.gw.request_log.capture() as logs:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=GUARD)) as s:
+                for how in ("cut", "bad_chunk", "stall", "gzip"):
+                    for stream in (False, True):
+                        body = {**_chat(stream), "user": how}
+                        async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+                            got[how, stream] = (r.status, r.headers.get("Retry-After"), (await r.json())["error"])
+        said = 'upstream returned status {}: {{"error":{{"message":"busy"'
+        for (how, stream), (status, retry_after, err) in got.items():
+            assert err["code"] != "internal_error", (how, stream, err)
+            if how == "cut":
+                assert (status, retry_after, err["message"]) == (503, "5", said.format(503)), (how, stream)
+            elif how == "gzip":
+                assert (status, err["message"]) == (500, "upstream returned status 500"), (how, stream)
+            else:
+                assert status == 500 and err["message"] in (said.format(500), "upstream returned status 500"), (how, stream)
+        assert [e["error_class"] for e in logs if e["event"] == "request"] == ["upstream_status"] * 8
+        assert gw.gw.upstream.open_connections == 0
