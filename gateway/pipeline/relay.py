@@ -222,6 +222,30 @@ def coding_of(resp: UpstreamResponse) -> str | None:
     return None
 
 
+# how long an engine's error body is awaited once its status came: the engine has decided, and what
+# of its body came by then is quoted (a body that stalls held the client for as long as it did)
+ERROR_BODY_WAIT_S = 5.0
+
+
+async def read_error_body(resp: UpstreamResponse, limit: int) -> bytes:
+    """At most ``limit`` bytes of an engine's error body, as much of it as came when it broke off (cut
+    short, its framing broken) or did not end within ``ERROR_BODY_WAIT_S`` (the caller closes the
+    connection then: not at its end); none of a body in a content coding, which could only be
+    quoted as mojibake. The engine's status is answered either way."""
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(ERROR_BODY_WAIT_S):
+            while size < limit and (chunk := await resp.readany()):
+                parts.append(chunk)
+                size += len(chunk)
+    except (TimeoutError, UpstreamError):
+        pass
+    if coding_of(resp) is not None:
+        return b""
+    return b"".join(parts)[:limit]
+
+
 # switchyard_upstream_errors_total's class of an engine connection that broke mid-stream (the plain
 # relay's and a migrating stream's leg alike)
 BROKEN_STREAM = "broken_stream"
@@ -547,7 +571,7 @@ class Relay:
             engine_key_refused(self.metrics, ep, rec.model, resp.status, ctx.ireq.path if ctx.ireq is not None else "")
             rec.error_class = ErrorClass.UPSTREAM_AUTH
             raise key_refused_error(resp.status)
-        raw = await resp.read_limited(self.cfg.max_error_body_bytes)
+        raw = await read_error_body(resp, self.cfg.max_error_body_bytes)
         if ctx.api is not None:       # in the request's API shape (Anthropic's on /v1/messages)
             status, body, message = ctx.api.upstream_error(resp.status, raw, ctx)
         else:
