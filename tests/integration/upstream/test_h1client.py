@@ -21,6 +21,7 @@ import orjson
 import pytest
 
 from gateway.pipeline import relay
+from gateway.resilience import retry
 from gateway.upstream import h1client
 from gateway.upstream.h1client import (
     HIGH_WATER,
@@ -1215,3 +1216,39 @@ async def test_an_engines_error_answer_whose_body_breaks_stalls_or_is_coded_is_s
                 assert status == 500 and err["message"] in (said.format(500), "upstream returned status 500"), (how, stream)
         assert [e["error_class"] for e in logs if e["event"] == "request"] == ["upstream_status"] * 8
         assert gw.gw.upstream.open_connections == 0
+
+
+async def test_a_retried_error_answer_whose_body_stalls_does_not_hold_the_retry(gateway, monkeypatch):
+    """A 503 the gateway answers on another endpoint (its body the client never sees) is read to its
+    end so its connection can be kept, for a short while at most: one whose body stalls is closed
+    and the retry goes on, where it held the request for as long as the engine stalled."""
+    monkeypatch.setattr(retry, "DISCARD_WAIT_S", 0.2, raising=False)
+
+    async def busy(server, req, writer):
+        if req["method"] == "GET":          # its health probes and scrapes
+            writer.write(answer(b"{}"))
+        else:
+            writer.write(b"HTTP/1.1 503 X\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+            await writer.drain()
+            await req["reader"].read()      # until the gateway lets go
+            let_go.append(req)
+        await writer.drain()
+
+    let_go: list[dict] = []
+
+    async def fine(server, req, writer):
+        writer.write(answer(b"{}") if req["method"] == "GET" else answer(orjson.dumps(
+            {"id": "c", "object": "chat.completion", "created": 1, "model": "m",
+             "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]})))
+        await writer.drain()
+
+    async with Engine(busy) as bad, Engine(fine) as good:
+        gw = await gateway([model_block("m", "vllm", [bad.url, good.url])], health={"enabled": False},
+                           routing={"strategy": "round-robin"})
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=GUARD)) as s:
+            for _ in range(2):          # one of them goes to the busy engine first
+                async with s.post(gw.url + "/v1/chat/completions", json=_chat(False)) as r:
+                    assert r.status == 200 and (await r.json())["choices"][0]["message"]["content"] == "hi"
+        posts = [q for q in bad.requests if q["method"] == "POST"]
+        assert posts
+        await until(lambda: len(let_go) == len(posts), GUARD)       # the stalled answers' connections let go
