@@ -20,6 +20,7 @@ The response carries ``x-retries: N`` when it was retried, and the log line ``re
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -203,12 +204,18 @@ class Retries:
         ctx.trace.event("retry", {"error.type": cause, "switchyard.endpoint": failed.name})
 
 
+# how long the body of an answer the client will not see is awaited, for its connection to be kept:
+# engines send an error's body with its head, and a retry waits for this
+DISCARD_WAIT_S = 1.0
+
+
 async def discard(resp: UpstreamResponse, limit: int) -> None:
-    """Drop an answer the client will not see: read its (error) body, bounded, so the connection
-    can be kept, else close it."""
+    """Drop an answer the client will not see: read its (error) body, bounded in size and in time
+    (``DISCARD_WAIT_S``), so the connection can be kept, else close it."""
     try:
-        await resp.read_limited(limit)
-    except UpstreamError:
+        async with asyncio.timeout(DISCARD_WAIT_S):
+            await resp.read_limited(limit)
+    except (TimeoutError, UpstreamError):
         pass
     finally:
         if resp.at_eof():
