@@ -18,6 +18,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from gateway.pipeline import relay
 from tests.support.factories import pd_model, pd_pair, roleset
 from tests.support.fake_engine import fake_engine
 from tests.support.first_writes import assert_written_from_reads, record_first_writes
@@ -957,3 +958,33 @@ async def test_a_session_keeps_its_prefill_across_turns(sims, gateway, engine):
     kept = sum(float(line.rsplit(" ", 1)[1]) for line in (await gw.metrics_text()).splitlines()
                if line.startswith("switchyard_routing_session_total{") and 'outcome="kept"' in line)
     assert kept == 6 * 3
+
+
+async def test_a_decode_whose_server_error_body_stalls_answers_the_client_in_bound(sims, gateway, monkeypatch):
+    """A decode that answers a 500 and stalls in its body: the body is awaited as any engine's error
+    body is (the relay's bound), then the decode's status goes to the client, where the request
+    waited for as long as the decode stalled."""
+    monkeypatch.setattr(relay, "ERROR_BODY_WAIT_S", 0.3)
+    p, _ = await pd_pair(sims, "vllm")
+    let_go = asyncio.Event()
+
+    async def stalls(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(status=500, headers={"Content-Type": "application/json"})
+        resp.content_length = 1000
+        await resp.prepare(request)
+        await resp.write(b'{"error":{"message":"kv lost"')
+        for _ in range(1000):               # until the gateway lets go (the handler is not cancelled)
+            if request.transport is None or request.transport.is_closing():
+                let_go.set()
+                break
+            await asyncio.sleep(0.02)
+        return resp
+
+    async with fake_engine(stalls) as d:
+        rs = {**roleset("vllm", p, p, name="rs"), "decode": [d]}
+        gw = await gateway([pd_model("vllm", [rs])], health={"enabled": False}, retry={"enabled": False})
+        st, _, raw = await asyncio.wait_for(post(gw, body(stream=False)), 10)
+        assert st == 500 and 'upstream returned status 500: {"error":{"message":"kv lost"' in \
+            orjson.loads(raw)["error"]["message"], raw[:300]
+        await asyncio.wait_for(let_go.wait(), 10)       # its connection closed
