@@ -39,7 +39,7 @@ from gateway.errors import ErrorClass, GatewayError, normalize_upstream_error
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import Leg
 from gateway.pipeline.context import RequestContext
-from gateway.pipeline.relay import FirstBytesFailed, HeadAhead, Relay, watchdog_fired
+from gateway.pipeline.relay import FirstBytesFailed, HeadAhead, Relay, read_error_body, watchdog_fired
 from gateway.resilience.outcome import Outcome, event_status, key_refused, of_status, unsupported_event
 from gateway.resilience.retry import Retries
 from gateway.upstream.h1client import Exchange, SendState, UpstreamError, UpstreamResponse
@@ -592,10 +592,8 @@ class PDOrchestrator:
         leg, which is retried on another endpoint. The engine ended the request itself: no abort."""
         assert ctx.decision is not None
         decode, status = ctx.decision.endpoint, resp.status
-        try:
-            raw = await resp.read_limited(self.config.upstream.max_error_body_bytes)
-        except UpstreamError:
-            raw = b""
+        try:        # bounded in time as any engine's error body: a stalled one held the request
+            raw = await read_error_body(resp, self.config.upstream.max_error_body_bytes)
         finally:
             resp.close()
         self.upstream.record(decode, Outcome.FAULT, f"status_{status}")
