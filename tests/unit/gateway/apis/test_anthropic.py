@@ -197,6 +197,29 @@ def test_messages_scanner_keeps_only_the_last_bytes_of_an_event_past_the_scan_li
     assert most <= 8192, most
 
 
+
+def test_messages_scanner_converts_a_big_bare_cr_event_once_not_at_every_read(monkeypatch):
+    """A stream in bare-CR lines is read through a copy with LFs for its CRs: an event of MBs in
+    many reads was converted again whole at every read (a 4 MiB one in 16 KiB reads: 0.5 s of the
+    worker's loop, quadratic in its size). Each byte is converted about once; the bytes and what is
+    read of them are those of the stream in LF lines."""
+    converted = []
+    real = anthropic.as_lf
+    monkeypatch.setattr(anthropic, "as_lf", lambda d: converted.append(len(d)) or real(d))
+    cut = STREAM.index(b"event: content_block_stop")
+    big = _frame("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                         "delta": {"type": "text_delta", "text": "x" * (256 * 1024)}})
+    lf = STREAM[:cut] + big + STREAM[cut:]
+    seen = []
+    for data in (lf, lf.replace(b"\n", b"\r")):
+        sc = MessagesScanner()
+        out = [sc.feed(data[i:i + 4096], float(i // 4096)) for i in range(0, len(data), 4096)] + [sc.finish()]
+        assert b"".join(out) == data
+        seen.append((sc.done, sc.finish_reason, sc.usage, sc.token_events, sc.first_token_at, sc.itl))
+    assert seen[0] == seen[1] and seen[0][0]
+    assert sum(converted) < 2 * len(lf), (sum(converted), len(lf))
+
+
 def test_messages_scanner_in_stream_error_and_eventless_frames():
     sc = MessagesScanner()
     sc.feed(b'data: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"x"}}\n\n', 1.0)

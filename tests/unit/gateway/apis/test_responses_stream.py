@@ -181,6 +181,28 @@ def test_an_event_past_the_scan_limit_keeps_only_its_last_bytes_however_long_it_
     assert most <= 8192, most
 
 
+
+def test_a_big_event_in_bare_cr_lines_is_converted_once_not_at_every_read(monkeypatch):
+    """A stream in bare-CR lines is read through a copy with LFs for its CRs: an event of MBs in
+    many reads was converted again whole at every read (a 4 MiB one in 16 KiB reads: 0.6 s of the
+    worker's loop, quadratic in its size). Each byte is converted about once; the bytes and what is
+    read of them are those of the stream in LF lines."""
+    converted = []
+    real = responses_stream.as_lf
+    monkeypatch.setattr(responses_stream, "as_lf", lambda d: converted.append(len(d)) or real(d))
+    events = stream()
+    big = ev("response.output_text.delta", delta="x" * (256 * 1024))
+    lf = b"".join(events[:4]) + big + b"".join(events[4:])
+    seen = []
+    for data in (lf, lf.replace(b"\n", b"\r")):
+        s = ResponsesScanner()
+        out = [s.feed(data[i:i + 4096], float(i // 4096)) for i in range(0, len(data), 4096)] + [s.finish()]
+        assert b"".join(out) == data
+        seen.append((s.done, s.usage, s.token_events, s.first_token_at, s.itl))
+    assert seen[0] == seen[1] and seen[0][0]
+    assert sum(converted) < 2 * len(lf), (sum(converted), len(lf))
+
+
 def test_the_output_a_failed_response_carries_is_what_the_client_was_sent_once():
     s = ResponsesScanner()
     msg = {"type": "message", "id": "m", "status": "in_progress", "content": []}
