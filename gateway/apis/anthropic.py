@@ -490,7 +490,7 @@ class MessagesScanner:
     """Scan an Anthropic Messages event stream (``StreamScanner``): bytes pass through unchanged."""
 
     __slots__ = ("first_token_at", "last_token_at", "token_events", "itl", "usage", "finish_reason", "error", "done",
-                 "_start_usage", "_buf", "_pending", "_skip", "_now", "_cr", "_retyped", "_inclusive")
+                 "_start_usage", "_buf", "_pending", "_skip", "_now", "_cr", "_lf", "_retyped", "_inclusive")
 
     def __init__(self, inclusive: bool = False) -> None:
         self._inclusive = inclusive  # input_tokens counts the cache reads (``openai_usage``)
@@ -508,6 +508,7 @@ class MessagesScanner:
         self._skip = False          # the current event outgrew MAX_EVENT_BYTES: not scanned
         self._now = 0.0
         self._cr = False            # lines end with bare CRs: read as LFs (gateway/pipeline/sse.py ``as_lf``)
+        self._lf: bytearray | None = None   # with _cr: _buf as LFs, converted as its reads came
         self._retyped: bytes | None = None  # the engine's error event just scanned, with Anthropic's type
 
     def feed(self, chunk: bytes, now: float) -> bytes:
@@ -518,8 +519,9 @@ class MessagesScanner:
         self._now = now
         pending = self._pending
         buf = self._buf
+        old = len(buf)
         if buf:
-            pos = len(buf) - 2 if len(buf) > 2 else 0
+            pos = old - 2 if old > 2 else 0
             buf += chunk
             data: bytes | bytearray = buf
         elif chunk:
@@ -528,7 +530,17 @@ class MessagesScanner:
             return chunk
         if not self._cr:
             self._cr = cr_mode(data, max(pos - 1, 0))
-        scan = as_lf(data) if self._cr else data
+        scan: bytes | bytearray = data
+        if self._cr:
+            lf = self._lf
+            if old and lf is not None and len(lf) == old:
+                # the held bytes were converted as they came: only their last byte can read otherwise
+                # now (a CR whose LF came with this read), so from it on, not all again at every read
+                del lf[old - 1:]
+                lf += as_lf(data[old - 1:])
+                scan = lf
+            else:
+                scan = as_lf(data)
         start = 0
         swaps: list[tuple[int, int, bytes]] | None = None
         for m in _BOUNDARY.finditer(scan, pos):
@@ -548,11 +560,20 @@ class MessagesScanner:
             del buf[:start]
         elif start < len(chunk):
             self._buf = bytearray(chunk[start:])
+        if self._cr:            # the held bytes as LFs, kept with them
+            if start >= size:
+                self._lf = None
+            elif scan is self._lf:
+                del scan[:start]
+            else:
+                self._lf = bytearray(scan[start:])
         if self._skip or len(self._buf) > MAX_EVENT_BYTES:
             # not scanned, and not held either: forwarded as it comes, its last bytes kept (a blank
             # line split across reads) at every read, not grown back to the bound
             self._skip = True
             del self._buf[:-2]
+            if self._lf is not None:
+                del self._lf[:-2]
         if self._skip:
             if pending:
                 out, self._pending = bytes(pending) + chunk, bytearray()
@@ -588,6 +609,7 @@ class MessagesScanner:
         """The stream's last bytes, when they end it (or carry the engine's error) without a blank
         line after them; an incomplete event is dropped, since the stream ends in an error event."""
         buf, self._buf = self._buf, bytearray()
+        self._lf = None
         held, self._pending = bytes(self._pending), bytearray()
         ev = (as_lf(buf) if self._cr else bytes(buf)).rstrip(b"\r\n")
         if ev and not self._skip and self._event(ev, 0, len(ev)):

@@ -83,6 +83,7 @@ class ResponsesScanner:
         self._held = bytearray()               # the terminal event and whatever follows it
         self._skip = False
         self._cr = False                       # lines end with bare CRs: read as LFs (``as_lf``)
+        self._lf: bytearray | None = None      # with _cr: _buf as LFs, converted as its reads came
         self._items: dict[int, dict] = {}      # output index -> the item as last sent
         self._open: dict[tuple[int, int], list[str]] = {}  # (output, content) index -> text deltas since
         self._args: dict[int, list[str]] = {}  # output index -> a call's argument deltas since
@@ -97,7 +98,17 @@ class ResponsesScanner:
         data = self._buf
         if not self._cr:
             self._cr = cr_mode(data, max(0, old - 3))
-        scan = as_lf(data) if self._cr else data
+        scan: bytes | bytearray = data
+        if self._cr:
+            lf = self._lf
+            if old and lf is not None and len(lf) == old:
+                # the held bytes were converted as they came: only their last byte can read otherwise
+                # now (a CR whose LF came with this read), so from it on, not all again at every read
+                del lf[old - 1:]
+                lf += as_lf(data[old - 1:])
+                scan = lf
+            else:
+                scan = as_lf(data)
         start = 0
         for m in _BOUNDARY.finditer(scan, max(0, old - 2)):
             if self._skip:
@@ -108,14 +119,23 @@ class ResponsesScanner:
                 out = bytes(data[sent:start])
                 self._held += data[start:]
                 self._buf = bytearray()
+                self._lf = None
                 self._sent = 0
                 return out
             start = m.end()
         if start == len(data) and not old:     # the usual read: whole events, nothing before it
             data.clear()
+            self._lf = None
             return chunk
         out = bytes(data[sent:start]) if start else b""
         del data[:start]
+        if self._cr:                           # the held bytes as LFs, kept with them
+            if not data:
+                self._lf = None
+            elif scan is self._lf:
+                del scan[:start]
+            else:
+                self._lf = bytearray(scan[start:])
         if start:
             sent = 0
         if len(data) > MAX_EVENT_BYTES:        # not scanned, still forwarded
@@ -123,6 +143,8 @@ class ResponsesScanner:
         if self._skip:                         # forwarded as it comes, its last bytes kept (a blank line split across reads)
             out += data[sent:]
             del data[:-2]
+            if self._lf is not None:
+                del self._lf[:-2]
             sent = len(data)
         self._sent = sent
         return out
@@ -140,6 +162,7 @@ class ResponsesScanner:
             else:
                 self.events = events           # not sent: the failure's sequence numbers go on from the last sent
         self._buf = bytearray()
+        self._lf = None
         self._sent = 0
         held, self._held = bytes(self._held), bytearray()
         return tail + held
