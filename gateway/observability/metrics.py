@@ -333,13 +333,15 @@ class GatewayMetrics:
                           prefix_stats: Callable[[], dict[str, int]] | None = None,
                           engine_max_age: float | Callable[[], float] = 10.0,
                           fleet_load: Callable[[Any], float] | None = None,
-                          served: Callable[[str], bool] | None = None) -> None:
+                          served: Callable[[str], bool] | None = None,
+                          connections: Callable[[], tuple[int, int]] | None = None) -> None:
         """Gauges of live counts, read from the objects that hold them at scrape time. ``served``:
         whether a model is still served (one a reload or discovery removed keeps its in-flight
         series while requests of it run, no longer); ``engine_max_age``: a number of seconds, or
-        what gives the live one at each scrape (a reload changes it)."""
+        what gives the live one at each scrape (a reload changes it); ``connections``: the
+        upstream pool's (busy, idle) connections."""
         self.registry.register(LiveState(endpoints, model_in_flight, prefix_stats, engine_max_age, fleet_load,
-                                         served))
+                                         served, connections))
 
     def child(self, metric, *labels: str):
         """A cached labelled child: one dict lookup on the hot path (a family hashes by identity;
@@ -430,7 +432,9 @@ class LiveState(Collector):
                  prefix_stats: Callable[[], dict[str, int]] | None = None,
                  engine_max_age: float | Callable[[], float] = 10.0,
                  fleet_load: Callable[[Any], float] | None = None,
-                 served: Callable[[str], bool] | None = None) -> None:
+                 served: Callable[[str], bool] | None = None,
+                 connections: Callable[[], tuple[int, int]] | None = None) -> None:
+        self._connections = connections
         self._fleet_load = fleet_load
         self._served = served
         self._endpoints = endpoints
@@ -458,6 +462,14 @@ class LiveState(Collector):
             info.add_metric([ep.model, ep.name, ep.engine, ep.role, ep.roleset or ""], 1)
         yield info
         yield from self._engine_state(eps)
+        if self._connections is not None:
+            busy, idle = self._connections()
+            fam = GaugeMetricFamily("switchyard_upstream_connections",
+                                    "Connections to the engines open in the upstream pool: busy (an exchange on it) "
+                                    "or idle (kept for the next)", labels=["state"])
+            fam.add_metric(["busy"], busy)
+            fam.add_metric(["idle"], idle)
+            yield fam
         fam = GaugeMetricFamily("switchyard_in_flight_requests", "Client requests in flight by model", labels=["model"])
         for model, n in list(self._model_in_flight.items()):
             if n or self._served is None or self._served(model):     # a removed model's goes with its last request

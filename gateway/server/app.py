@@ -301,7 +301,8 @@ def build_app(config: Config, pool: EndpointPool | None = None,
                               engine_max_age=lambda: reloader.live.config.routing.metrics_max_age_s,
                               fleet_load=lambda ep: fleet_load(ep, time.monotonic(),
                                                                reloader.live.config.routing.metrics_max_age_s),
-                              served=lambda m: pool.has_model(m) or reloader.live.config.model(m) is not None)
+                              served=lambda m: pool.has_model(m) or reloader.live.config.model(m) is not None,
+                              connections=s.upstream.connections)
     started_at = int(time.time() if worker is None or worker.started_at is None else worker.started_at)
 
     # the trace middleware is outermost, so the request span sees the status the client gets

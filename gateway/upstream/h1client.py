@@ -747,6 +747,13 @@ class UpstreamPool:
     def open_connections(self) -> int:
         return len(self._conns)
 
+    @property
+    def idle_connections(self) -> int:
+        """Open connections kept for a next exchange (the rest carry one); one the engine closed
+        while it idled is left in its queue until a request passes it over, and is not counted."""
+        conns = self._conns
+        return sum(1 for dq in self._idle.values() for c in dq if c in conns)
+
     # -- requests --------------------------------------------------------------------------
 
     async def post(self, url: str, body: bytes, headers: Mapping[str, str],

@@ -231,6 +231,13 @@ class Upstream:
     def open_connections(self) -> int:
         return self.pool.open_connections if self.pool is not None else 0
 
+    def connections(self) -> tuple[int, int]:
+        """The pool's open connections: (busy: an exchange on it, idle: kept for the next)."""
+        if self.pool is None:
+            return 0, 0
+        idle = self.pool.idle_connections
+        return self.pool.open_connections - idle, idle
+
     def record(self, ep: Endpoint, outcome: Outcome, cause: str = "") -> None:
         """The classified outcome of a leg to ``ep``, for its breaker."""
         if self.breakers is not None:

@@ -37,6 +37,7 @@ from gateway.upstream.h1client import (
 from gateway.upstream.upstream import UpstreamFailure, classify
 from tests.support.factories import model_block
 from tests.support.loops import on_both_loops
+from tests.support.metrics import metric
 from tests.support.waiting import until
 
 JSON = {"Content-Type": "application/json"}
@@ -1015,6 +1016,20 @@ async def test_the_gateway_reuses_an_upstream_connection_once_an_answer_was_full
         status, _ = await _gateway_post(gw.url, payload, {"x-sim-fault": fault} if fault else None)
         assert status == (503 if fault else 200)
     assert gw.gw.upstream.open_connections == 1      # the probes and scrapes use their own session
+    text = await gw.metrics_text()
+    assert [metric(text, "switchyard_upstream_connections", state=st) for st in ("busy", "idle")] == [0, 1]
+
+
+async def test_the_upstream_connections_gauge_counts_a_relayed_stream_busy_and_then_idle(sims, gateway):
+    sim = await sims("vllm", "m", itl_ms=40)     # a stream of 0.8 s at least: scraped while it runs
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=_chat(True, 20)) as r:
+        await r.content.readline()          # the stream is under way
+        text = await gw.metrics_text()
+        assert metric(text, "switchyard_upstream_connections", state="busy") == 1
+        await r.read()
+    text = await gw.metrics_text()
+    assert [metric(text, "switchyard_upstream_connections", state=st) for st in ("busy", "idle")] == [0, 1]
 
 
 async def test_the_total_timeout_bounds_the_whole_exchange(sims, gateway):
@@ -1216,6 +1231,8 @@ async def test_an_engines_error_answer_whose_body_breaks_stalls_or_is_coded_is_s
                 assert status == 500 and err["message"] in (said.format(500), "upstream returned status 500"), (how, stream)
         assert [e["error_class"] for e in logs if e["event"] == "request"] == ["upstream_status"] * 8
         assert gw.gw.upstream.open_connections == 0
+        text = await gw.metrics_text()
+        assert [metric(text, "switchyard_upstream_connections", state=st) for st in ("busy", "idle")] == [0, 0]
 
 
 async def test_a_retried_error_answer_whose_body_stalls_does_not_hold_the_retry(gateway, monkeypatch):

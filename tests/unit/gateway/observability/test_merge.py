@@ -168,6 +168,7 @@ ADDITIVE = {
     "switchyard_admission_queue_bytes", "switchyard_admission_drain_rate", "switchyard_endpoint_admission_headroom",
     "switchyard_responses_state_entries", "process_virtual_memory_bytes", "process_resident_memory_bytes",
     "process_open_fds", "switchyard_batch_lines_in_flight", "switchyard_client_connections_limit",
+    "switchyard_upstream_connections",
 }
 
 
