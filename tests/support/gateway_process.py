@@ -40,13 +40,17 @@ async def interrupt(procs: list[subprocess.Popen], timeout: float) -> None:
 async def gateway_process(path, port: int, *args: str, ready_workers: int = 1,
                           admin_token: str | None = None,
                           file_size_limit: int | None = None,
-                          read_only: tuple[str, ...] = ()) -> AsyncIterator[asyncio.subprocess.Process]:
+                          read_only: tuple[str, ...] = (),
+                          tmpfs: tuple[str, int] | None = None) -> AsyncIterator[asyncio.subprocess.Process]:
     """Started, and ``/ready`` answered 200 by ``ready_workers`` distinct processes (``/status.json``'s
     pid, read with ``admin_token`` when the config has one); SIGTERM at exit. ``file_size_limit``:
     the largest file the process may write, in bytes (``RLIMIT_FSIZE``: a write past it fails with
     EFBIG, as one on a full disk fails with ENOSPC). ``read_only``: existing directories the process
     sees mounted read-only (a write there fails with EROFS, as on a file system the kernel remounted
-    read-only after an I/O error): it runs in a mount namespace of its own (``unshare_read_only``)."""
+    read-only after an I/O error): it runs in a mount namespace of its own (``unshare_read_only``).
+    ``tmpfs``: (a directory, a size in bytes) the process sees as a file system of its own of that
+    size, empty (a disk that fills up: ENOSPC), in a mount namespace of its own likewise; the test
+    reaches it through ``/proc/<pid>/root``."""
     err = tempfile.TemporaryFile()        # its log, shown when it does not come up
 
     def limit() -> None:
@@ -54,6 +58,9 @@ async def gateway_process(path, port: int, *args: str, ready_workers: int = 1,
     cmd = [sys.executable, "-m", "gateway", "--config", str(path), *args]
     if read_only:
         cmd = unshare_read_only(read_only, cmd)
+    if tmpfs:
+        cmd = ["unshare", "-Urm", "sh", "-c",
+               f'mount -t tmpfs -o size={tmpfs[1]} tmpfs {shlex.quote(tmpfs[0])} && exec "$@"', "sh", *cmd]
     proc = await asyncio.create_subprocess_exec(*cmd, stderr=err, preexec_fn=limit if file_size_limit else None)
     try:
         seen: set[int] = set()

@@ -6,6 +6,8 @@ requests preempt its lines."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 import sys
 
@@ -242,6 +244,42 @@ async def test_an_upload_the_disk_has_no_room_for_is_a_507_in_openai_shape(sims,
         assert (await c.files.list()).data == []
         assert list((tmp_path / "batch" / "tmp").iterdir()) == []
         assert metric_total((await get_new(port, "/metrics"))[1], "switchyard_internal_errors_total") == 0
+        f = await c.files.create(file=("in.jsonl", jsonl(rows(2))), purpose="batch")
+        assert [x.id for x in (await c.files.list()).data] == [f.id]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not can_unshare_read_only(), reason="needs a mount namespace of its own (unshare -Urm)")
+async def test_files_are_deleted_to_make_room_on_a_full_disk(sims, tmp_path):
+    """``batch.dir`` on a disk filled to its last byte (here by another file on it): an upload is the
+    507, and a delete, the way a user frees room through the API, still deletes its file whole,
+    though the job store must write the change before the bytes go; an upload fits after it."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    batch_dir = tmp_path / "batch"
+    batch_dir.mkdir()
+    cfg.write_text(config_text(port, sim.url, str(batch_dir)))
+    c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    async with gateway_process(cfg, port, tmpfs=(str(batch_dir), 2 * 1024 * 1024)) as proc:
+        seen = f"/proc/{proc.pid}/root{batch_dir}"          # the directory as the gateway sees it
+        small = await c.files.create(file=("small.jsonl", jsonl(rows(2))), purpose="batch")
+        large = await c.files.create(file=("large.jsonl", jsonl(rows(400))), purpose="batch")
+        filler = os.open(f"{seen}/filler", os.O_WRONLY | os.O_CREAT)       # the disk's last page taken
+        try:
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(filler, b"\0" * 4096)
+        finally:
+            os.close(filler)
+        with pytest.raises(openai.APIStatusError) as ei:
+            await c.files.create(file=("in.jsonl", jsonl(rows(2))), purpose="batch")
+        assert ei.value.status_code == 507, ei.value.body
+        assert (await c.files.delete(small.id)).deleted
+        assert [f.id for f in (await c.files.list()).data] == [large.id]
+        assert sorted(os.listdir(f"{seen}/files")) == [large.id]
+        assert (await c.files.delete(large.id)).deleted
+        assert (await c.files.list()).data == [] and os.listdir(f"{seen}/files") == []
         f = await c.files.create(file=("in.jsonl", jsonl(rows(2))), purpose="batch")
         assert [x.id for x in (await c.files.list()).data] == [f.id]
 
