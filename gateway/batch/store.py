@@ -76,6 +76,11 @@ FILE_COLUMNS = "id, owner, filename, purpose, bytes, created_at, expires_at, lin
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
+# room set aside beside the job store (``<store>.reserve``) for a delete on a full disk: the store
+# writes the delete's change before the file's bytes go, so without it a disk that filled up could
+# not be freed through the API; a delete's change takes a few pages of the WAL
+RESERVE_BYTES = 256 * 1024
+
 
 class UnknownCursor(Exception):
     """A list's ``after`` that names no object the caller may list (unknown, deleted, another
@@ -116,6 +121,8 @@ class BatchStore:
             except BaseException:
                 self.db.close()
                 raise
+        self.reserve = path + ".reserve"
+        self.keep_reserve()
 
     def close(self) -> None:
         self.db.close()
@@ -125,11 +132,45 @@ class BatchStore:
         db.execute("BEGIN IMMEDIATE")
         try:
             out = fn(db)
+            db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:       # a COMMIT that failed (no room) may leave it open
+                db.execute("ROLLBACK")
             raise
-        db.execute("COMMIT")
         return out
+
+    def keep_reserve(self) -> None:
+        """``RESERVE_BYTES`` set aside beside the store, if they are not and the disk has them (a
+        delete that needed them gave them up; the file system's own allocation: no bytes written)."""
+        try:
+            if os.path.getsize(self.reserve) >= RESERVE_BYTES:
+                return
+        except OSError:
+            pass
+        try:
+            fd = os.open(self.reserve, os.O_WRONLY | os.O_CREAT, 0o600)
+        except OSError:
+            return
+        try:
+            os.posix_fallocate(fd, 0, RESERVE_BYTES)
+        except OSError:            # no room for it yet: the next delete tries again
+            os.ftruncate(fd, 0)
+        finally:
+            os.close(fd)
+
+    def _tx_making_room(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """``_tx``; when the disk has no room for its change (SQLite's "database or disk is full"),
+        tried once more on the room the reserve held."""
+        try:
+            return self._tx(fn)
+        except sqlite3.OperationalError as e:
+            if getattr(e, "sqlite_errorcode", None) != sqlite3.SQLITE_FULL:
+                raise
+            try:
+                os.unlink(self.reserve)
+            except OSError:
+                raise e from None
+        return self._tx(fn)
 
     # -- files --------------------------------------------------------------------------------
 
@@ -203,7 +244,8 @@ class BatchStore:
                        (file_id, row[1], row[5], row[8], now_s()))
             db.execute("DELETE FROM files WHERE id = ?", (file_id,))
             return tuple(row)
-        return self._tx(tx)
+        self.keep_reserve()
+        return self._tx_making_room(tx)
 
     def restore_file(self, row: tuple) -> None:
         """A file ``delete_file`` removed (its row as it returned it) back in the store, in its place
