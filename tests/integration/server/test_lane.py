@@ -409,3 +409,38 @@ async def test_a_client_leaving_while_its_body_comes_is_logged_and_counted_on_th
     for rid in ("left-lane", "left-aiohttp"):
         assert (mine[rid]["status"], mine[rid]["error_class"]) == (499, "client_cancel"), mine[rid]
     assert 'switchyard_client_cancels_total{model="-",stage="before_headers"} 2.0' in await gw.metrics_text()
+
+
+async def test_a_request_held_for_its_body_when_the_grace_period_ends_is_answered_503(sims, gateway):
+    """A request the lane holds for its body (its head whole) is in flight for the drain, as
+    aiohttp's request reading its body is: the drain waits for it, and when the grace period ends
+    its client reads the 503 of a gateway shutting down that its request line says, on both paths."""
+    from gateway.server.app import GATEWAY_KEY, LIFECYCLE_KEY
+    from gateway.server.run import drain_and_stop
+
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    body = {"model": "m", "messages": CHAT, "max_tokens": 2}
+    edge = gw.runner.server
+    conns = {}
+    with gw.runner.app[GATEWAY_KEY].request_log.capture() as lines:
+        for rid, framing in (("cut-lane", "length"), ("cut-aiohttp", "chunked")):
+            raw = _req(body, rid=rid, framing=framing)
+            reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+            writer.write(raw[:raw.index(b"\r\n\r\n") + 12])
+            await writer.drain()
+            conns[rid] = (reader, writer)
+        assert await wait_for(lambda: sum(p._request_in_progress for p in edge._connections) == 2, timeout=5)
+        assert gw.runner.app[LIFECYCLE_KEY].in_flight == 2
+        drain = asyncio.ensure_future(drain_and_stop(gw.runner, gw.runner.app, 0.2))
+        for rid, (reader, writer) in conns.items():
+            async with asyncio.timeout(10):
+                answer = await reader.read()
+            writer.close()          # (the stop waits a moment for a connection still reading the body)
+            assert answer.startswith(b"HTTP/1.1 503 "), (rid, answer)
+            assert f"request-id: {rid}\r\n".encode() in answer and b"shutting down" in answer, (rid, answer)
+        async with asyncio.timeout(10):
+            await drain
+    mine = {x["request_id"]: x for x in lines}
+    for rid in conns:
+        assert (mine[rid]["status"], mine[rid]["error_class"]) == (503, "draining"), mine[rid]
