@@ -342,6 +342,9 @@ class Edge:
         self.lane_requests = 0
         # the gateway stops (``EdgeServer.drain``): every connection closes after its answer in progress
         self.draining = False
+        # the gateway's requests in flight (gateway/server/lifecycle.py), where a request the fast lane
+        # holds for its body is counted, as aiohttp's request reading its body is; None: not counted
+        self.lifecycle: Any = None
         # gateway/server/cors.py; None: CORS off
         self.cors = CorsPolicy(limits.cors_allowed_origins) if limits.cors_allowed_origins else None
         # the inference paths besides /v1/... that CORS lets a page call (``is_api_path``): the server's
@@ -535,7 +538,6 @@ class EdgeProtocol(web.RequestHandler):
         self._e_request = self._e_payload = None
         left = self._lane_part
         if left is not None:
-            self._lane_part = None
             self._lane_released()
         self._lane = self._lane_next = None
         self._lane_held = []
@@ -545,6 +547,7 @@ class EdgeProtocol(web.RequestHandler):
         super().connection_lost(exc)
         if left is not None:
             self._lane_left(left)
+            self._lane_unhold(handed=self._lane_server is not None)     # after its handler was made
 
     def _lane_left(self, pending: lane.Pending) -> None:
         """The client of a request the lane held for its body left (``connection_lost``): its
@@ -780,6 +783,9 @@ class EdgeProtocol(web.RequestHandler):
         apart, as the openai SDK's httpx does), to take it on the lane once the rest is in. The
         body's clocks run meanwhile, as they would for aiohttp's request."""
         self._lane_part = pending
+        lifecycle = self._edge.lifecycle
+        if lifecycle is not None:           # in flight: the drain waits for it, its cut answers it (``lane_cut``)
+            lifecycle.enter()
         # the request's line counts from here (its handler starts once the body is in, and takes
         # this time instead of reading the clock itself)
         pending.head_read = time.perf_counter()
@@ -801,10 +807,11 @@ class EdgeProtocol(web.RequestHandler):
         got = pending.more(data, self._edge.limits.max_body_bytes or float("inf"))
         if got is pending:
             return
-        self._lane_part = None
         if got is not None and self._lane_open(begun=True):
             self._lane_start(got, pending.head_read)     # a graceful stop waits on for it (``_lane_serve``)
+            self._lane_unhold(handed=True)              # (after its handler's turn was set)
             return
+        self._lane_unhold()
         self._lane_released()
         self._e_rx_head = True
         self._e_line = bytes(pending.data[:_LINE_KEEP])
@@ -820,7 +827,7 @@ class EdgeProtocol(web.RequestHandler):
         if now < self._e_deadline:
             self._e_arm(self._e_deadline)
             return
-        pending, self._lane_part = self._lane_part, None
+        pending = self._lane_unhold()
         rid = pending.rid if pending is not None else None
         self._lane_released()
         reason = "body_total" if now >= self._e_body_end else "body"
@@ -838,6 +845,35 @@ class EdgeProtocol(web.RequestHandler):
         waiter = self._handler_waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def _lane_unhold(self, handed: bool = False) -> lane.Pending | None:
+        """The request the lane held for its body, no longer held (None: none was): out of the
+        requests in flight it was counted in (``_lane_wait``). ``handed``: a handler, just given its
+        turn, takes it on and counts it itself as it starts: it leaves them after that turn, so
+        that no drain finds none in flight meanwhile."""
+        pending, self._lane_part = self._lane_part, None
+        lifecycle = self._edge.lifecycle
+        if pending is not None and lifecycle is not None:
+            if handed:
+                self._e_loop.call_soon(lifecycle.leave)
+            else:
+                lifecycle.leave()
+        return pending
+
+    def lane_cut(self) -> bool:
+        """The gateway's stop cuts the request the lane holds for its body (``EdgeServer.cut_held``):
+        its handler runs now on a body whose read is the cut (``lane.LeftBody``), as aiohttp's
+        request reading its body is cancelled, and answers the 503 of a gateway shutting down on the
+        connection, which then closes. Returns whether there was one."""
+        if self._lane_part is None or self.transport is None:
+            return False
+        pending = self._lane_part
+        self._lane_start((pending.path, pending.headers, b"", False), pending.head_read)
+        self._lane_unhold(handed=True)
+        request = self._lane
+        request.content = lane.LeftBody()
+        request.content_length = pending.need - pending.start
+        return True
 
     async def _lane_serve(self, request: Any, handler: Any) -> None:
         """The connection's lane task: its lane requests one after the other, as aiohttp runs a
@@ -1831,6 +1867,12 @@ class EdgeServer(web.Server):
         many idle connections were closed."""
         self.edge.draining = True
         return sum(conn.e_drain(close_idle) for conn in list(self._connections) if isinstance(conn, EdgeProtocol))
+
+    def cut_held(self) -> int:
+        """The gateway's stop cuts its requests in flight (gateway/server/lifecycle.py ``cut``): those
+        the fast lane holds for their body are answered the 503 of a gateway shutting down, as
+        aiohttp's requests reading theirs are (``EdgeProtocol.lane_cut``). Returns how many."""
+        return sum(conn.lane_cut() for conn in list(self._connections) if isinstance(conn, EdgeProtocol))
 
     def __call__(self) -> EdgeProtocol:
         return EdgeProtocol(self, loop=self._edge_loop, edge=self.edge, **self._edge_handler_kwargs)

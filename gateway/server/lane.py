@@ -37,6 +37,10 @@ would get no answer; this way it gets its answer, and the junk its 400.
 A client that disconnects cancels the lane's task as it cancels aiohttp's handler; one that leaves
 while its request is held for the body has the request's handler run on a body whose read is its
 cancel (``LeftBody``), so its line and counts are those of a client leaving on aiohttp's path.
+A held request is in flight for a graceful stop (gateway/server/lifecycle.py), which waits for its
+body; when the stop's grace period ends, its handler runs on such a body whose read is the cut
+(``EdgeProtocol.lane_cut``) and answers the 503 of a gateway shutting down, as aiohttp's request
+reading its body does.
 """
 
 from __future__ import annotations
@@ -206,7 +210,9 @@ Parsed = tuple[str, CIMultiDictProxy[str], bytes, bool]
 class LeftBody:
     """The body of a held request (``Pending``) whose client left before it came whole: its read
     is the client's cancel, as the read of a body on aiohttp's path is cancelled when its client
-    leaves, so the handler writes the line and counts of a client's cancel (a 499)."""
+    leaves, so the handler writes the line and counts of a client's cancel (a 499). The body of one
+    the gateway's stop cuts (``EdgeProtocol.lane_cut``) too: its read is then the cut, answered
+    with the 503 of a gateway shutting down."""
 
     __slots__ = ()
 

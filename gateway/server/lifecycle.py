@@ -38,6 +38,10 @@ class Lifecycle:
         self._idle_waiters: list[asyncio.Future] = []
         self._background: set[asyncio.Task] = set()
         self._clients: set[asyncio.Task] = set()      # the tasks of the clients' requests in flight
+        # what ``cut`` ends besides those tasks: requests in flight that run no handler yet (the
+        # edge's fast lane holding one for its body, gateway/server/edge.py ``EdgeServer.cut_held``);
+        # each returns how many it ended
+        self._cut_hooks: list[Callable[[], int]] = []
 
     def enter(self, task: asyncio.Task | None = None) -> None:
         """``task``: the task a client's request runs in, which ``cut`` may end (None: a request of
@@ -64,7 +68,12 @@ class Lifecycle:
         tasks = [t for t in self._clients if not t.done()]
         for t in tasks:
             t.cancel()
-        return len(tasks)
+        return len(tasks) + sum(hook() for hook in self._cut_hooks)
+
+    def on_cut(self, hook: Callable[[], int]) -> None:
+        """``hook`` is called by ``cut`` too: it ends the requests in flight it knows of that run no
+        task ``cut`` could cancel, and returns how many."""
+        self._cut_hooks.append(hook)
 
     def was_cut(self, task: asyncio.Task | None) -> bool:
         """Whether ``task``, a client's request, was cancelled by ``cut`` (not by its client)."""

@@ -86,6 +86,11 @@ async def start(config: Config, *, reuse_port: bool = False, loader: Callable[[]
     runner = EdgeRunner(app, edge, app[DIRECT_KEY], handler_cancellation=True, access_log=None,
                         shutdown_timeout=1.0)  # the grace period is waited out in drain_and_stop
     await runner.setup()
+    # a request the fast lane holds for its body is in flight for the drain, and ended by its cut
+    lifecycle = app[LIFECYCLE_KEY]
+    edge.lifecycle = lifecycle
+    if isinstance(runner.server, EdgeServer):
+        lifecycle.on_cut(runner.server.cut_held)
     site = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_port=reuse_port or None,
                        backlog=1024)
     try:
