@@ -770,3 +770,54 @@ async def test_a_chunked_body_whose_framing_outgrows_its_data_is_refused_and_one
         assert ex.first.status == 200, ex.first.body
         got = await gw.received()
         assert len(got) == 1 and got[0]["json_object"], got
+
+
+# refusals that close the connection while the client may still be sending: (case, first bytes, status)
+STILL_SENDING = [
+    ("chunked_framing_breaks_after_the_body_began", H + b"Transfer-Encoding: chunked\r\n\r\n10\r\n0123456789abcdef\r\n",
+     400),
+    ("chunked_framing_broken_in_the_first_read", H + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+    ("header_field_too_large", H + b"X-Big: " + b"a" * 20000, 431),
+    ("content_length_not_a_number", H + b"Content-Length: 1x\r\n\r\n", 400),
+]
+
+
+async def _keep_sending(writer: asyncio.StreamWriter, first: bytes, answered: asyncio.Event) -> None:
+    """``first``, then more of the request every few milliseconds, until 20 writes after ``answered``."""
+    writer.write(first)
+    after = 0
+    while after < 20:
+        writer.write(b"x" * 16384)
+        await writer.drain()
+        after += answered.is_set()
+        await asyncio.sleep(0.005)
+
+
+@on_both_loops
+async def test_a_refusal_that_closes_the_connection_is_read_whole_by_a_client_still_sending():
+    """A client that goes on writing its request after the gateway refused it and closes the
+    connection (its framing broke, its head is too large) reads the whole answer, then the end of
+    the connection: the gateway ends its side and reads and drops what still comes (a lingering
+    close, RFC 9112 section 9.6) instead of closing with the client's bytes unread, which resets
+    the connection (a client whose stack drops its receive buffer at a reset never reads the
+    answer, and one writing its body, as httpx does, meets the reset as a write error)."""
+    async with edge_gateway(**SERVER) as gw:
+        for case, first, status in STILL_SENDING:
+            reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+            answered = asyncio.Event()
+            sender = asyncio.ensure_future(_keep_sending(writer, first, answered))
+            data = b""
+            try:
+                async with asyncio.timeout(5.0):
+                    while chunk := await reader.read(65536):
+                        data += chunk
+                    answered.set()
+                    await sender        # the writes after the answer are taken, not reset
+            finally:
+                sender.cancel()
+                writer.close()
+            got, rest = parse_responses(data, eof=True)
+            assert [r.status for r in got] == [status] and not rest, (case, data[:200])
+            assert got[0].headers["connection"].lower() == "close", case
+            assert_openai_error(got[0], status)
+        assert await wait_for(lambda: gw.connections() == 0, timeout=5.0, interval=0.01)
