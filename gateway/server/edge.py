@@ -44,7 +44,10 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   (a 413 to a told length, a version, a coding) shuts the connection's write side right after the
   answer, so the client reads its end at once; aiohttp's read-and-drop of what the client still
   sends (up to 10 s, or the body clock) goes on behind it, so the close does not reset the
-  connection under an answer not yet read.
+  connection under an answer not yet read. A refusal after which aiohttp reads nothing more (a head
+  it could not parse, a body whose framing broke, a held lane request cut by a stop) closes
+  lingering (``_Linger``): the write side shut after the answer, what the client still sends is
+  read and dropped for a bounded while before the close.
 - **The request log.** Every answer the edge writes itself (those above, the 408s, and the
   refusals of ``EdgeServer``'s handler: a version, a ``Host`` that is no host, ``CONNECT``, a
   ``Content-Length``, a transfer coding, a coding, an ``Expect``) has a request log line (``log_edge_answer``, the shape of every request line), its
@@ -323,6 +326,69 @@ _LEFT: set[asyncio.Task] = set()
 # a worker that keeps refusing connections at its cap says so at most once in this many seconds
 REFUSED_LOG_EVERY_S = 60.0
 
+# a lingering close (``_Linger``): what still comes of a refused request is read and dropped for at most
+# this long in all, until no byte came for this long, or past this many bytes over server.max_body_bytes
+LINGER_S = 10.0
+LINGER_IDLE_S = 2.0
+LINGER_SLACK = 1 << 20
+
+
+class _Linger(asyncio.Protocol):
+    """A connection closing after a refusal while its client may still be sending its request (RFC
+    9112 section 9.6: a lingering close): the answer was written and the write side shut
+    (``write_eof``, so the client reads the answer and then the connection's end), and what still
+    comes is read and dropped, never kept, until the client ends its side or a bound passes
+    (``LINGER_S`` in all, ``LINGER_IDLE_S`` without a byte, ``bytes`` read), and then the connection
+    closes. Closed with the client's bytes unread, the connection would be reset under an answer the
+    client may not have read yet (a stack drops its receive buffer at a reset), and a client writing
+    its body would meet the reset as a write error instead of reading the answer. The connection's
+    own protocol (``owner``) hears of its end (``connection_lost``) when it closes."""
+
+    __slots__ = ("_owner", "_transport", "_loop", "_left", "_end", "_last", "_timer", "done")
+
+    def __init__(self, owner: EdgeProtocol, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop,
+                 max_bytes: float) -> None:
+        self._owner, self._transport, self._loop = owner, transport, loop
+        self._left = max_bytes
+        now = self._last = loop.time()
+        self._end = now + LINGER_S
+        self.done = loop.create_future()
+        transport.set_protocol(self)
+        try:
+            transport.resume_reading()      # (reading may have been paused for the request)
+        except (RuntimeError, AttributeError):
+            pass
+        self._timer: asyncio.TimerHandle | None = loop.call_at(min(self._end, now + LINGER_IDLE_S), self._check)
+
+    def data_received(self, data: bytes) -> None:
+        self._last = self._loop.time()
+        self._left -= len(data)
+        if self._left < 0:
+            self.close()
+
+    def eof_received(self) -> bool:
+        return False                        # the client ended its side: the transport closes
+
+    def _check(self) -> None:
+        self._timer = None
+        now = self._loop.time()
+        if now >= self._end or now - self._last >= LINGER_IDLE_S:
+            self.close()
+        else:
+            self._timer = self._loop.call_at(min(self._end, self._last + LINGER_IDLE_S), self._check)
+
+    def close(self) -> None:
+        if not self._transport.is_closing():
+            self._transport.close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self.done.done():
+            self.done.set_result(None)
+        self._owner.connection_lost(exc)
+
 
 class Edge:
     """Limits, counters and the count of open connections, shared by every connection of a server."""
@@ -469,7 +535,7 @@ class EdgeProtocol(web.RequestHandler):
     __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_timer_at", "_e_stall", "_e_taken", "_e_rx_head",
                  "_e_pipelined", "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
                  "_e_read_paused", "_e_framed", "_e_framed_from", "_e_loop", "_e_line", "_e_heads", "_e_unparsed", "_e_head_at", "_lane", "_lane_held", "_lane_server",
-                 "_lane_part", "_lane_task", "_lane_next", "_lane_wake", "_lane_parse", "_lane_request")
+                 "_lane_part", "_lane_task", "_lane_next", "_lane_wake", "_lane_parse", "_lane_request", "_e_linger")
 
     def __init__(self, manager: web.Server, *, edge: Edge, loop: asyncio.AbstractEventLoop, **kwargs: Any) -> None:
         super().__init__(manager, loop=loop, **kwargs)
@@ -498,6 +564,7 @@ class EdgeProtocol(web.RequestHandler):
         self._e_unparsed = False        # the request started last is aiohttp's for a head it could not parse
         self._e_head_at = 0.0           # loop time the head clock of the request in turn started (``e_head_started``)
         self._lane: Any = None          # the fast lane's request in flight (gateway/server/lane.py)
+        self._e_linger: _Linger | None = None   # the connection's lingering close, once it closes so (``_e_lingering``)
         self._lane_held: list[bytes] = []   # bytes that came while it ran
         self._lane_part: lane.Pending | None = None     # a lane request whose body is still coming
         self._lane_task: asyncio.Task | None = None     # the connection's lane task (``_lane_serve``)
@@ -901,7 +968,8 @@ class EdgeProtocol(web.RequestHandler):
                 self._lane_released()
                 if self._lane is request:
                     self._lane = None
-                    self._lane_done(keep)
+                    # a request the stop cut while its body came (``lane_cut``): the rest is dropped
+                    self._lane_done(keep, linger=request.content.__class__ is lane.LeftBody)
             if self._lane_next is None:
                 if self.transport is None or self._lane_task is not me:
                     return
@@ -915,10 +983,13 @@ class EdgeProtocol(web.RequestHandler):
                 return
             request, handler = nxt
 
-    def _lane_done(self, keep: bool) -> None:
+    def _lane_done(self, keep: bool, linger: bool = False) -> None:
+        """``linger``: the client may still be sending the request just answered."""
         self._e_request = None
         if not keep or self.transport is None or self._force_close or self._close \
                 or (self._edge.draining and not self._e_drain_next(keep, bool(self._lane_held))):
+            if linger:
+                self._e_lingering()
             self.force_close()
             return
         self._next_keepalive_close_time = self._e_loop.time() + self._keepalive_timeout
@@ -1004,8 +1075,13 @@ class EdgeProtocol(web.RequestHandler):
             out = await super().finish_response(request, resp, start_time)
             if resp.keep_alive and request.version == HttpVersion10 and _unframed(request, resp):
                 resp.force_close()
-            if not out[1] and not resp.keep_alive and not request.content.is_eof():
-                self._e_half_close()
+            if not out[1] and not resp.keep_alive:
+                if not request.content.is_eof():
+                    self._e_half_close()        # aiohttp reads and drops the rest of the body
+                elif resp.status >= 400 and (self._e_unparsed or request.content.exception() is not None):
+                    # a head it could not parse, a body whose framing broke: what the client still
+                    # sends is no request aiohttp reads, and it closes next
+                    self._e_lingering()
             return out
         finally:
             self._e_request = None
@@ -1205,7 +1281,7 @@ class EdgeProtocol(web.RequestHandler):
                 headers=request.headers if request is not None else None))
             if request is not None:
                 self._e_logged_running(request, rid, 400, message)
-        self._e_close()
+        self._e_close(linger=True)
 
     def e_undecodable(self, request: web.BaseRequest, exc: BaseException) -> bool:
         """``request``'s body, in x-gzip (``XGzipBody``), does not decode as its handler reads it: the
@@ -1255,7 +1331,7 @@ class EdgeProtocol(web.RequestHandler):
                 self._e_logged(rid, given, method, path, 408, message, None, started)
         self._e_close()
 
-    def _e_close(self) -> None:
+    def _e_close(self, linger: bool = False) -> None:
         """Close as aiohttp's own keep-alive timer does (the transport flushes what was written,
         then closes) and cancel a running handler at once, as a client disconnect does: were it
         left to connection_lost, a handler woken by the broken body would first see the parser's
@@ -1263,14 +1339,49 @@ class EdgeProtocol(web.RequestHandler):
         whole has that body read and dropped by aiohttp (its lingering read): the body is ended
         here, so that the read, woken by the bytes that just came, ends with it instead of meeting
         the connection ``force_close`` took away (a RuntimeError aiohttp logs as an unhandled
-        exception, with its traceback, before connection_lost would have cancelled it)."""
+        exception, with its traceback, before connection_lost would have cancelled it). ``linger``:
+        the client may still be sending the refused request (``_e_lingering``)."""
         request = self._e_request
         payload = self._e_payload
+        if linger:
+            self._e_lingering()
         self.force_close()
         if request is not None and request.task is not None and not request.task.done():
             request.task.cancel()
         elif request is None and payload is not None and not payload.is_eof():
             payload.feed_eof()
+
+    def _e_lingering(self) -> bool:
+        """Close the connection after the answer written to it lingering (``_Linger``): its write
+        side ends now, and what the client still sends of the refused request is read and dropped
+        for a bounded while before the close. The connection is aiohttp's no more (its ``transport``
+        None, as after a close: nothing is written to it, and its ``force_close`` closes nothing);
+        it ends as a connection does, with ``connection_lost``, when the linger closes it. False
+        when the connection cannot end its write side (it is closing already): it closes as it would."""
+        transport = self.transport
+        if transport is None or transport.is_closing() or not transport.can_write_eof():
+            return False
+        try:
+            transport.write_eof()           # after what was written, as the buffer empties
+        except OSError:                     # the client is gone already: connection_lost follows
+            return False
+        max_body = self._edge.limits.max_body_bytes
+        self._e_linger = _Linger(self, transport, self._e_loop, max_body + LINGER_SLACK if max_body else float("inf"))
+        self.transport = None
+        return True
+
+    async def shutdown(self, timeout: float | None = 15.0) -> None:
+        """aiohttp's, and a lingering close (``_e_lingering``) given up to ``timeout`` to end (the
+        client reading the answer the stop's cut gave it) before the connection closes."""
+        linger = self._e_linger
+        if linger is not None and not linger.done.done():
+            try:
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(linger.done)
+            except TimeoutError:
+                pass
+            linger.close()
+        await super().shutdown(timeout)
 
     def pause_writing(self) -> None:
         super().pause_writing()
