@@ -821,3 +821,24 @@ async def test_a_refusal_that_closes_the_connection_is_read_whole_by_a_client_st
             assert got[0].headers["connection"].lower() == "close", case
             assert_openai_error(got[0], status)
         assert await wait_for(lambda: gw.connections() == 0, timeout=5.0, interval=0.01)
+
+
+@on_both_loops
+async def test_a_header_section_over_its_total_bound_is_a_431_at_the_edge_and_reaches_no_engine():
+    """Each header field within ``server.max_header_bytes`` and their count within
+    ``server.max_headers``, a head may still hold 1.6 MB; the headers the gateway forwards then
+    meet the engine's own bound (an h11 server's 16 KiB head by default) and come back as the
+    engine's opaque 400. The whole header section is bounded at the edge
+    (``server.max_header_total_bytes``, 64 KiB by default): over it, a 431 naming the key, and no
+    engine is asked; a head of 60 KB under it is served."""
+    async with edge_gateway(**SERVER) as gw:
+        over = {f"X-Big-{i}": "a" * 10000 for i in range(8)}
+        ex = await exchange(gw.port, request("POST", CHAT, BODY, over))
+        [resp] = ex.responses
+        err = assert_openai_error(resp, 431)
+        assert err["code"] == "header_too_large" and "server.max_header_total_bytes" in err["message"], err
+        assert resp.headers["connection"].lower() == "close" and ex.closed
+        assert await gw.received() == []
+        under = {f"X-Big-{i}": "a" * 5000 for i in range(12)}
+        ex = await exchange(gw.port, request("POST", CHAT, BODY, under, close=True))
+        assert [r.status for r in ex.responses] == [200], ex.responses[0].body[:300]
