@@ -93,6 +93,7 @@ import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import orjson
@@ -235,6 +236,7 @@ class EdgeLimits:
     max_connections: int = 10000
     max_header_bytes: int = 16384
     max_headers: int = 100
+    max_header_total_bytes: int = 65536     # the header section in all (``header_bytes``); 0: no bound
     max_body_bytes: int = 16 * 1024 * 1024
     upload_max_bytes: int = 0          # POST /v1/files (batch.max_file_bytes and its multipart); 0: as any body
     upload_file_bytes: int = 0         # batch.max_file_bytes itself, which an upload's 413 names
@@ -796,7 +798,7 @@ class EdgeProtocol(web.RequestHandler):
         if not self._lane_open(begun=False):
             return False
         lim = self._edge.limits
-        got = self._lane_parse(data, self._lane_server.lane_paths, lim.max_header_bytes, lim.max_headers,
+        got = self._lane_parse(data, self._lane_server.lane_paths, self._lane_server.lane_max_head, lim.max_headers,
                                lim.max_body_bytes or float("inf"))
         if got is None:
             return False
@@ -1684,6 +1686,21 @@ class XGzipBody(StreamReader):
             raise
 
 
+def header_bytes(request: web.BaseRequest) -> int:
+    """The size of ``request``'s header section as ``server.max_header_total_bytes`` counts it: its
+    fields' names and values, and 4 bytes a field for its colon, space and line end."""
+    fields = request.raw_headers
+    return sum(map(len, map(itemgetter(0), fields))) + sum(map(len, map(itemgetter(1), fields))) + 4 * len(fields)
+
+
+def headers_too_large(request: web.BaseRequest, limit: int) -> web.Response:
+    """A header section over ``server.max_header_total_bytes`` in all, each field within
+    ``max_header_bytes``: refused before any engine is asked, whose own bound on the headers the
+    request forwards would refuse them with a 400 of its own (an h11 server's 16 KiB head)."""
+    return _closing_error(request, 431, f"the request's header fields are larger than {limit} bytes in all "
+                          "(server.max_header_total_bytes)", "header_too_large")
+
+
 def content_length_refused(request: web.BaseRequest) -> web.Response:
     """A ``Content-Length`` of more digits than Python converts to an int (4300: zeros in front of
     a small length, which the parser read as that length): refused as any malformed
@@ -1900,6 +1917,7 @@ class EdgeServer(web.Server):
         app_handler = self.request_handler
         max_body = edge.limits.max_body_bytes or float("inf")
         max_upload = edge.limits.upload_max_bytes
+        max_head_total = edge.limits.max_header_total_bytes
         self.direct = direct
         # the fast lane takes every inference path whose body the pipeline reads whole (chat,
         # completions, embeddings, Messages, Responses, the JSON pass-through paths); not the audio
@@ -1908,6 +1926,10 @@ class EdgeServer(web.Server):
                            if edge.limits.fast_lane else {})
         self.lane_parse = lane.parse if cors is None else functools.partial(lane.parse, decline=lane.CORS_DECLINE)
         self.lane_request = lane.LaneRequest if cors is None else lane.CorsLaneRequest
+        # the largest head the lane takes: a larger one is aiohttp's, whose parser and
+        # ``header_bytes`` answer it (its request line and each field, its fields in all)
+        total = edge.limits.max_header_total_bytes
+        self.lane_max_head = min(edge.limits.max_header_bytes, total) if total else edge.limits.max_header_bytes
 
         # the edge's refusals, each with its request log line
         refused = functools.partial(logged_refusal, request_log=edge.request_log)
@@ -1919,6 +1941,9 @@ class EdgeServer(web.Server):
             if (host := host_refused(request)) is not None:
                 edge.metrics.protocol_errors.labels("400").inc()
                 return refused(request, host)
+            if max_head_total and header_bytes(request) > max_head_total:
+                edge.metrics.protocol_errors.labels("431").inc()
+                return refused(request, headers_too_large(request, max_head_total))
             if request.method == "CONNECT":     # a tunnel request: this is not a forward proxy
                 return refused(request, connect_refused(request, allow))
             if request.method == "OPTIONS" and request.raw_path == "*":    # about the server, not a path
