@@ -1,0 +1,61 @@
+"""Body fields that steer the engine past the gateway's own controls reach it only when the
+operator lets them: a request's ``priority`` (vLLM's and SGLang's priority scheduling, which would
+let a client jump the engine's queue whatever its admission class) and a client's own
+``kv_transfer_params`` on an aggregated vLLM endpoint (a NIXL connector would pin the request's KV
+blocks for a remote decode, or pull KV from a host the client chose). A real gateway in front of
+simulated engines, which list the bodies they received."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from gateway.apis.paths import MESSAGES
+from gateway.request import CHAT, COMPLETIONS
+from tests.support.factories import model_block
+from tests.support.http import post, sim_state
+from tests.support.metrics import metric
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+async def _received(url: str, path: str) -> list[dict]:
+    return [x["body"] for x in (await sim_state(url))["received"] if x["path"] == path]
+
+
+async def _metrics(gw) -> str:
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+        return await r.text()
+
+
+async def test_a_clients_body_priority_does_not_reach_the_engine_unless_allowed(sims, gateway):
+    """vLLM runs a lower ``priority`` first (``--scheduling-policy priority``), SGLang a higher one
+    (``--enable-priority-scheduling``): either way a client's own value would put it ahead of
+    everyone in the engine's queue, past the class admission gave it. It is dropped, counted and
+    logged; ``upstream.client_priority: true`` passes it."""
+    v = await sims("vllm", "m")
+    s = await sims("sglang", "qwen")
+    gw = await gateway([model_block("m", "vllm", [v.url]), model_block("qwen", "sglang", [s.url])])
+    with gw.gw.request_log.capture() as logs:
+        r = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2, "priority": -1000})
+        assert r.status == 200, r.body
+        r = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2, "priority": -5, "stream": True})
+        assert r.status == 200, r.body
+        r = await post(gw, {"model": "m", "max_tokens": 2, "messages": MSG, "priority": -5}, path=MESSAGES)
+        assert r.status == 200, r.body
+        r = await post(gw, {"model": "qwen", "prompt": "hi", "max_tokens": 2, "priority": 1000}, path=COMPLETIONS)
+        assert r.status == 200, r.body
+        r = await post(gw, {"model": "qwen", "messages": MSG, "max_tokens": 2})
+        assert r.status == 200, r.body
+    sent = await _received(v.url, CHAT) + await _received(v.url, MESSAGES) + await _received(s.url, COMPLETIONS)
+    assert len(sent) == 4 and not [b for b in sent if "priority" in b], sent
+    assert [b["max_tokens"] for b in sent] == [2, 2, 2, 2]          # the rest of the body as sent
+    lines = [x for x in logs if x["event"] == "request"]
+    assert [x.get("dropped_fields") for x in lines] == [["priority"]] * 4 + [None], lines
+    page = await _metrics(gw)
+    assert metric(page, "switchyard_request_fields_dropped_total", model="m", field="priority") == 3
+    assert metric(page, "switchyard_request_fields_dropped_total", model="qwen", field="priority") == 1
+
+    v2 = await sims("vllm", "m")
+    gw2 = await gateway([model_block("m", "vllm", [v2.url])], upstream={"client_priority": True})
+    assert (await post(gw2, {"model": "m", "messages": MSG, "max_tokens": 2, "priority": -3})).status == 200
+    assert [b.get("priority") for b in await _received(v2.url, CHAT)] == [-3]
