@@ -242,6 +242,10 @@ class GatewayMetrics:
         self.client_cancels = Counter("switchyard_client_cancels",
                                       "Requests whose client went away before the end", ["model", "stage"],
                                       registry=r)
+        self.fields_dropped = Counter("switchyard_request_fields_dropped",
+                                      "Request body fields dropped before the engine because they would steer it "
+                                      "past the gateway's controls (priority, kv_transfer_params)",
+                                      ["model", "field"], registry=r)
         self.routing_fallbacks = Counter("switchyard_routing_fallbacks",
                                          "Strategy decisions made without the strategy's signal",
                                          ["strategy", "reason"], registry=r)

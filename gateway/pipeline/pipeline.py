@@ -36,7 +36,7 @@ from gateway.pipeline.ledger import NO_CHARGES, charge
 from gateway.pipeline.migration import Migration
 from gateway.pipeline.relay import FirstBytesFailed, error_event, watchdog_fired
 from gateway.pipeline.routing import WHOLE_REQUEST_ROLES
-from gateway.request import InferenceRequest, parse
+from gateway.request import InferenceRequest, body_bytes, parse
 from gateway.resilience.outcome import Outcome, key_refused, of_status
 from gateway.resilience.retry import discard
 from gateway.server.lifecycle import shutting_down
@@ -115,6 +115,8 @@ class Pipeline:
             model = self._enter(ireq.model)         # 404 unless known; counted in flight
             rec.model_known = True                  # metric labels name known models only
             legs = self.legs(model)                 # what its stages read of the model's config
+            if "priority" in ireq.data:             # a field that steers the engine past the gateway
+                self._engine_controls(ctx)
             spec, router = self.routing.strategy(ireq.model, self.routing.header(request.headers, ireq.model),
                                                  lora=ireq.lora is not None)   # 400 unless known; one spelling
             rec.strategy = spec                     # metric labels hold known models and strategies only
@@ -211,6 +213,23 @@ class Pipeline:
         if ctx.rec.user is None:            # without auth, who the request says it is (with auth, the key's)
             ctx.rec.user = ireq.user
         return ireq
+
+    def _engine_controls(self, ctx: RequestContext) -> None:
+        """Body fields that would steer the engine past the gateway's own controls are dropped
+        unless the operator lets them through: ``priority``, which vLLM's and SGLang's priority
+        scheduling read, would put a request ahead in the engine's queue whatever its admission
+        class (``upstream.client_priority``). Each is counted and named in the log line."""
+        ireq = ctx.ireq
+        assert ireq is not None
+        data = ireq.data
+        dropped = [] if self.config.upstream.client_priority else ["priority"]
+        if not dropped:
+            return
+        data = {k: v for k, v in data.items() if k not in dropped}
+        ireq.data, ireq.body = data, body_bytes(data, ireq.body)
+        ctx.rec.extra["dropped_fields"] = dropped
+        for name in dropped:
+            self.metrics.child(self.metrics.fields_dropped, ctx.rec.label_model, name).inc()
 
     def _refused_named(self, ctx: RequestContext, name: str, user: str | None) -> None:
         """A request refused after its body named ``name``: its log line names it, and its metrics
