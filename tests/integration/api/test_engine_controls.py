@@ -16,6 +16,8 @@ from tests.support.http import post, sim_state
 from tests.support.metrics import metric
 
 MSG = [{"role": "user", "content": "hi"}]
+KV = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_host": "198.51.100.7", "remote_port": 5600,
+      "remote_block_ids": [1, 2], "remote_request_id": "r"}
 
 
 async def _received(url: str, path: str) -> list[dict]:
@@ -59,3 +61,33 @@ async def test_a_clients_body_priority_does_not_reach_the_engine_unless_allowed(
     gw2 = await gateway([model_block("m", "vllm", [v2.url])], upstream={"client_priority": True})
     assert (await post(gw2, {"model": "m", "messages": MSG, "max_tokens": 2, "priority": -3})).status == 200
     assert [b.get("priority") for b in await _received(v2.url, CHAT)] == [-3]
+
+
+async def test_a_clients_kv_transfer_params_do_not_reach_an_aggregated_engine_unless_allowed(sims, gateway):
+    """On an aggregated endpoint the legs are nobody's but the client's: a vLLM engine with a NIXL
+    connector in ``kv_both`` would pin the request's KV blocks for minutes (``do_remote_decode``) or
+    connect to the host the client named to pull KV (``do_remote_prefill``). The field is dropped,
+    counted and logged; ``pd.client_kv_transfer_params: true`` (globally or on the model) passes it,
+    for clients that orchestrate prefill and decode themselves."""
+    v = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [v.url])])
+    with gw.gw.request_log.capture() as logs:
+        for kv in (KV, {"do_remote_decode": True}):
+            r = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2, "kv_transfer_params": kv})
+            assert r.status == 200, r.body
+        r = await post(gw, {"model": "m", "prompt": "hi", "max_tokens": 2, "stream": True,
+                            "kv_transfer_params": KV}, path=COMPLETIONS)
+        assert r.status == 200, r.body
+    sent = await _received(v.url, CHAT) + await _received(v.url, COMPLETIONS)
+    assert len(sent) == 3 and not [b for b in sent if "kv_transfer_params" in b], sent
+    lines = [x for x in logs if x["event"] == "request"]
+    assert [x.get("dropped_fields") for x in lines] == [["kv_transfer_params"]] * 3, lines
+    page = await _metrics(gw)
+    assert metric(page, "switchyard_request_fields_dropped_total", model="m", field="kv_transfer_params") == 3
+
+    w = await sims("vllm", "own")
+    gw2 = await gateway([model_block("m", "vllm", [v.url]),
+                         {**model_block("own", "vllm", [w.url]), "pd": {"client_kv_transfer_params": True}}])
+    r = await post(gw2, {"model": "own", "messages": MSG, "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status == 200, r.body
+    assert [b.get("kv_transfer_params") for b in await _received(w.url, CHAT)] == [{"do_remote_decode": True}]
