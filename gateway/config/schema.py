@@ -255,6 +255,7 @@ class PDConfig(PDRouteSettings):
     disaggregate_min_prompt_tokens: Annotated[Count, Meta(description="Run a request whole when its prompt has fewer tokens than this (0: rule off).")] = 0
     local_prefill_pressure: Annotated[Count, Meta(description="Run a request whole when the roleset's prefill endpoints have more prefills in flight each, on average, than this, and the decode has KV headroom (0: rule off).")] = 0
     local_max_decode_kv_usage: Annotated[float, Meta(ge=0, le=1, description="Under prefill pressure, run whole only when the decode's KV-cache usage is below this share (0..1), or unknown.")] = 0.8
+    client_kv_transfer_params: Annotated[bool, Meta(description="Pass a client's own kv_transfer_params to an aggregated endpoint, for clients that orchestrate prefill and decode themselves. Off: the gateway drops them (a vLLM engine with a NIXL connector would pin the request's KV blocks for a remote decode, or pull KV from a host the client named), counts them (switchyard_request_fields_dropped_total) and logs them (dropped_fields). P/D legs, and a request run whole on a decode, carry the gateway's own either way.")] = False
     vllm: Annotated[VLLMPDSettings, Meta(description="Settings for vLLM prefill/decode pairs.")] = VLLMPDSettings()
     sglang: Annotated[SGLangPDSettings, Meta(description="Settings for SGLang prefill/decode pairs.")] = SGLangPDSettings()
 

@@ -115,7 +115,8 @@ class Pipeline:
             model = self._enter(ireq.model)         # 404 unless known; counted in flight
             rec.model_known = True                  # metric labels name known models only
             legs = self.legs(model)                 # what its stages read of the model's config
-            if "priority" in ireq.data:             # a field that steers the engine past the gateway
+            data = ireq.data                        # fields that steer the engine past the gateway
+            if "priority" in data or "kv_transfer_params" in data:
                 self._engine_controls(ctx)
             spec, router = self.routing.strategy(ireq.model, self.routing.header(request.headers, ireq.model),
                                                  lora=ireq.lora is not None)   # 400 unless known; one spelling
@@ -218,11 +219,18 @@ class Pipeline:
         """Body fields that would steer the engine past the gateway's own controls are dropped
         unless the operator lets them through: ``priority``, which vLLM's and SGLang's priority
         scheduling read, would put a request ahead in the engine's queue whatever its admission
-        class (``upstream.client_priority``). Each is counted and named in the log line."""
+        class (``upstream.client_priority``); a client's ``kv_transfer_params`` would have a vLLM
+        engine with a NIXL connector pin the request's KV blocks for a remote decode or pull KV
+        from a host the client chose (``pd.client_kv_transfer_params``; P/D legs carry the
+        gateway's own whatever it says). Each is counted and named in the log line."""
         ireq = ctx.ireq
         assert ireq is not None
         data = ireq.data
-        dropped = [] if self.config.upstream.client_priority else ["priority"]
+        dropped = []
+        if "priority" in data and not self.config.upstream.client_priority:
+            dropped.append("priority")
+        if "kv_transfer_params" in data and not self.config.pd_for(ireq.model).client_kv_transfer_params:
+            dropped.append("kv_transfer_params")
         if not dropped:
             return
         data = {k: v for k, v in data.items() if k not in dropped}

@@ -341,6 +341,8 @@ async def test_no_header_target_or_field_makes_the_gateway_connect_outside_its_p
             assert dialled == []
             got = await gw.received()
             assert len(got) == 1 and got[0]["path"] == CHAT and got[0]["json_object"]
+            # nor the engine: a NIXL connector would dial the host kv_transfer_params name
+            assert "kv_transfer_params" not in got[0]["body"], got[0]["body"]
     finally:
         server.close()
         await server.wait_closed()
