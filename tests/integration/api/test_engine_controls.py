@@ -91,3 +91,36 @@ async def test_a_clients_kv_transfer_params_do_not_reach_an_aggregated_engine_un
     r = await post(gw2, {"model": "own", "messages": MSG, "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": True}})
     assert r.status == 200, r.body
     assert [b.get("kv_transfer_params") for b in await _received(w.url, CHAT)] == [{"do_remote_decode": True}]
+
+
+async def test_admission_writes_the_requests_class_into_the_engines_priority(sims, gateway):
+    """With ``admission.engine_priority`` (engines started with priority scheduling) the gateway
+    owns the engine's queue order: each request carries its class's value, the user's class or a
+    lower ``x-priority``, whatever priority its body named; a P/D model's legs carry it too, and a
+    model whose admission is off writes none."""
+    v = await sims("vllm", "m")
+    s = await sims("sglang", "qwen")
+    p, d = await sims("vllm", "pd", role="prefill"), await sims("vllm", "pd", role="decode")
+    o = await sims("vllm", "off")
+    gw = await gateway([model_block("m", "vllm", [v.url]),
+                        {**model_block("qwen", "sglang", [s.url]),
+                         "admission": {"engine_priority": {"critical": 10, "standard": 5, "sheddable": 0}}},
+                        {"name": "pd", "engine": "vllm", "rolesets": [{"name": "rs", "prefill": [p.url],
+                                                                        "decode": [d.url]}]},
+                        model_block("off", "vllm", [o.url], admission={"enabled": False})],
+                       admission={"enabled": True, "max_in_flight_per_endpoint": 4,
+                                  "engine_priority": {"critical": -1, "standard": 0, "sheddable": 1}},
+                       limits={"users": {"carol": {"priority": "critical"}}})
+    asks = [({"user": "carol"}, {}), ({"user": "carol"}, {"x-priority": "sheddable"}),
+            ({"user": "bob", "priority": -1000}, {}), ({"user": "bob"}, {"x-priority": "critical"})]
+    for model in ("m", "qwen", "pd"):
+        for extra, headers in asks:
+            r = await post(gw, {"model": model, "messages": MSG, "max_tokens": 2, **extra}, headers)
+            assert r.status == 200, (model, r.body)
+    assert (await post(gw, {"model": "off", "messages": MSG, "max_tokens": 2, "user": "carol"})).status == 200
+    sent = await _received(v.url, CHAT)
+    assert [b.get("priority") for b in sent] == [-1, 1, 0, 0], sent
+    assert [b.get("priority") for b in await _received(o.url, CHAT)] == [None]
+    assert [b.get("priority") for b in await _received(s.url, CHAT)] == [10, 0, 5, 5]
+    assert [b.get("priority") for b in await _received(p.url, CHAT)] == [-1, 1, 0, 0]
+    assert [b.get("priority") for b in await _received(d.url, CHAT)] == [-1, 1, 0, 0]
