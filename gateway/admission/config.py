@@ -30,6 +30,19 @@ class WaitingShares(Block):
         return max(0, math.floor(max_waiting * getattr(self, PRIORITIES[rank]) + 0.5))
 
 
+EngineValue = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]
+
+
+class EnginePriorities(Block):
+    """The body's ``priority`` each class is sent to the engine with, in the engine's own order:
+    vLLM (``--scheduling-policy priority``) runs a lower value first, SGLang
+    (``--enable-priority-scheduling``) a higher one unless ``--schedule-low-priority-values-first``."""
+
+    critical: Annotated[EngineValue, Meta(description="The engine priority of critical requests.")]
+    standard: Annotated[EngineValue, Meta(description="The engine priority of standard requests.")]
+    sheddable: Annotated[EngineValue, Meta(description="The engine priority of sheddable requests (batch lines among them).")]
+
+
 class AdmissionConfig(Block):
     """Off by default: the gateway then forwards every request as before. See README "Admission
     control" for what each threshold means."""
@@ -47,6 +60,7 @@ class AdmissionConfig(Block):
     metrics_max_age_s: Annotated[float, Meta(gt=0, description="An endpoint whose engine metrics are older than this counts as saturated, in seconds.")] = 5.0
     default_priority: Annotated[Priority, Meta(description="Class of users without limits.users.NAME.priority: critical, standard or sheddable.")] = "standard"
     priority_header: Annotated[bool, Meta(description="Honour a request's x-priority header, never above its user's class.")] = True
+    engine_priority: Annotated[EnginePriorities | None, Meta(description="Write each request's class into its body's priority, for engines started with priority scheduling, which then run a critical request ahead of the lower classes already in their queue: vLLM --scheduling-policy priority runs a lower value first (e.g. {critical: -1, standard: 0, sheddable: 1}), SGLang --enable-priority-scheduling a higher one (e.g. {critical: 1, standard: 0, sheddable: -1}). It replaces a client's own priority. An engine without priority scheduling refuses a non-zero value (vLLM: 400), so set it on the models whose engines have it; a model's block replaces the three values. null: none written.")] = None
     retry_after_max_s: Annotated[int, Meta(ge=1, description="Cap of the Retry-After computed for a shed request, in seconds.")] = 60
     drain_window_s: Annotated[float, Meta(ge=1, le=600, description="The queue's drain rate (for Retry-After) is measured over this window, in seconds.")] = 10.0
 

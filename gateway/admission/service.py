@@ -211,6 +211,16 @@ class Admission:
             return RANK[allowed]
         return RANK[name]
 
+    def engine_priority(self, ctx: RequestContext) -> int | None:
+        """The body ``priority`` an admitted request is sent with (``engine_priority``: its class's
+        value), None when its model's admission is off or writes none."""
+        ireq = ctx.ireq
+        assert ireq is not None
+        s = self.settings(ireq.model)
+        if s is None or s.engine_priority is None:
+            return None
+        return getattr(s.engine_priority, ctx.rec.extra["priority"])
+
     # -- the pipeline's hooks ------------------------------------------------------------------
 
     async def admit(self, ctx: RequestContext, candidates: list[Endpoint], pairs: bool) -> list[Endpoint]:

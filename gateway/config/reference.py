@@ -44,8 +44,9 @@ PLACEHOLDERS: dict[str, Any] = {
 # map entries shown in full.yaml, by the map's key path
 ENTRY_NAMES = {"limits.users": "alice", "limits.models": "my-model", "kubernetes.models": "my-model"}
 # blocks full.yaml leaves null although they are documented here: giving an endpoint its own
-# kv_events subscribes it to events, which needs the model's tokenizer directory
-NOT_EXPANDED = {"models[].endpoints[].kv_events"}
+# kv_events subscribes it to events, which needs the model's tokenizer directory; engine_priority
+# writes a priority engines without priority scheduling refuse
+NOT_EXPANDED = {"models[].endpoints[].kv_events", "admission.engine_priority"}
 
 
 @dataclass

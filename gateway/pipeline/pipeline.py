@@ -292,6 +292,10 @@ class Pipeline:
         checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
         self._objectives(ireq, rec, slo)
         candidates = await self.admission.admit(ctx, candidates, router.chooses_pairs)
+        value = self.admission.engine_priority(ctx)     # the class, in the engine's queue order
+        if value is not None and ireq.data.get("priority") != value:
+            data = {**ireq.data, "priority": value}
+            ireq.data, ireq.body = data, body_bytes(data, ireq.body)
         kv = self.routing.ctx.precise_index           # tokenized off the loop, so the match finds it cached
         if kv is not None and (router.reads_kv_events or router.chooses_pairs) and kv.covers(ireq.model):
             await kv.prepare(ireq, candidates)
