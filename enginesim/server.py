@@ -125,7 +125,8 @@ def _api_key_check(cfg: SimConfig, refused: collections.deque) -> Any:
 
 def _recorder(received: collections.deque, traceparents: collections.deque) -> Any:
     """Remember what each request that reached the engine looked like on the wire (method, path,
-    body size, whether the body is one JSON object, and that object when it is small), so a test
+    body size, whether the body is one JSON object, and that object when it is small; an
+    ``X-Vllm-Priority`` header, which vLLM reads over the body's priority), so a test
     can prove what a gateway let through; and the W3C trace headers of those that carried a ``traceparent`` (trace propagation)."""
 
     @web.middleware
@@ -138,6 +139,8 @@ def _recorder(received: collections.deque, traceparents: collections.deque) -> A
                                      "request_id": request.headers.get("X-Request-Id")})
             entry: dict[str, Any] = {"method": request.method, "path": request.path_qs, "bytes": 0,
                                      "json_object": None}
+            if (prio := request.headers.get("X-Vllm-Priority")) is not None:
+                entry["vllm_priority"] = prio       # vLLM reads it over the body's priority
             received.append(entry)
             if request.body_exists:
                 try:

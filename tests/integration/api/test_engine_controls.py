@@ -124,3 +124,29 @@ async def test_admission_writes_the_requests_class_into_the_engines_priority(sim
     assert [b.get("priority") for b in await _received(s.url, CHAT)] == [10, 0, 5, 5]
     assert [b.get("priority") for b in await _received(p.url, CHAT)] == [-1, 1, 0, 0]
     assert [b.get("priority") for b in await _received(d.url, CHAT)] == [-1, 1, 0, 0]
+
+
+async def test_a_clients_vllm_priority_header_does_not_reach_the_engine_unless_allowed(sims, gateway):
+    """vLLM reads an ``X-Vllm-Priority`` header over the body's ``priority``: the header would put
+    the request ahead in its queue as the body's field would. It is kept from the engine, counted
+    and logged as the body's field is, on every leg (a P/D pair's too); ``upstream.client_priority:
+    true`` passes it."""
+    v = await sims("vllm", "m")
+    p, d = await sims("vllm", "pd", role="prefill"), await sims("vllm", "pd", role="decode")
+    gw = await gateway([model_block("m", "vllm", [v.url]),
+                        {"name": "pd", "engine": "vllm", "rolesets": [{"name": "rs", "prefill": [p.url],
+                                                                        "decode": [d.url]}]}])
+    with gw.gw.request_log.capture() as logs:
+        for model in ("m", "pd"):
+            r = await post(gw, {"model": model, "messages": MSG, "max_tokens": 2}, {"X-Vllm-Priority": "-1000"})
+            assert r.status == 200, r.body
+    sent = [x for u in (v.url, p.url, d.url) for x in (await sim_state(u))["received"] if x["path"] == CHAT]
+    assert len(sent) == 3 and not [x for x in sent if "vllm_priority" in x], sent
+    lines = [x for x in logs if x["event"] == "request"]
+    assert [x.get("dropped_fields") for x in lines] == [["x-vllm-priority"]] * 2, lines
+    page = await _metrics(gw)
+    assert metric(page, "switchyard_request_fields_dropped_total", field="x-vllm-priority") == 2
+
+    gw2 = await gateway([model_block("m", "vllm", [v.url])], upstream={"client_priority": True})
+    assert (await post(gw2, {"model": "m", "messages": MSG, "max_tokens": 2}, {"X-Vllm-Priority": "-3"})).status == 200
+    assert [x.get("vllm_priority") for x in (await sim_state(v.url))["received"] if x["path"] == CHAT][-1] == "-3"
