@@ -177,6 +177,9 @@ class InferenceRequest:
     # its first token included, came from the legs before (a leg that starts over, nothing generated
     # nor sent, is not one)
     continues: bool = False
+    # the client's X-Vllm-Priority header goes to the engine (``upstream.client_priority``; the
+    # gateway's own ``admission.engine_priority`` takes it back): kept from the legs otherwise
+    priority_header: bool = False
 
     @property
     def is_embeddings(self) -> bool:

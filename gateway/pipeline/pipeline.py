@@ -43,6 +43,7 @@ from gateway.server.lifecycle import shutting_down
 from gateway.tenants.service import NO_TICKET, Ticket
 from gateway.upstream.h1client import Exchange, UpstreamResponse
 from gateway.upstream.upstream import (
+    PRIORITY_HEADER,
     UpstreamFailure,
     engine_key_refused,
     head_timeout,
@@ -116,7 +117,7 @@ class Pipeline:
             rec.model_known = True                  # metric labels name known models only
             legs = self.legs(model)                 # what its stages read of the model's config
             data = ireq.data                        # fields that steer the engine past the gateway
-            if "priority" in data or "kv_transfer_params" in data:
+            if "priority" in data or "kv_transfer_params" in data or PRIORITY_HEADER in ireq.headers:
                 self._engine_controls(ctx)
             spec, router = self.routing.strategy(ireq.model, self.routing.header(request.headers, ireq.model),
                                                  lora=ireq.lora is not None)   # 400 unless known; one spelling
@@ -218,23 +219,31 @@ class Pipeline:
     def _engine_controls(self, ctx: RequestContext) -> None:
         """Body fields that would steer the engine past the gateway's own controls are dropped
         unless the operator lets them through: ``priority``, which vLLM's and SGLang's priority
-        scheduling read, would put a request ahead in the engine's queue whatever its admission
-        class (``upstream.client_priority``); a client's ``kv_transfer_params`` would have a vLLM
-        engine with a NIXL connector pin the request's KV blocks for a remote decode or pull KV
-        from a host the client chose (``pd.client_kv_transfer_params``; P/D legs carry the
-        gateway's own whatever it says). Each is counted and named in the log line."""
+        scheduling read, and vLLM's ``X-Vllm-Priority`` header, which it reads over the body's,
+        would put a request ahead in the engine's queue whatever its admission class
+        (``upstream.client_priority``); a client's ``kv_transfer_params`` would have a vLLM engine
+        with a NIXL connector pin the request's KV blocks for a remote decode or pull KV from a
+        host the client chose (``pd.client_kv_transfer_params``; P/D legs carry the gateway's own
+        whatever it says). Each is counted and named in the log line."""
         ireq = ctx.ireq
         assert ireq is not None
         data = ireq.data
+        allowed = self.config.upstream.client_priority
         dropped = []
-        if "priority" in data and not self.config.upstream.client_priority:
+        if "priority" in data and not allowed:
             dropped.append("priority")
         if "kv_transfer_params" in data and not self.config.pd_for(ireq.model).client_kv_transfer_params:
             dropped.append("kv_transfer_params")
+        if dropped:
+            data = {k: v for k, v in data.items() if k not in dropped}
+            ireq.data, ireq.body = data, body_bytes(data, ireq.body)
+        if PRIORITY_HEADER in ireq.headers:     # kept from every leg (upstream_headers) unless allowed
+            if allowed:
+                ireq.priority_header = True
+            else:
+                dropped.append(PRIORITY_HEADER)
         if not dropped:
             return
-        data = {k: v for k, v in data.items() if k not in dropped}
-        ireq.data, ireq.body = data, body_bytes(data, ireq.body)
         ctx.rec.extra["dropped_fields"] = dropped
         for name in dropped:
             self.metrics.child(self.metrics.fields_dropped, ctx.rec.label_model, name).inc()
@@ -293,9 +302,11 @@ class Pipeline:
         self._objectives(ireq, rec, slo)
         candidates = await self.admission.admit(ctx, candidates, router.chooses_pairs)
         value = self.admission.engine_priority(ctx)     # the class, in the engine's queue order
-        if value is not None and ireq.data.get("priority") != value:
-            data = {**ireq.data, "priority": value}
-            ireq.data, ireq.body = data, body_bytes(data, ireq.body)
+        if value is not None:
+            ireq.priority_header = False        # vLLM would read a client's header over the value
+            if ireq.data.get("priority") != value:
+                data = {**ireq.data, "priority": value}
+                ireq.data, ireq.body = data, body_bytes(data, ireq.body)
         kv = self.routing.ctx.precise_index           # tokenized off the loop, so the match finds it cached
         if kv is not None and (router.reads_kv_events or router.chooses_pairs) and kv.covers(ireq.model):
             await kv.prepare(ireq, candidates)

@@ -67,14 +67,18 @@ _KEY_REFUSED = "key_refused"        # Endpoint.extra: (monotonic time last logge
 # client headers that are not forwarded to engines: hop-by-hop headers, the ones the gateway sets
 # itself (the body goes out decoded, so its content-encoding too), and the gateway's own routing
 # controls, among them the engine's data-parallel rank (a client must not pin ranks; the gateway
-# picks them, ``gateway.kv.dp_rank``, and a model's ``kv_events.client_rank`` lets a client's through).
+# picks them, ``gateway.kv.dp_rank``, and a model's ``kv_events.client_rank`` lets a client's through)
+# and vLLM's priority, which it reads over the body's (a client must not jump the engine's queue;
+# ``upstream.client_priority`` lets it through: ``InferenceRequest.priority_header``).
 # Everything else passes through, as through a proxy.
 DP_RANK_HEADER = "x-data-parallel-rank"
+PRIORITY_HEADER = "x-vllm-priority"
 _DROP_HEADERS = frozenset({
     "host", "content-length", "content-type", "content-encoding", "connection", "keep-alive", "proxy-connection",
     "transfer-encoding", "te", "trailer", "upgrade", "expect", "accept-encoding", "x-request-id",
-    "routing-strategy", "proxy-authorization", DP_RANK_HEADER,
+    "routing-strategy", "proxy-authorization", DP_RANK_HEADER, PRIORITY_HEADER,
 })
+_DROP_KEEPING_PRIORITY = _DROP_HEADERS - {PRIORITY_HEADER}
 
 _NAME = itemgetter(0)
 
@@ -120,7 +124,8 @@ def upstream_headers(ireq: InferenceRequest) -> dict[str, str]:
     # the client's headers whose lower-cased name is not dropped, in their order (the last of a
     # repeated name wins), picked in C: no Python step per header
     items = list(ireq.headers.items())       # a multidict's keys() holds a repeated name once: not its items' order
-    h.update(compress(items, map(not_, map(_DROP_HEADERS.__contains__, map(str.lower, map(_NAME, items))))))
+    drop = _DROP_KEEPING_PRIORITY if ireq.priority_header else _DROP_HEADERS
+    h.update(compress(items, map(not_, map(drop.__contains__, map(str.lower, map(_NAME, items))))))
     return h
 
 
