@@ -150,3 +150,27 @@ async def test_a_clients_vllm_priority_header_does_not_reach_the_engine_unless_a
     gw2 = await gateway([model_block("m", "vllm", [v.url])], upstream={"client_priority": True})
     assert (await post(gw2, {"model": "m", "messages": MSG, "max_tokens": 2}, {"X-Vllm-Priority": "-3"})).status == 200
     assert [x.get("vllm_priority") for x in (await sim_state(v.url))["received"] if x["path"] == CHAT][-1] == "-3"
+
+
+async def test_a_clients_body_rank_does_not_pin_an_sglang_engines_rank_unless_allowed(sims, gateway):
+    """SGLang reads a body's ``routed_dp_rank`` (and its older name ``data_parallel_rank``) when no
+    ``X-Data-Parallel-Rank`` header names a rank: a client would pin the engine's data-parallel rank,
+    which the gateway keeps to itself as it strips the client's header. Both are dropped, counted
+    and logged unless the model's ``kv_events.client_rank`` lets a client's rank through."""
+    s = await sims("sglang", "m")
+    t = await sims("sglang", "own")
+    gw = await gateway([model_block("m", "sglang", [s.url]),
+                        {**model_block("own", "sglang", [t.url]), "kv_events": {"enabled": False, "client_rank": True}}])
+    with gw.gw.request_log.capture() as logs:
+        for field in ("routed_dp_rank", "data_parallel_rank"):
+            r = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2, field: 1})
+            assert r.status == 200, r.body
+    sent = await _received(s.url, CHAT)
+    assert len(sent) == 2 and not [b for b in sent if "routed_dp_rank" in b or "data_parallel_rank" in b], sent
+    lines = [x for x in logs if x["event"] == "request"]
+    assert [x.get("dropped_fields") for x in lines] == [["routed_dp_rank"], ["data_parallel_rank"]], lines
+    page = await _metrics(gw)
+    assert metric(page, "switchyard_request_fields_dropped_total", model="m", field="routed_dp_rank") == 1
+
+    assert (await post(gw, {"model": "own", "messages": MSG, "max_tokens": 2, "routed_dp_rank": 1})).status == 200
+    assert [b.get("routed_dp_rank") for b in await _received(t.url, CHAT)] == [1]
