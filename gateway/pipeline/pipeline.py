@@ -59,6 +59,11 @@ from routers.pd import in_bucket
 log = structlog.get_logger("switchyard.request")
 
 
+# body fields that steer the engine past the gateway's own controls (``Pipeline._engine_controls``)
+DP_RANK_FIELDS = ("routed_dp_rank", "data_parallel_rank")
+ENGINE_CONTROLS = frozenset({"priority", "kv_transfer_params", *DP_RANK_FIELDS})
+
+
 class ModelLegs(NamedTuple):
     """What a model's requests and aggregated legs read of the config: worked out once per model
     and generation (``Pipeline.legs``), not per request."""
@@ -116,9 +121,8 @@ class Pipeline:
             model = self._enter(ireq.model)         # 404 unless known; counted in flight
             rec.model_known = True                  # metric labels name known models only
             legs = self.legs(model)                 # what its stages read of the model's config
-            data = ireq.data                        # fields that steer the engine past the gateway
-            if "priority" in data or "kv_transfer_params" in data or PRIORITY_HEADER in ireq.headers:
-                self._engine_controls(ctx)
+            if not ENGINE_CONTROLS.isdisjoint(ireq.data) or PRIORITY_HEADER in ireq.headers:
+                self._engine_controls(ctx)          # fields that steer the engine past the gateway
             spec, router = self.routing.strategy(ireq.model, self.routing.header(request.headers, ireq.model),
                                                  lora=ireq.lora is not None)   # 400 unless known; one spelling
             rec.strategy = spec                     # metric labels hold known models and strategies only
@@ -224,7 +228,10 @@ class Pipeline:
         (``upstream.client_priority``); a client's ``kv_transfer_params`` would have a vLLM engine
         with a NIXL connector pin the request's KV blocks for a remote decode or pull KV from a
         host the client chose (``pd.client_kv_transfer_params``; P/D legs carry the gateway's own
-        whatever it says). Each is counted and named in the log line."""
+        whatever it says); SGLang's ``routed_dp_rank`` (and its older ``data_parallel_rank``) would
+        pin the engine's data-parallel rank, which the gateway keeps to itself as it strips a
+        client's ``X-data-parallel-rank`` (``kv_events.client_rank``). Each is counted and named in
+        the log line."""
         ireq = ctx.ireq
         assert ireq is not None
         data = ireq.data
@@ -234,6 +241,8 @@ class Pipeline:
             dropped.append("priority")
         if "kv_transfer_params" in data and not self.config.pd_for(ireq.model).client_kv_transfer_params:
             dropped.append("kv_transfer_params")
+        if ("routed_dp_rank" in data or "data_parallel_rank" in data) and not self._client_rank(ireq.model):
+            dropped += [name for name in DP_RANK_FIELDS if name in data]
         if dropped:
             data = {k: v for k, v in data.items() if k not in dropped}
             ireq.data, ireq.body = data, body_bytes(data, ireq.body)
