@@ -174,3 +174,17 @@ async def test_a_clients_body_rank_does_not_pin_an_sglang_engines_rank_unless_al
 
     assert (await post(gw, {"model": "own", "messages": MSG, "max_tokens": 2, "routed_dp_rank": 1})).status == 200
     assert [b.get("routed_dp_rank") for b in await _received(t.url, CHAT)] == [1]
+
+
+async def test_engine_priority_wins_over_a_client_priority_the_operator_lets_through(sims, gateway):
+    """``upstream.client_priority: true`` passes a client's priority, but where admission writes the
+    class (``engine_priority``) the gateway's value is the one the engine reads: the body's is
+    replaced and the ``X-Vllm-Priority`` header, which vLLM reads over the body, is kept back."""
+    v = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [v.url])], upstream={"client_priority": True},
+                       admission={"enabled": True, "max_in_flight_per_endpoint": 4,
+                                  "engine_priority": {"critical": -1, "standard": 0, "sheddable": 1}})
+    r = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2, "priority": -50}, {"X-Vllm-Priority": "-50"})
+    assert r.status == 200, r.body
+    got = [x for x in (await sim_state(v.url))["received"] if x["path"] == CHAT]
+    assert len(got) == 1 and got[0]["body"]["priority"] == 0 and "vllm_priority" not in got[0], got
