@@ -433,7 +433,7 @@ _UNPARSED = [
     ("two_hosts", _MSG_HEAD + b"Host: b\r\nContent-Length: %d\r\n\r\n" % len(_MSG_BODY) + _MSG_BODY, 400),
     ("header_60kb", request("POST", "/v1/messages", _MSG_BODY, {"X-Big": "a" * 60_000}), 431),
     ("headers_300", request("POST", "/v1/messages", _MSG_BODY, {f"X-H{i}": "v" for i in range(300)}), 431),
-    ("target_20kb", request("POST", "/v1/messages?" + "a" * 20_000, _MSG_BODY), 431),
+    ("target_20kb", request("POST", "/v1/messages?" + "a" * 20_000, _MSG_BODY), 414),
     ("count_tokens_bad_chunk", b"POST /v1/messages/count_tokens HTTP/1.1\r\nHost: gw\r\n"
      b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
     ("method_with_a_control_byte", _MSG_HEAD.replace(b"POST", b"PO\x01T") + b"Content-Length: %d\r\n\r\n"
