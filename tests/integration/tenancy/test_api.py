@@ -199,6 +199,36 @@ async def test_a_messages_or_responses_stream_dropped_before_its_end_is_charged_
     assert await wait_for(charged) >= 150, await state.usage("alice")
 
 
+async def test_a_background_response_is_charged_its_usage_once_when_it_is_read(sims, gateway):
+    """A ``background: true`` response is answered ``queued`` at once, with no usage, and goes on on
+    its engine: it was charged its prompt's estimate alone, so background requests generated
+    without limit under TPM. Its usage is charged when a read of it finds it ended, once however
+    often it is read."""
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"tpm": 100_000}}})
+    c = openai_client(gw, ALICE)
+    r = await c.responses.create(model="m", input="Tell me about switchyards.", max_output_tokens=40,
+                                 background=True)
+    assert r.status in ("queued", "in_progress") and r.usage is None
+
+    async def ended():
+        got = await c.responses.retrieve(r.id)
+        return got if got.status in ("completed", "incomplete") else None
+    done = await until(ended)
+    total = done.usage.input_tokens + done.usage.output_tokens
+    assert done.usage.output_tokens == 40
+    state = gw.gw.tenancy.state
+
+    async def charged():
+        return (await state.usage("alice"))["tokens"] >= total
+    await until(charged)
+    for _ in range(2):                                  # read again: charged once
+        assert (await c.responses.retrieve(r.id)).usage.output_tokens == 40
+    await asyncio.sleep(0.1)
+    assert (await state.usage("alice"))["tokens"] == total
+
+
 async def test_concurrency_limit_counts_requests_in_flight(sims, gateway):
     sim = await sims("vllm", "m", itl_ms=20.0)
     gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
