@@ -68,7 +68,7 @@ from gateway.pipeline.context import (
 from gateway.request import given_request_id, request_id_from
 from gateway.resilience.outcome import key_refused
 from gateway.state.redis import redis_client
-from gateway.tenants import Tenancy
+from gateway.tenants import TICKET, Tenancy
 from gateway.upstream.upstream import (
     engine_key_refused,
     key_refused_error,
@@ -84,6 +84,11 @@ UNREACHABLE_LOG_S = 10.0
 BY_ID = RESPONSES + "/{response_id}"
 
 _PD_ROLES = ("prefill", "decode")
+# the owners' store key of what a background response owes its user's TPM window until a read finds
+# it ended (a response id, a path segment, holds no "/": no call on a response names one)
+OWED = "owed/"
+# a response's states after which it generates nothing more
+_ENDED = ("completed", "incomplete", "failed", "cancelled")
 
 
 @dataclass(slots=True)
@@ -481,6 +486,49 @@ class ResponsesApi(ApiShape):
         failed = final if isinstance(final, dict) and final.get("status") == "failed" and \
             ireq.data.get("background") is not True else None
         await self._record_owner(ctx, rid, failed)
+        if self.tenancy is not None and ex.scanner is None and ireq.data.get("background") is True \
+                and isinstance(ex.body, dict) and ex.body.get("status") in ("queued", "in_progress"):
+            await self._owe_usage(ctx, rid)
+
+    async def _owe_usage(self, ctx: RequestContext, rid: str) -> None:
+        """A background response answered before it ended (``queued``): its usage is charged to its
+        user when a read of it finds it ended (``_charge_ended``), less its prompt's estimate, which
+        its request was charged (when the user has a TPM limit)."""
+        t = ctx.http.get(TICKET)
+        if t is None or t.user is None or len(rid) > 200:
+            return
+        charged = t.est_tokens if t.limits is not None and t.limits.tpm else 0
+        blob = orjson.dumps({"user": t.user, "keyed": t.key_id is not None, "charged": charged})
+        try:
+            await self.owners.put(OWED + rid, blob)
+        except StoreUnavailable as e:
+            self._unreachable(e, "responses state not written")
+
+    async def _charge_ended(self, rid: str, data: bytes) -> None:
+        """A read of a response (its GET, its cancel) that finds it ended charges the usage a
+        background response owes, once: the claim's delete decides which read charges it."""
+        assert self.tenancy is not None
+        try:
+            body = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(body, dict) or body.get("status") not in _ENDED:
+            return
+        usage = body.get("usage")
+        if not isinstance(usage, dict):
+            return
+        try:
+            blob = await self.owners.get(OWED + rid)
+            if blob is None or not await self.owners.delete(OWED + rid):
+                return
+        except StoreUnavailable as e:
+            self._unreachable(e)
+            return
+        owed = orjson.loads(blob)
+        prompt, completion = usage.get("input_tokens"), usage.get("output_tokens")
+        self.tenancy.charge_ended(owed.get("user"), bool(owed.get("keyed")),
+                                  prompt if isinstance(prompt, int) else 0,
+                                  completion if isinstance(completion, int) else 0, int(owed.get("charged") or 0))
 
     async def _keep(self, ctx: RequestContext, rid: str, final: dict[str, Any]) -> None:
         """Gateway state: the history record of response ``rid``, as it ended (``final``)."""
@@ -687,7 +735,7 @@ class ResponsesApi(ApiShape):
                                "(unhealthy or draining); retry later", code="response_owner_unavailable",
                                headers={"Retry-After": "5"}, error_class=ErrorClass.RESPONSE_OWNER_UNAVAILABLE)
         rec.endpoint = ep.name
-        return await self._proxy(rec, ep, request)
+        return await self._proxy(rec, ep, request, rid)
 
     async def _failed_call(self, rec: RequestRecord, rid: str, failed: dict[str, Any],
                            request: web.Request) -> web.Response:
@@ -741,7 +789,8 @@ class ResponsesApi(ApiShape):
         r.close()
         raise too_large_error(most)
 
-    async def _proxy(self, rec: RequestRecord, ep: Endpoint, request: web.Request) -> web.StreamResponse:
+    async def _proxy(self, rec: RequestRecord, ep: Endpoint, request: web.Request,
+                     rid: str | None = None) -> web.StreamResponse:
         """The same call on the owning engine; its answer relayed (errors in OpenAI's shape)."""
         assert self.session is not None
         try:
@@ -770,6 +819,8 @@ class ResponsesApi(ApiShape):
                 ctype = r.headers.get("Content-Type", "application/json")
                 if not ctype.startswith("text/event-stream"):
                     data = _with_responses_usage(await self._read_bounded(rec, ep, r))
+                    if self.tenancy is not None and r.status == 200 and rid is not None:
+                        await self._charge_ended(rid, data)
                     resp = web.Response(status=r.status, body=data, headers=out_headers)
                     resp.headers["Content-Type"] = ctype
                     return resp

@@ -498,6 +498,21 @@ class Tenancy:
         if tokens or release:
             self.state.settle(t.user or "", tokens, release)
 
+    def charge_ended(self, user: str | None, keyed: bool, prompt: int, completion: int, charged: int) -> None:
+        """A response that went on on its engine after its request's answer (``background: true``),
+        read once it ended: its usage, less what its request was charged then (its prompt's
+        estimate), into the user's TPM window and ``switchyard_user_tokens_total``."""
+        label = self._user_label(Ticket(user=user, key_id="-" if keyed else None))
+        tokens = self._token_children.get(label)
+        if tokens is None:
+            tokens = self._token_children[label] = (self.m.user_tokens.labels(label, "prompt"),
+                                                    self.m.user_tokens.labels(label, "completion"))
+        tokens[0].inc(prompt)
+        tokens[1].inc(completion)
+        lim = self.directory.limits_for(user)
+        if lim is not None and lim.tpm and prompt + completion > charged:
+            self.state.settle(user or "", prompt + completion - charged, False)
+
     # -- response headers --------------------------------------------------------------------
 
     async def on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
