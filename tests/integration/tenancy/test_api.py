@@ -229,6 +229,45 @@ async def test_a_background_response_is_charged_its_usage_once_when_it_is_read(s
     assert (await state.usage("alice"))["tokens"] == total
 
 
+async def test_a_background_stream_its_client_left_is_charged_the_rest_of_its_usage_when_it_is_read(sims, gateway):
+    """A background stream goes on on its engine when its client leaves: the client was charged what
+    it was sent (its prompt's estimate and a token an event), and the rest of the usage when a read
+    of the response finds it ended, so the whole usage in all, once."""
+    sim = await sims("vllm", "m", itl_ms=5.0, enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"tpm": 100_000}}})
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/responses", headers={"Authorization": f"Bearer {ALICE}"},
+                          json={"model": "m", "input": "Tell me about switchyards.", "max_output_tokens": 200,
+                                "background": True, "stream": True}) as r:
+            assert r.status == 200
+            rid, deltas = None, 0
+            async for line in r.content:
+                if line.startswith(b"data: ") and rid is None:
+                    rid = orjson.loads(line[6:]).get("response", {}).get("id")
+                deltas += line.startswith(b"event: response.output_text.delta")
+                if deltas >= 3:
+                    break
+            r.connection.transport.abort()           # gone; the engine goes on
+    assert rid
+    c = openai_client(gw, ALICE)
+
+    async def ended():
+        got = await c.responses.retrieve(rid)
+        return got if got.status in ("completed", "incomplete") else None
+    done = await until(ended)
+    assert done.usage.output_tokens == 200
+    total = done.usage.input_tokens + done.usage.output_tokens
+    state = gw.gw.tenancy.state
+
+    async def charged():
+        return (await state.usage("alice"))["tokens"] >= total
+    await until(charged)
+    assert (await c.responses.retrieve(rid)).status == done.status      # read again: charged once
+    await asyncio.sleep(0.1)
+    assert (await state.usage("alice"))["tokens"] == total
+
+
 async def test_concurrency_limit_counts_requests_in_flight(sims, gateway):
     sim = await sims("vllm", "m", itl_ms=20.0)
     gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
