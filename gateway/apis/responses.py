@@ -68,7 +68,7 @@ from gateway.pipeline.context import (
 from gateway.request import given_request_id, request_id_from
 from gateway.resilience.outcome import key_refused
 from gateway.state.redis import redis_client
-from gateway.tenants import TICKET, Tenancy
+from gateway.tenants import TICKET, Tenancy, Ticket
 from gateway.upstream.upstream import (
     engine_key_refused,
     key_refused_error,
@@ -322,6 +322,19 @@ class ResponsesApi(ApiShape):
         task = asyncio.get_running_loop().create_task(self._record_owner(ctx, rid))
         self._early.add(task)
         task.add_done_callback(self._early.discard)
+        t = ctx.http.get(TICKET) if self.tenancy is not None else None
+        if t is not None and t.user is not None and len(rid) <= 200:
+            t.settled = partial(self._owe_if_cut, ctx, rid, t)
+
+    def _owe_if_cut(self, ctx: RequestContext, rid: str, t: Ticket, charged: int) -> None:
+        """A background stream settled: one cut before its terminal event (its client left, its
+        connection to the engine broke) goes on on its engine, and owes the rest of its usage."""
+        ex = ctx.api_state
+        if isinstance(ex, Exchange) and ex.scanner is not None and ex.scanner.done:
+            return                          # its usage came with its end, and was charged
+        task = asyncio.get_running_loop().create_task(self._owe(rid, t, charged))
+        self._early.add(task)
+        task.add_done_callback(self._early.discard)
 
     def stream_error(self, ctx: RequestContext, status: int, message: str, code: str | None) -> bytes:
         ex = self._exchange(ctx)
@@ -497,7 +510,9 @@ class ResponsesApi(ApiShape):
         t = ctx.http.get(TICKET)
         if t is None or t.user is None or len(rid) > 200:
             return
-        charged = t.est_tokens if t.limits is not None and t.limits.tpm else 0
+        await self._owe(rid, t, t.est_tokens if t.limits is not None and t.limits.tpm else 0)
+
+    async def _owe(self, rid: str, t: Ticket, charged: int) -> None:
         blob = orjson.dumps({"user": t.user, "keyed": t.key_id is not None, "charged": charged})
         try:
             await self.owners.put(OWED + rid, blob)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,9 @@ class Ticket:
     # the request windows it was counted in: (user's RPM window ends, model's RPS window ends, model),
     # monotonic times (None: not counted there); given back when no engine ever saw the request
     counted: tuple[float | None, float | None, str] | None = None
+    # told, once settled, the tokens the request was charged (0 without a TPM limit): a background
+    # response that goes on on its engine after its client left owes the rest of its usage
+    settled: Callable[[int], None] | None = None
 
 
 TICKET = web.RequestKey("tenancy_ticket", Ticket)
@@ -474,10 +478,8 @@ class Tenancy:
             # (after retries too): it gives back its count in the request windows
             self.state.uncount(t.user or "", counted)
         lim = t.limits
-        if lim is None:
-            return
         tokens = 0
-        if lim.tpm:
+        if lim is not None and lim.tpm:
             if rec.prompt_tokens is not None or rec.completion_tokens is not None:
                 completion = rec.completion_tokens or 0
                 if not rec.delivered and rec.streamed_events > completion:
@@ -497,6 +499,9 @@ class Tenancy:
         release, t.held = t.held, False
         if tokens or release:
             self.state.settle(t.user or "", tokens, release)
+        if t.settled is not None:
+            told, t.settled = t.settled, None
+            told(tokens)
 
     def charge_ended(self, user: str | None, keyed: bool, prompt: int, completion: int, charged: int) -> None:
         """A response that went on on its engine after its request's answer (``background: true``),
