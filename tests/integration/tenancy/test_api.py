@@ -268,6 +268,45 @@ async def test_a_background_stream_its_client_left_is_charged_the_rest_of_its_us
     assert (await state.usage("alice"))["tokens"] == total
 
 
+async def test_a_background_stream_resumed_to_its_end_is_charged_its_usage_once(sims, gateway):
+    """A client that left a background stream resumes it as its engine replays it (``GET
+    ?stream=true&starting_after=``): the replay's terminal event finds the response ended, and
+    the rest of its usage is charged then, once, however often it is replayed."""
+    sim = await sims("vllm", "m", itl_ms=5.0, enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"tpm": 100_000}}})
+    auth = {"Authorization": f"Bearer {ALICE}"}
+    usage = None
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/responses", headers=auth,
+                          json={"model": "m", "input": "Tell me about switchyards.", "max_output_tokens": 80,
+                                "background": True, "stream": True}) as r:
+            rid, seq = None, -1
+            async for line in r.content:
+                if line.startswith(b"data: "):
+                    event = orjson.loads(line[6:])
+                    rid = rid or event.get("response", {}).get("id")
+                    seq = event["sequence_number"]
+                    if event["type"] == "response.output_text.delta":
+                        break
+            r.connection.transport.abort()           # gone; the engine goes on
+        for _ in range(2):                              # resumed twice: charged once
+            async with s.get(f"{gw.url}/v1/responses/{rid}?stream=true&starting_after={seq}", headers=auth) as got:
+                assert got.status == 200
+                async for line in got.content:
+                    if line.startswith(b"data: ") and b"response.completed" in line:
+                        usage = orjson.loads(line[6:])["response"]["usage"]
+    assert usage is not None and usage["output_tokens"] == 80
+    state = gw.gw.tenancy.state
+    total = usage["input_tokens"] + usage["output_tokens"]
+
+    async def charged():
+        return (await state.usage("alice"))["tokens"] >= total
+    await until(charged)
+    await asyncio.sleep(0.1)
+    assert (await state.usage("alice"))["tokens"] == total
+
+
 async def test_concurrency_limit_counts_requests_in_flight(sims, gateway):
     sim = await sims("vllm", "m", itl_ms=20.0)
     gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
