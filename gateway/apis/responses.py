@@ -26,6 +26,7 @@ it are answered as for an unknown id.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -519,19 +520,16 @@ class ResponsesApi(ApiShape):
         except StoreUnavailable as e:
             self._unreachable(e, "responses state not written")
 
-    async def _charge_ended(self, rid: str, data: bytes) -> None:
-        """A read of a response (its GET, its cancel) that finds it ended charges the usage a
-        background response owes, once: the claim's delete decides which read charges it."""
+    async def _charge_ended(self, rid: str, body: Any) -> None:
+        """A read of a response (its GET, its replay, its cancel) that finds it ended charges the
+        usage a background response owes, once: the claim's delete decides which read charges it."""
         assert self.tenancy is not None
-        try:
-            body = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return
         if not isinstance(body, dict) or body.get("status") not in _ENDED:
             return
         usage = body.get("usage")
         if not isinstance(usage, dict):
             return
+        usage = responses_usage(usage) or usage
         try:
             blob = await self.owners.get(OWED + rid)
             if blob is None or not await self.owners.delete(OWED + rid):
@@ -835,7 +833,8 @@ class ResponsesApi(ApiShape):
                 if not ctype.startswith("text/event-stream"):
                     data = _with_responses_usage(await self._read_bounded(rec, ep, r))
                     if self.tenancy is not None and r.status == 200 and rid is not None:
-                        await self._charge_ended(rid, data)
+                        with contextlib.suppress(orjson.JSONDecodeError):
+                            await self._charge_ended(rid, orjson.loads(data))
                     resp = web.Response(status=r.status, body=data, headers=out_headers)
                     resp.headers["Content-Type"] = ctype
                     return resp
@@ -843,7 +842,7 @@ class ResponsesApi(ApiShape):
                 out.content_type = "text/event-stream"
                 await out.prepare(request)
                 rec.headers_sent = True
-                return await self._replay(rec, ep, request, r, out)
+                return await self._replay(rec, ep, request, r, out, rid)
         except (aiohttp.ClientError, TimeoutError) as e:
             if rec.headers_sent:
                 raise
@@ -855,7 +854,7 @@ class ResponsesApi(ApiShape):
                                error_class=ErrorClass.UPSTREAM_CONNECT) from None
 
     async def _replay(self, rec: RequestRecord, ep: Endpoint, request: web.Request, r: aiohttp.ClientResponse,
-                      out: web.StreamResponse) -> web.StreamResponse:
+                      out: web.StreamResponse, rid: str | None = None) -> web.StreamResponse:
         """A background stream's events as its engine replays them (``GET ?stream=true``), each once
         it is whole. One the engine ends before its terminal event, or whose connection breaks,
         ends with an ``error`` event (``upstream_incomplete``; ``upstream_timeout`` when the
@@ -896,6 +895,8 @@ class ResponsesApi(ApiShape):
             except ValueError:
                 after = -1
             await out.write(error_event(max(after, -1) + 1 + scanner.events, message, code))
+        elif scanner.done and self.tenancy is not None and rid is not None:
+            await self._charge_ended(rid, scanner.final)
         await out.write_eof()
         return out
 
