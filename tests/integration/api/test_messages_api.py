@@ -165,11 +165,6 @@ async def test_errors_before_headers_are_anthropic_shaped(fleet):
     with pytest.raises(anthropic.BadRequestError) as ei:
         await c.messages.create(model="llama", max_tokens=0, messages=MSGS)
     assert ei.value.body["type"] == "error" and ei.value.body["error"]["type"] == "invalid_request_error"
-    # the engine's own error (vLLM answers 503), re-shaped with Anthropic's type for the status
-    with pytest.raises(anthropic.InternalServerError) as ei:
-        await c.messages.create(model="llama", max_tokens=4, messages=MSGS, extra_headers={"x-sim-fault": "status=503"})
-    assert ei.value.status_code == 503
-    assert ei.value.body["error"] == {"type": "overloaded_error", "message": "Simulated fault: HTTP 503"}
     await c.close()
     async with aiohttp.ClientSession() as s:
         async with s.get(gw.url + "/v1/messages") as r:     # aiohttp's own 405, shaped too
@@ -177,6 +172,38 @@ async def test_errors_before_headers_are_anthropic_shaped(fleet):
         async with s.post(gw.url + "/v1/messages", data=b"{not json", headers={"content-type": "application/json"}) as r:
             body = await r.json()
             assert r.status == 400 and body["error"]["type"] == "invalid_request_error" and r.headers["request-id"]
+
+
+async def test_an_engines_busy_answer_is_anthropics_529_overloaded_error(fleet):
+    """An engine's 503 (SGLang's full queue, a vLLM not ready) is overload, which Anthropic answers
+    with 529 ``overloaded_error`` (the SDK's ``OverloadedError``), its message and Retry-After kept,
+    logged and counted as 529 while the engine's own status labels its upstream error; an engine's
+    429 stays a 429 ``rate_limit_error``, and its other errors keep their status and message."""
+    gw, _ = fleet
+    c = anthropic_client(gw)
+    for model in ("llama", "qwen"):
+        for stream in (False, True):
+            with pytest.raises(anthropic.OverloadedError) as ei:
+                await c.messages.create(model=model, max_tokens=4, messages=MSGS, stream=stream,
+                                        extra_headers={"x-sim-fault": "status=503"})
+            assert ei.value.status_code == 529
+            assert ei.value.body["error"] == {"type": "overloaded_error", "message": "Simulated fault: HTTP 503"}
+            assert ei.value.response.headers["Retry-After"] == "5"
+    with pytest.raises(anthropic.RateLimitError) as ei:
+        await c.messages.create(model="llama", max_tokens=4, messages=MSGS, extra_headers={"x-sim-fault": "status=429"})
+    assert ei.value.body["error"]["type"] == "rate_limit_error" and ei.value.response.headers["Retry-After"] == "1"
+    with pytest.raises(anthropic.InternalServerError) as ei:
+        await c.messages.create(model="llama", max_tokens=4, messages=MSGS, extra_headers={"x-sim-fault": "status=500"})
+    assert ei.value.status_code == 500 and ei.value.body["error"]["type"] == "api_error"
+    chat = {"model": "llama", "max_tokens": 4, "messages": MSGS}
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=chat,
+                                                    headers={"x-sim-fault": "status=503"}) as r:
+        assert r.status == 503 and r.headers["Retry-After"] == "5"
+    text = await gw.metrics_text()
+    assert metric(text, "switchyard_path_requests_total", path="/v1/messages", status="529") == 4
+    assert not metric(text, "switchyard_path_requests_total", path="/v1/messages", status="503")
+    assert metric(text, "switchyard_upstream_errors_total", model="llama", error_class="status_503") >= 2
+    assert not metric(text, "switchyard_upstream_errors_total", error_class="status_529")
 
 
 async def test_the_gateways_own_sheds_are_anthropics_529_overloaded_error(fleet):
