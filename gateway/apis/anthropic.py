@@ -15,7 +15,8 @@ says which engine serves which path), through the same pipeline as chat. What di
   ``rate_limit_error``, ``overloaded_error``, ...); the gateway's own 503 for want of capacity
   is Anthropic's 529 ``overloaded_error`` (``own_error``), one for a failure ``api_error``. After headers: an ``event: error`` frame with
   the same body. An engine's error answer (vLLM sends this shape already, but OpenAI-shaped for
-  validation errors) is re-shaped the same way, keeping its status and message. An engine's own
+  validation errors) is re-shaped the same way, keeping its status (a 503, the engine's overload,
+  is a 529) and message. An engine's own
   error event in a stream passes on as it came, unless its error's type is none of Anthropic's
   (vLLM writes ``internal_error``): then that frame alone is written again with the type for its
   ``code`` (``api_error`` without one), the rest of it kept.
@@ -358,6 +359,8 @@ class AnthropicApi(EngineSpecificApi):
 
     def upstream_error(self, status: int, raw: bytes, ctx: Any = None) -> tuple[int, bytes, str]:
         status, err = normalize_upstream_error(status, raw)
+        if status == 503:       # an engine's busy answer (SGLang's full queue, a vLLM not ready) is
+            status = 529        # overload, which Anthropic answers with 529 (the SDK's OverloadedError)
         message = str(err["error"].get("message"))
         # the engine's own type when it is one of Anthropic's (vLLM's own are exception names);
         # not the one the normalising gave a body without any (FastAPI's ``{"detail"}``, text)

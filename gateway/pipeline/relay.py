@@ -580,11 +580,12 @@ class Relay:
         rec.status = status
         rec.error_class = ErrorClass.UPSTREAM_STATUS
         rec.error = message[:200]
-        self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, f"status_{status}").inc()
+        # the engine's status, not the one its API answers it with (Anthropic's 529 for a 503)
+        self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, f"status_{resp.status}").inc()
         if "Retry-After" in resp.headers:
             headers["Retry-After"] = resp.headers["Retry-After"]
-        elif status in (429, 503):      # the engine named no wait: every 429 and 503 names one
-            headers["Retry-After"] = ENGINE_RETRY_AFTER[status]
+        elif resp.status in (429, 503):     # the engine named no wait: every 429 and 503 names one
+            headers["Retry-After"] = ENGINE_RETRY_AFTER[resp.status]
         if ctx.pd_plan is not None:     # a P/D decode leg's answer: which leg failed, as a prefill's says
             headers["x-error-pd-decode"] = "http_status"
         return self.error_answer(ctx, status, body, headers)

@@ -98,6 +98,9 @@ def test_anthropic_error_shapes():
     assert orjson.loads(body)["error"] == {"type": "invalid_request_error", "message": "bad"}
     _, body, _ = ANTHROPIC.upstream_error(529, b'{"type":"error","error":{"type":"overloaded_error","message":"x"}}')
     assert orjson.loads(body)["error"]["type"] == "overloaded_error"
+    # an engine's 503 (SGLang's flat shape here) is overload, Anthropic's 529
+    status, body, _ = ANTHROPIC.upstream_error(503, b'{"object":"error","message":"queue full","type":"ServiceUnavailableError"}')
+    assert (status, orjson.loads(body)["error"]) == (529, {"type": "overloaded_error", "message": "queue full"})
 
 
 @pytest.mark.parametrize("error,status,type_", [
