@@ -749,3 +749,60 @@ async def test_a_thinking_blocks_signature_and_a_citation_are_not_counted_as_tok
         async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
             page = await r.text()
         assert metric(page, "switchyard_inter_token_latency_seconds_count", model="llama") == 4
+
+
+def _tool_only_events(request: aiohttp.web.Request) -> list[bytes]:
+    """A tool-only answer, as a Messages stream or (on the chat path) as chat chunks: the tool's
+    name, then its input in two pieces."""
+    if request.path == "/v1/chat/completions":
+        def chunk(delta: dict, finish: str | None = None) -> bytes:
+            return b"data: " + orjson.dumps({"id": "c1", "object": "chat.completion.chunk", "model": "llama", "choices": [
+                {"index": 0, "delta": delta, "finish_reason": finish}]}) + b"\n\n"
+
+        def call(function: dict, **kw: str) -> dict:
+            return {"tool_calls": [{"index": 0, **kw, "function": function}]}
+        return [chunk({"role": "assistant", "content": ""}),
+                chunk(call({"name": "get_weather"}, id="call_1", type="function")),
+                chunk(call({"arguments": '{"city": '})), chunk(call({"arguments": '"Paris"}'})),
+                chunk({}, "tool_calls"), b"data: [DONE]\n\n"]
+    events = _messages_events()
+    return [events[0], events[5].replace(b'"index":1', b'"index":0'),
+            *[e.replace(b'"index":1', b'"index":0') for e in events[6:9]], *events[9:]]
+
+
+async def _tool_only_engine(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+    await request.read()
+    resp = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    cut = int(request.headers.get("x-cut", "-1"))
+    for i, event in enumerate(_tool_only_events(request)):
+        if i == cut:
+            assert request.transport is not None
+            request.transport.abort()
+            return resp
+        await resp.write(event)
+    await resp.write_eof()
+    return resp
+
+
+async def test_a_tool_only_answers_ttft_is_at_its_tools_name_on_messages_as_on_chat(gateway):
+    """A tool-only answer's first generated output the client sees is the tool's name: in its
+    block's ``content_block_start`` on /v1/messages, in the chunk that names it on chat. Both take
+    TTFT there: a stream the engine breaks right after the name has a TTFT on either path."""
+    tools = [{"name": "get_weather", "description": "the weather", "input_schema": {"type": "object"}}]
+    chat_tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    async with fake_engine(_tool_only_engine, paths=("/v1/messages", "/v1/chat/completions")) as url:
+        gw = await gateway([model_block("llama", "vllm", [url])])
+        c = anthropic_client(gw)
+        async with c.messages.stream(model="llama", max_tokens=50, messages=MSGS, tools=tools) as stream:
+            final = await stream.get_final_message()
+        assert final.content[0].name == "get_weather" and final.content[0].input == {"city": "Paris"}
+        messages = {"model": "llama", "max_tokens": 50, "stream": True, "messages": MSGS, "tools": tools}
+        chat = {"model": "llama", "max_tokens": 50, "stream": True, "messages": MSGS, "tools": chat_tools}
+        with gw.gw.request_log.capture() as lines:
+            async with aiohttp.ClientSession() as s:
+                for path, body in (("/v1/messages", messages), ("/v1/chat/completions", chat)):
+                    async with s.post(gw.url + path, json=body, headers={"x-cut": "2"}) as r:
+                        assert b'"get_weather"' in await r.read()
+            await wait_for(lambda: lines if len(lines) == 2 else None, 10)
+        assert {x["path"]: x["ttft_ms"] is not None for x in lines} == {"/v1/messages": True, "/v1/chat/completions": True}

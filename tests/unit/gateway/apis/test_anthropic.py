@@ -169,6 +169,37 @@ def test_messages_scanner_sees_the_same_stream_however_it_is_split(cuts, line_en
     assert sc.first_token_at is not None and len(sc.drain_itl()) == 2
 
 
+def test_a_tool_use_blocks_start_is_the_first_generated_output_the_client_sees():
+    """A tool's name, which the model generated, reaches the client in its block's
+    ``content_block_start``: TTFT is there and the block's input deltas follow it one gap each, as
+    a chat stream's chunk of the tool's name is its first token. A text or thinking block's start,
+    which holds no text, is none; an event without its ``event:`` line is read alike."""
+    tool_start = {"type": "content_block_start", "index": 1, "content_block": {
+        "type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}}
+    events = [
+        _frame("message_start", {"type": "message_start", "message": {"id": "m", "usage": {"input_tokens": 7}}}),
+        _frame("content_block_start", {"type": "content_block_start", "index": 0,
+                                       "content_block": {"type": "thinking", "thinking": "", "signature": ""}}),
+        _frame("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        _frame("content_block_start", tool_start),
+        *[_frame("content_block_delta", {"type": "content_block_delta", "index": 1, "delta": {
+            "type": "input_json_delta", "partial_json": p}}) for p in ('{"city": ', '"Paris"}')],
+    ]
+    for eventless in (False, True):
+        sc = MessagesScanner()
+        for t, ev in enumerate(events):
+            if eventless:
+                ev = ev[ev.index(b"data:"):]
+            sc.feed(ev, float(t))
+        assert (sc.first_token_at, sc.token_events, sc.drain_itl()) == (3.0, 3, [1.0, 1.0]), eventless
+    # a tool_use block whose start names no tool carries no token; "tool_use" in a text is no start
+    sc = MessagesScanner()
+    sc.feed(_frame("content_block_start", {**tool_start, "content_block": {"type": "tool_use", "name": ""}}), 1.0)
+    sc.feed(_frame("content_block_start", {"type": "content_block_start", "index": 2, "content_block": {
+        "type": "text", "text": '"tool_use"'}}), 2.0)
+    assert sc.first_token_at is None and sc.token_events == 0
+
+
 def test_messages_scanner_forwards_an_event_over_the_scan_limit_as_it_comes():
     sc = MessagesScanner()
     start = _frame("message_start", {"type": "message_start", "message": {"usage": {"input_tokens": 1}}})
