@@ -22,7 +22,8 @@ says which engine serves which path), through the same pipeline as chat. What di
   ``code`` (``api_error`` without one), the rest of it kept.
 - **Stream accounting.** Events are named by their ``event:`` line. The first
   ``content_block_delta`` of generated tokens (``text_delta``, ``thinking_delta``,
-  ``input_json_delta``) is the first token (TTFT); each one after it is an inter-token gap. A
+  ``input_json_delta``), or a ``tool_use`` block's ``content_block_start`` (its tool's name), is
+  the first token (TTFT); each one after it is an inter-token gap. A
   thinking block's ``signature_delta`` and a text block's ``citations_delta`` carry no token and
   count for neither, nor does a delta whose text, thinking or JSON is empty (an engine's empty
   token, as a chat chunk with empty content); only an event that names one of the two, or holds
@@ -428,6 +429,7 @@ def openai_usage(usage: dict[str, Any], output: int | None = None, inclusive: bo
 
 _BOUNDARY = re.compile(rb"\n\r?\n")
 _DELTA = b"content_block_delta"
+_BLOCK_START = b"content_block_start"
 
 
 # deltas that carry no generated token: a thinking block's signature, a text block's citation
@@ -472,6 +474,25 @@ def _delta_tokened(obj: dict[str, Any]) -> bool:
         return False
     key = _TOKENS_IN.get(kind)
     return key is None or delta.get(key) != ""
+
+
+def _names_tool(obj: dict[str, Any]) -> bool:
+    """Whether a ``content_block_start`` opens a ``tool_use`` block naming its tool: the name is
+    the first of the block's generated output the client sees (its input follows in deltas), as a
+    chat stream's chunk naming a tool is a token; a text or thinking block starts empty."""
+    block = obj.get("content_block")
+    if not isinstance(block, dict) or block.get("type") != "tool_use":
+        return False
+    name = block.get("name")
+    return isinstance(name, str) and name != ""
+
+
+def _tool_named(payload: bytes) -> bool:
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(obj, dict) and _names_tool(obj)
 
 
 def _parse_event(ev: bytes | bytearray) -> tuple[bytes | None, bytes | None]:
@@ -647,6 +668,8 @@ class MessagesScanner:
             return _tokened(payload) if _maybe_untokened(data, start, end) else True
         if payload is None:
             return False
+        if name == _BLOCK_START:        # a tool's name, generated, comes in its block's start
+            return b'"tool_use"' in payload and _tool_named(payload)
         if name is None or name in (b"message_start", b"message_delta", b"error", b"message_stop"):
             try:
                 obj = orjson.loads(payload)
@@ -661,6 +684,8 @@ class MessagesScanner:
     def _apply(self, kind: Any, obj: dict[str, Any]) -> bool:
         if kind == "content_block_delta":
             return _delta_tokened(obj)
+        if kind == "content_block_start":
+            return _names_tool(obj)
         if kind == "message_start":
             msg = obj.get("message")
             usage = msg.get("usage") if isinstance(msg, dict) else None
