@@ -411,6 +411,40 @@ async def test_vllm_refuses_what_its_request_models_refuse(sims):
         assert len(got["data"][0]["embedding"]) == 3
 
 
+async def test_messages_bodies_the_engines_request_models_refuse(sims):
+    """vLLM's and SGLang's Messages request models refuse a ``tool_choice`` that is not an object,
+    ``metadata`` that is not one, ``stop_sequences`` that are not a list of strings, and a message's
+    role outside theirs (vLLM: user, assistant, system, and Claude Code's ctx and msg, read as
+    user; SGLang: user and assistant), each with its validation 400 naming the field, also on
+    count_tokens where the field is one of its model's (tool_choice, the roles)."""
+    v = await sims("vllm", "llama")
+    sg = await sims("sglang", "qwen")
+    base = {"max_tokens": 2, "messages": MSGS}
+    refused = [({"tool_choice": "auto"}, "tool_choice"), ({"metadata": "x"}, "metadata"),
+               ({"stop_sequences": "x"}, "stop_sequences"), ({"stop_sequences": ["x", 1]}, "stop_sequences.1"),
+               ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role")]
+    served = [{"tool_choice": {"type": "auto"}}, {"metadata": {"user_id": "u"}}, {"stop_sequences": ["x"]},
+              {"metadata": None, "tool_choice": None, "stop_sequences": None}]
+    async with aiohttp.ClientSession() as s:
+        for sim, model in ((v, "llama"), (sg, "qwen")):
+            for extra, where in refused:
+                for path in ("/v1/messages", "/v1/messages/count_tokens"):
+                    if path.endswith("count_tokens") and where not in ("tool_choice", "messages.0.role"):
+                        continue
+                    async with s.post(sim.url + path, json={"model": model, **base, **extra}) as r:
+                        got = await r.json()
+                    assert r.status == 400, (sim.cfg.engine, path, extra, got)
+                    message = got["error"]["message"] if sim is v else got["message"]
+                    assert f"\n  {where}: " in message, (sim.cfg.engine, path, extra, got)
+            for extra in served:
+                async with s.post(sim.url + "/v1/messages", json={"model": model, **base, **extra}) as r:
+                    assert r.status == 200, (sim.cfg.engine, extra, await r.text())
+        for role in ("ctx", "msg", "system"):
+            body = {"model": "llama", **base, "messages": [{"role": role, "content": "Be brief."}, *MSGS]}
+            async with s.post(v.url + "/v1/messages", json=body) as r:
+                assert r.status == 200, (role, await r.text())
+
+
 async def test_sglang_logprobs_ride_each_choice_and_chunk(sims):
     """SGLang answers ``logprobs`` in OpenAI's shape: a chat's flag with ``top_logprobs`` gives
     ``logprobs.content``, one entry per generated token (``token``, ``bytes``, ``logprob``,
