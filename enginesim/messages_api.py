@@ -25,6 +25,11 @@ messages), runs it, and converts the answer. What a gateway sees, reproduced her
   mid-stream is ``event: error`` with ``{"type": "error", "error": {"type": "internal_error",
   "message"}}``, and the stream ends there (no ``message_stop``).
 - count_tokens: ``{"input_tokens": N, "context_management": {"original_input_tokens": N}}``.
+- What its request model refuses is a validation 400 in this shape (type ``Bad Request``) naming
+  the field: a block type or ``tool_choice`` type outside its Literals, a ``tool_choice`` or
+  ``metadata`` that is not an object, ``stop_sequences`` that are not a list of strings, a
+  message's role other than user, assistant and system (Claude Code's ``ctx`` and ``msg`` are read
+  as user first). SGLang's model refuses the same, its roles user and assistant only.
 
 SGLang's Anthropic handler (``sglang/srt/entrypoints/anthropic/``) converts the same way but
 answers in its own dialect, reproduced by ``SGLangMessagesApi``:
@@ -161,6 +166,10 @@ def _json_delta(index: int, piece: str) -> bytes:
 VLLM_BLOCKS = ("text", "image", "tool_use", "tool_result", "tool_reference", "thinking", "redacted_thinking")
 SGLANG_BLOCKS = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
 TOOL_CHOICES = ("auto", "any", "tool", "none")
+# the roles of a message: vLLM reads Claude Code's ``ctx`` and ``msg`` as ``user`` before checking
+VLLM_ROLES = ("user", "assistant", "system")
+SGLANG_ROLES = ("user", "assistant")
+_VLLM_ROLE_MAP = {"ctx": "user", "msg": "user"}
 
 
 def _literal(values: tuple[str, ...]) -> str:
@@ -185,9 +194,38 @@ def check_request_model(body: dict[str, Any], blocks: tuple[str, ...]) -> None:
         if isinstance(m, dict):
             check(m.get("content"), f"messages.{i}.content")
     tc = body.get("tool_choice")
+    if tc is not None and not isinstance(tc, dict):
+        raise ApiError(400, "1 validation error:\n  tool_choice: Input should be a valid dictionary or instance of "
+                       "AnthropicToolChoice", type_="Bad Request")
     if isinstance(tc, dict) and isinstance(tc.get("type"), str) and tc["type"] not in TOOL_CHOICES:
         raise ApiError(400, f"1 validation error:\n  tool_choice.type: Input should be {_literal(TOOL_CHOICES)}",
                        type_="Bad Request")
+
+
+def check_roles(body: dict[str, Any], roles: tuple[str, ...]) -> None:
+    """A message's role the engine's request model has no place for (a pydantic Literal)."""
+    messages = body.get("messages")
+    for i, m in enumerate(messages if isinstance(messages, list) else ()):
+        if isinstance(m, dict) and m.get("role") not in roles:
+            raise ApiError(400, f"1 validation error:\n  messages.{i}.role: Input should be {_literal(roles)}",
+                           type_="Bad Request")
+
+
+def messages_fields(body: dict[str, Any]) -> tuple[str, ...]:
+    """What both engines' Messages request models refuse of ``metadata`` (an object) and
+    ``stop_sequences`` (a list of strings); the stop sequences."""
+    if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
+        raise ApiError(400, "1 validation error:\n  metadata: Input should be a valid dictionary", type_="Bad Request")
+    stops = body.get("stop_sequences")
+    if stops is None:
+        return ()
+    if not isinstance(stops, list):
+        raise ApiError(400, "1 validation error:\n  stop_sequences: Input should be a valid list", type_="Bad Request")
+    for i, stop in enumerate(stops):
+        if not isinstance(stop, str):
+            raise ApiError(400, f"1 validation error:\n  stop_sequences.{i}: Input should be a valid string",
+                           type_="Bad Request")
+    return parse_stop(stops)
 
 
 def _system_text(system: Any) -> str:
@@ -278,6 +316,13 @@ class MessagesApi:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model")
 
     def _prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        messages = body.get("messages")
+        if isinstance(messages, list) and any(isinstance(m, dict) and m.get("role") in _VLLM_ROLE_MAP
+                                              for m in messages):
+            body = {**body, "messages": [{**m, "role": _VLLM_ROLE_MAP[m["role"]]}
+                                         if isinstance(m, dict) and m.get("role") in _VLLM_ROLE_MAP else m
+                                         for m in messages]}
+        check_roles(body, VLLM_ROLES)
         check_request_model(body, VLLM_BLOCKS)
         ids = self.engine.tokenizer.encode_chat(chat_messages(body), rendered_tools(body.get("tools"), "input_schema"))
         limit = self.engine.max_prompt_tokens
@@ -308,6 +353,7 @@ class MessagesApi:
             self._check_model(body.get("model"))
             max_tokens = _max_tokens(body, "max_tokens must be positive")
             stream = _stream_flag(body)
+            stop = messages_fields(body)
             if engine.dead:
                 raise ApiError(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.",
                                type_="InternalServerError")
@@ -320,7 +366,7 @@ class MessagesApi:
             seq = engine.new_sequence(
                 seq_id=seq_id, rid=f"{seq_id}-{uuid.uuid4().hex[:8]}", prompt_ids=prompt_ids,
                 params=SamplingParams(max_tokens=max(1, max_tokens), min_tokens=0,
-                                      stop=parse_stop(body.get("stop_sequences")), ignore_eos=False),
+                                      stop=stop, ignore_eos=False),
                 stream=stream, fault=fault, cache_salt=None, lora=self._adapter(body.get("model")),
                 dp_rank=request_dp_rank(engine, request))
             seq.trace_headers = trace_headers(request.headers)
@@ -412,12 +458,7 @@ class SGLangMessagesApi(MessagesApi):
             raise ApiError(400, "1 validation error:\n  model: Field required", type_="Bad Request")
 
     def _prompt_ids(self, body: dict[str, Any]) -> list[int]:
-        messages = body.get("messages")
-        if isinstance(messages, list):
-            for i, m in enumerate(messages):
-                if isinstance(m, dict) and m.get("role") not in ("user", "assistant"):
-                    raise ApiError(400, f"1 validation error:\n  messages.{i}.role: Input should be 'user' or "
-                                   "'assistant'", type_="Bad Request")
+        check_roles(body, SGLANG_ROLES)
         check_request_model(body, SGLANG_BLOCKS)
         return self.engine.tokenizer.encode_chat(chat_messages(body), rendered_tools(body.get("tools"), "input_schema"))
 
@@ -441,7 +482,7 @@ class SGLangMessagesApi(MessagesApi):
             self._check_model(body.get("model"))
             max_tokens = _max_tokens(body, "Value error, max_tokens must be positive")     # pydantic's validator
             stream = _stream_flag(body)
-            stop = parse_stop(body.get("stop_sequences"))
+            stop = messages_fields(body)
             prompt_ids = self._prompt_ids(body)
             fault = request_fault(engine, request)
             check_fault_status(engine, fault)
