@@ -411,6 +411,39 @@ async def test_vllm_refuses_what_its_request_models_refuse(sims):
         assert len(got["data"][0]["embedding"]) == 3
 
 
+async def test_vllm_refuses_a_suffix_a_logit_bias_it_cannot_read_and_an_empty_embedding(sims):
+    """vLLM answers a completion's ``suffix`` (any, an empty one too) with its 400 ``suffix is not
+    currently supported``; a ``logit_bias`` key that is not an integer (its SamplingParams' int())
+    or is out of the vocabulary is a 400, on chat too; an embedding whose input has no token is
+    its 400 ``The decoder prompt cannot be empty``, never an answer of 0 prompt tokens."""
+    v = await sims("vllm", "llama")
+    comp = {"model": "llama", "prompt": "hi", "max_tokens": 1}
+    chat = {"model": "llama", "messages": MSGS, "max_tokens": 1}
+    async with aiohttp.ClientSession() as s:
+        async def ask(path: str, body: dict) -> tuple[int, dict]:
+            async with s.post(v.url + path, json=body) as r:
+                return r.status, await r.json()
+        for suffix in ("x", ""):
+            assert await ask("/v1/completions", {**comp, "suffix": suffix}) == (400, {"error": {
+                "message": "suffix is not currently supported", "type": "BadRequestError", "param": None,
+                "code": 400}})
+        assert (await ask("/v1/completions", {**comp, "suffix": None}))[0] == 200
+        for body in (comp, chat):
+            path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+            status, got = await ask(path, {**body, "logit_bias": {"abc": 1}})
+            assert status == 400 and got["error"]["message"] == "invalid literal for int() with base 10: 'abc'", got
+            status, got = await ask(path, {**body, "logit_bias": {str(1 << 30): 1, "-1": 1}})
+            assert status == 400 and got["error"]["param"] == "logit_bias", got
+            assert got["error"]["message"].startswith(f"token_id(s) [{1 << 30}, -1] in logit_bias contain "
+                                                      "out-of-vocab token ids. Vocabulary size: "), got
+            assert (await ask(path, {**body, "logit_bias": {"1000": -100, "7": 5.5}}))[0] == 200
+        for empty in ("", [""], ["hi", ""]):
+            status, got = await ask("/v1/embeddings", {"model": "llama", "input": empty})
+            assert (status, got["error"]["message"]) == (400, "The decoder prompt cannot be empty"), (empty, got)
+        status, got = await ask("/v1/embeddings", {"model": "llama", "input": ["hi", "there"]})
+        assert status == 200 and got["usage"]["prompt_tokens"] > 0
+
+
 async def test_messages_bodies_the_engines_request_models_refuse(sims):
     """vLLM's and SGLang's Messages request models refuse a ``tool_choice`` that is not an object,
     ``metadata`` that is not one, ``stop_sequences`` that are not a list of strings, and a message's
