@@ -53,6 +53,7 @@ class HFTokenizer:
 
         d = Path(directory)
         self.tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
+        self.vocab_size: int = self.tokenizer.get_vocab_size()
         cfg_path = d / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         self.bos_token = _special(cfg.get("bos_token"))

@@ -27,6 +27,7 @@ _PIECE = re.compile(r"\s*\S{1,4}|\s+")
 EOS_TOKEN_ID = 2
 _FIRST_ID = 1000
 _ID_SPACE = 1 << 24
+ID_SPACE = _ID_SPACE        # the ids a piece may get: the fake vocabulary's size
 _MAX_REMEMBERED_PIECES = 500_000
 _MASK64 = (1 << 64) - 1
 

@@ -4,6 +4,8 @@ Shapes follow the reference notes: the nested error envelope, ``chatcmpl-``/``cm
 ``X-Request-Id``, 404 for an unknown model, headers as soon as a stream is admitted, a role chunk
 with the first token, ``finish_reason`` + ``stop_reason`` on the last delta, an optional usage
 chunk with ``choices: []``, keep-alive comment frames, and in-stream errors followed by ``[DONE]``.
+What vLLM refuses is refused with its 400: a completion's ``suffix``, a ``logit_bias`` key that is
+not an integer or is out of the vocabulary, an embedding input of no token.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from enginesim.logprobs import (
 from enginesim.lora import LoraError, LoraFull
 from enginesim.protocol import OpenAIRequest, chat_prompt_ids, lax_int, parse_openai, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
-from enginesim.tokenizer import EOS_TOKEN_ID, ids_bytes
+from enginesim.tokenizer import EOS_TOKEN_ID, ID_SPACE, ids_bytes
 from enginesim.tools import ToolCalls, chat_tool_calls, rendered_tools, tool_deltas, vllm_call_id
 from enginesim.tracing import trace_headers
 from enginesim.wire import SseWriter, json_response, read_json
@@ -153,6 +155,9 @@ class VllmApi:
                 # orjson reads an integer past 64 bits as a float: vLLM's parser reads its digits
                 seed = json.loads(await request.read()).get("seed")
             _check_sampling(body, seed, req.n)
+            if kind == "completions" and body.get("suffix") is not None:
+                raise ApiError(400, "suffix is not currently supported", type_="BadRequestError")
+            check_logit_bias(body.get("logit_bias"), vocab_size(engine.tokenizer))
             req = dataclasses.replace(req, logprobs=chat_requested(body) if kind == "chat" else
                                       completion_requested(body))
             # vLLM's before-validator, on the values as sent: {} passes, and so does "stream": "false"
@@ -568,8 +573,10 @@ class VllmApi:
             return exc.response(STYLE)
         data = []
         total = 0
-        for i, item in enumerate(inputs):
-            ids = item if isinstance(item, list) else self.engine.tokenizer.encode(item)
+        encoded = [item if isinstance(item, list) else self.engine.tokenizer.encode(item) for item in inputs]
+        if not all(encoded):        # vLLM's input processor: a prompt of no token is refused
+            return ApiError(400, "The decoder prompt cannot be empty", type_="BadRequestError").response(STYLE)
+        for i, ids in enumerate(encoded):
             total += len(ids)
             vector = embed(ids, dims, self.cfg.seed)
             emb: Any = vector
@@ -703,6 +710,33 @@ def _check_sampling(body: dict[str, Any], seed: Any, n: int) -> None:
         if best_of < n:
             raise ApiError(400, f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}.",
                            type_="BadRequestError", param="best_of")
+
+
+def vocab_size(tokenizer: Any) -> int:
+    """The ids a model's vocabulary holds: a real tokenizer's, the fake one's id space."""
+    size = getattr(tokenizer, "vocab_size", None)
+    return size if isinstance(size, int) else ID_SPACE
+
+
+def check_logit_bias(bias: Any, vocab: int) -> None:
+    """What vLLM refuses of a ``logit_bias`` (``dict[str, float]``): a key its SamplingParams cannot
+    read as an integer (``int(key)``'s ValueError), and ids outside the vocabulary (its input
+    processor's check, which lists them all)."""
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise ApiError(400, "1 validation error:\n  logit_bias: Input should be a valid dictionary",
+                       type_="Bad Request", param="logit_bias")
+    ids = []
+    for key in bias:
+        try:
+            ids.append(int(key))
+        except ValueError as e:
+            raise ApiError(400, str(e), type_="BadRequestError") from None
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ApiError(400, f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. Vocabulary size: "
+                       f"{vocab}", type_="BadRequestError", param="logit_bias")
 
 
 def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
