@@ -444,6 +444,40 @@ async def test_vllm_refuses_a_suffix_a_logit_bias_it_cannot_read_and_an_empty_em
         assert status == 200 and got["usage"]["prompt_tokens"] > 0
 
 
+async def test_vllm_answers_prompt_logprobs_asked_for_on_their_own(sims):
+    """vLLM's ``prompt_logprobs`` (a completion's or a chat's, without ``echo``) computes the
+    prompt's logprobs: a completion's choice carries them, a chat's answer at its top level, None
+    for the first token and then the prompt's token and the best ones, keyed by id. A stream may
+    ask for 0 only; a count below -1 or not an integer is a 400."""
+    v = await sims("vllm", "llama")
+    comp = {"model": "llama", "prompt": "hello there general", "max_tokens": 2}
+    chat = {"model": "llama", "messages": MSGS, "max_tokens": 2}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(v.url + "/v1/completions", json={**comp, "prompt_logprobs": 2}) as r:
+            got = await r.json()
+        plp = got["choices"][0]["prompt_logprobs"]
+        assert r.status == 200 and len(plp) == got["usage"]["prompt_tokens"] and plp[0] is None
+        assert all(1 <= len(p) <= 3 and {"logprob", "rank", "decoded_token"} <= set(next(iter(p.values())))
+                   for p in plp[1:]), plp
+        assert got["choices"][0]["logprobs"] is None and got["choices"][0]["text"]
+        async with s.post(v.url + "/v1/chat/completions", json={**chat, "prompt_logprobs": 0}) as r:
+            got = await r.json()
+        assert r.status == 200 and len(got["prompt_logprobs"]) == got["usage"]["prompt_tokens"]
+        assert all(len(p) == 1 for p in got["prompt_logprobs"][1:])
+        for path, body in (("/v1/completions", comp), ("/v1/chat/completions", chat)):
+            for extra, message in (({"stream": True, "prompt_logprobs": 1},
+                                    "`prompt_logprobs` are not available when `stream=True`."),
+                                   ({"prompt_logprobs": -2}, "`prompt_logprobs` must be a positive value or -1."),
+                                   ({"prompt_logprobs": "x"}, "`prompt_logprobs` must be an integer.")):
+                async with s.post(v.url + path, json={**body, **extra}) as r:
+                    got = await r.json()
+                assert (r.status, got["error"]["message"], got["error"]["param"]) == (
+                    400, message, "prompt_logprobs"), (path, extra, got)
+            async with s.post(v.url + path, json={**body, "stream": True, "prompt_logprobs": 0}) as r:
+                assert r.status == 200
+                await r.read()
+
+
 async def test_messages_bodies_the_engines_request_models_refuse(sims):
     """vLLM's and SGLang's Messages request models refuse a ``tool_choice`` that is not an object,
     ``metadata`` that is not one, ``stop_sequences`` that are not a list of strings, and a message's
