@@ -74,6 +74,29 @@ def completion_requested(body: dict[str, Any]) -> int | None:
     return _within_max(n)
 
 
+def prompt_requested(body: dict[str, Any], kind: str) -> int | None:
+    """The top logprobs of each prompt token a vLLM request asks for (its ``prompt_logprobs``; a
+    completion's ``echo`` with ``logprobs`` asks for that many), None for none; the refusals of
+    vLLM's request models' ``check_logprobs``."""
+    n = body.get("prompt_logprobs")
+    if n is None:
+        if kind == "completions" and bool_field(body, "echo", False):
+            return completion_requested(body)
+        return None
+    if isinstance(n, bool) or not isinstance(n, int | float):
+        raise ApiError(400, "`prompt_logprobs` must be an integer.", type_="BadRequestError", param="prompt_logprobs")
+    if body.get("stream") and (n > 0 or n == -1):
+        raise ApiError(400, "`prompt_logprobs` are not available when `stream=True`.", type_="BadRequestError",
+                       param="prompt_logprobs")
+    if n < 0 and n != -1:
+        raise ApiError(400, "`prompt_logprobs` must be a positive value or -1.", type_="BadRequestError",
+                       param="prompt_logprobs")
+    if n == -1 or n > MAX_LOGPROBS:
+        raise ApiError(400, f"Requested prompt logprobs of {n}, which is greater than max allowed: {MAX_LOGPROBS}",
+                       type_="BadRequestError", param="prompt_logprobs")
+    return int(n)
+
+
 def _within_max(n: int) -> int:
     if n == -1 or n > MAX_LOGPROBS:
         raise ApiError(400, f"Requested sample logprobs of {n}, which is greater than max allowed: {MAX_LOGPROBS}",

@@ -44,6 +44,7 @@ class OpenAIRequest:
     logprobs: int | None = None    # vLLM: the top logprobs each generated token carries (0: its own only)
     echo_only: bool = False        # a vLLM completion's max_tokens 0 with echo: one token generated, the
                                    # prompt alone answered
+    prompt_logprobs: int | None = None  # vLLM: the top logprobs each prompt token's answered with
 
 
 # vLLM's and SGLang's request models are pydantic v2 models in lax mode: an ``int`` field takes a

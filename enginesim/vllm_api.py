@@ -46,6 +46,7 @@ from enginesim.logprobs import (
     completion_prompt_logprobs,
     completion_requested,
     prompt_logprobs,
+    prompt_requested,
 )
 from enginesim.lora import LoraError, LoraFull
 from enginesim.protocol import OpenAIRequest, chat_prompt_ids, lax_int, parse_openai, token_id_list
@@ -159,7 +160,7 @@ class VllmApi:
                 raise ApiError(400, "suffix is not currently supported", type_="BadRequestError")
             check_logit_bias(body.get("logit_bias"), vocab_size(engine.tokenizer))
             req = dataclasses.replace(req, logprobs=chat_requested(body) if kind == "chat" else
-                                      completion_requested(body))
+                                      completion_requested(body), prompt_logprobs=prompt_requested(body, kind))
             # vLLM's before-validator, on the values as sent: {} passes, and so does "stream": "false"
             if body.get("stream_options") and not body.get("stream"):
                 raise ApiError(400, "Stream options can only be defined when `stream=True`.",
@@ -301,11 +302,16 @@ class VllmApi:
                        "token_ids": list(seq.output_ids) if token_ids else None})
         if req.kind == "completions":
             # echo with logprobs: vLLM computed the prompt's logprobs, and the choice carries them
-            choice["prompt_logprobs"] = (prompt_logprobs(self.engine.tokenizer, self.cfg.seed, seq.prompt_ids,
-                                                         req.logprobs)
-                                         if self._echoed(req, echo) and req.logprobs is not None else None)
+            # asked for (prompt_logprobs, or echo with logprobs): vLLM computed the prompt's
+            # logprobs, and the choice carries them
+            choice["prompt_logprobs"] = self._prompt_logprobs(req, seq)
             choice["prompt_token_ids"] = seq.prompt_ids if token_ids else None
         return choice
+
+    def _prompt_logprobs(self, req: OpenAIRequest, seq: Sequence) -> list[dict[str, Any] | None] | None:
+        if req.prompt_logprobs is None:
+            return None
+        return prompt_logprobs(self.engine.tokenizer, self.cfg.seed, seq.prompt_ids, req.prompt_logprobs)
 
     async def _complete(self, request: web.Request, req: OpenAIRequest, seq: Sequence,
                         headers: dict[str, str]) -> web.StreamResponse:
@@ -323,7 +329,7 @@ class VllmApi:
             "usage": self._usage(seq, final=True),
         }
         if req.kind == "chat":
-            body["prompt_logprobs"] = None
+            body["prompt_logprobs"] = self._prompt_logprobs(req, seq)
             body["prompt_token_ids"] = seq.prompt_ids if req.return_token_ids else None
         body["kv_transfer_params"] = None
         body.update(self.engine.role.response_extras(seq))
@@ -468,7 +474,7 @@ class VllmApi:
             "service_tier": None, "system_fingerprint": self.fingerprint, "usage": self._usage_of(seqs, req.n),
         }
         if req.kind == "chat":
-            body["prompt_logprobs"] = None
+            body["prompt_logprobs"] = self._prompt_logprobs(req, seq)
             body["prompt_token_ids"] = None
         body["kv_transfer_params"] = None
         # a prefill's choices each keep their blocks for a decode; the answer names one choice's
