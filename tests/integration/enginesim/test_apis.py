@@ -563,6 +563,43 @@ async def test_sglang_logprobs_ride_each_choice_and_chunk(sims):
         assert len(zero["tokens"]) == 3 and zero["top_logprobs"] == []
 
 
+async def test_sglang_echo_with_logprobs_answers_the_prompts_logprobs_first(sims):
+    """SGLang computes an echoing completion's prompt logprobs when it asks for a count above 0
+    (``logprob_start_len`` 0): its ``logprobs`` begin with the prompt's tokens (the first with null
+    logprob and top logprobs), ``text_offset`` -1 throughout, then the generated ones, on the whole
+    answer and the stream's first chunk alike; each prompt of a batch its own. Its request model
+    refuses a completion's ``max_tokens`` of 0 with its validator's message."""
+    sg = await sims("sglang", "qwen")
+    body = {"model": "qwen", "prompt": "hello there general", "max_tokens": 2, "echo": True, "logprobs": 1}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(sg.url + "/v1/completions", json=body) as r:
+            got = await r.json()
+        lp, usage = got["choices"][0]["logprobs"], got["usage"]
+        n = usage["prompt_tokens"]
+        assert len(lp["tokens"]) == n + usage["completion_tokens"] and "".join(lp["tokens"]) == got["choices"][0]["text"]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
+        assert all(len(t) == 1 for t in lp["top_logprobs"][1:]) and set(lp["text_offset"]) == {-1}
+        async with s.post(sg.url + "/v1/completions", json={**body, "stream": True}) as r:
+            chunks = [orjson.loads(f.split("data: ", 1)[1]) for f in (await r.text()).split("\n\n")
+                      if f.startswith("data: {")]
+        streamed = [t for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                    for t in c["choices"][0]["logprobs"]["tokens"]]
+        assert streamed == lp["tokens"] and chunks[0]["choices"][0]["logprobs"]["token_logprobs"][0] is None
+        async with s.post(sg.url + "/v1/completions", json={**body, "prompt": ["one two", "three"]}) as r:
+            got = await r.json()
+        for c, prompt in zip(got["choices"], ("one two", "three"), strict=True):
+            assert "".join(c["logprobs"]["tokens"]) == c["text"] and c["text"].startswith(prompt), c
+            assert c["logprobs"]["token_logprobs"][0] is None
+        async with s.post(sg.url + "/v1/completions", json={**body, "logprobs": 0}) as r:
+            got = await r.json()
+        assert len(got["choices"][0]["logprobs"]["tokens"]) == got["usage"]["completion_tokens"]
+        async with s.post(sg.url + "/v1/completions", json={**body, "max_tokens": 0}) as r:
+            got = await r.json()
+        assert (r.status, got["message"]) == (400, "1 validation error:\n  max_tokens: Value error, max_tokens "
+                                                   "must be positive"), got
+
+
 async def test_sglang_completion_batch_of_prompts_answers_each_prompts_choices(sims):
     """SGLang's completions take a list of prompts (strings or token id lists) as a batch, as vLLM's
     do: choice ``prompt_i * n + j`` is prompt i's j-th, each echoing its own prompt; usage counts
