@@ -215,3 +215,24 @@ def sglang_logprobs(tokenizer: Any, seed: int, ids: list[int] | tuple[int, ...],
         if top:
             out["top_logprobs"].append({tokenizer.piece(c): lp for c, lp in cands[:top]})
     return out
+
+
+def sglang_echo_logprobs(tokenizer: Any, seed: int, prompt_ids: list[int], top: int,
+                         generated: dict[str, Any] | None) -> dict[str, Any]:
+    """An echoing SGLang completion's ``logprobs`` (``echo`` with a count above 0: its
+    ``logprob_start_len`` 0): the prompt's tokens first, the first with null logprob and top
+    logprobs, ``text_offset`` -1 for all (its ``to_openai_style_logprobs``), then ``generated``'s."""
+    out: dict[str, Any] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    for pos, tid in enumerate(prompt_ids):
+        out["text_offset"].append(-1)
+        out["tokens"].append(tokenizer.piece(tid))
+        if pos == 0:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        cands = _prompt_candidates(tokenizer, seed, prompt_ids, pos, top)
+        out["token_logprobs"].append(cands[0][1])
+        out["top_logprobs"].append({tokenizer.piece(c): lp for c, lp in cands[:top]})
+    for key, values in (generated or {}).items():
+        out[key].extend(values)
+    return out

@@ -241,6 +241,10 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
                 echo = _prompt_text(body["prompt"], prompt_ids, tokenizer)
         # vLLM: max_tokens 0 with echo generates one token (its sampling params' least) and answers
         # the prompt alone
+        if not vllm and (asked := _int_field(body, "max_tokens", -(1 << 63))) is not None and asked <= 0:
+            # SGLang's completion request model: a validator refuses a max_tokens below 1
+            raise ApiError(400, "1 validation error:\n  max_tokens: Value error, max_tokens must be positive",
+                           type_=_BAD)
         max_tokens = _int_field(body, "max_tokens", 0 if vllm and echoing else 1)
         echo_only = max_tokens == 0
         if echo_only:

@@ -5,7 +5,9 @@ Differences from vLLM that a gateway notices, all reproduced here: the request i
 OpenAI streams send headers only together with the first chunk; chat chunks are msgspec-shaped
 (``reasoning_content`` always present, ``matched_stop`` on every choice, a separate finish chunk);
 errors use the old flat envelope; ``/generate`` streams cumulative text; ``/abort_request`` aborts
-by rid prefix and the stream ends with ``finish_reason: "abort"``; ``/health`` is 503 while starting.
+by rid prefix and the stream ends with ``finish_reason: "abort"``; ``/health`` is 503 while starting;
+an echoing completion that asks for logprobs above 0 gets the prompt's first (its
+``logprob_start_len`` 0), and a completion's ``max_tokens`` below 1 is its request model's 400.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from enginesim.frontend import (
     request_fault,
     slow_headers,
 )
-from enginesim.logprobs import sglang_logprobs, sglang_requested
+from enginesim.logprobs import sglang_echo_logprobs, sglang_logprobs, sglang_requested
 from enginesim.lora import LoraError, LoraFull
 from enginesim.protocol import OpenAIRequest, parse_openai, parse_stop, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
@@ -251,6 +253,14 @@ class SglangApi:
             return None
         return sglang_logprobs(self.engine.tokenizer, self.cfg.seed, ids, start, req.logprobs, req.kind)
 
+    def _echoed(self, req: OpenAIRequest, seq: Sequence, generated: dict[str, Any] | None,
+                echo: str | None) -> dict[str, Any] | None:
+        """A completion's ``logprobs`` where its echo (``echo``: the text it begins with) goes out:
+        with a count above 0 SGLang computed the prompt's, which come first."""
+        if echo is None or req.kind != "completions" or not req.logprobs:
+            return generated
+        return sglang_echo_logprobs(self.engine.tokenizer, self.cfg.seed, seq.prompt_ids, req.logprobs, generated)
+
     def _usage_of(self, seqs: list[Sequence], n: int) -> dict[str, Any]:
         """The usage of several choices (``n`` per prompt): each prompt once, as its first choice
         counts it (its cached tokens too), every choice's tokens (SGLang's ``UsageProcessor``)."""
@@ -281,7 +291,7 @@ class SglangApi:
                                      "tool_calls": None}
             else:
                 choice["text"] = (echoes[i] or "") + result.text
-            choice.update({"logprobs": self._logprobs(req, seq.output_ids, 0) if req.logprobs is not None else None,
+            choice.update({"logprobs": self._echoed(req, seq, self._logprobs(req, seq.output_ids, 0), echoes[i]),
                            "finish_reason": seq.finish_reason,
                            "matched_stop": self._matched_stop(seq)})
             if req.kind == "chat":
@@ -355,7 +365,8 @@ class SglangApi:
                                                  "logprobs": take(i), "finish_reason": out.finish_reason,
                                                  "matched_stop": self._matched_stop(s)}))
                 elif out.text or finishing or echo[i] is not None:
-                    await writer.send(chunk({"index": i, "text": (echo[i] or "") + out.text, "logprobs": take(i),
+                    await writer.send(chunk({"index": i, "text": (echo[i] or "") + out.text,
+                                             "logprobs": self._echoed(req, s, take(i), echo[i]),
                                              "finish_reason": out.finish_reason,
                                              "matched_stop": self._matched_stop(s) if finishing else None}))
                     echo[i] = None
@@ -389,7 +400,8 @@ class SglangApi:
                 {"id": calls.ids[i], "index": i, "type": "function",
                  "function": {"name": name, "arguments": calls.arguments(i, result.text)}}
                 for i, name in enumerate(calls.names)]
-        logprobs = None if calls is not None else self._logprobs(req, seq.output_ids, 0)
+        logprobs = None if calls is not None else self._echoed(req, seq, self._logprobs(req, seq.output_ids, 0),
+                                                                req.echo)
         choice.update({"logprobs": logprobs, "finish_reason": "tool_calls" if calls is not None else seq.finish_reason,
                        "matched_stop": None if calls is not None else self._matched_stop(seq)})
         if req.kind == "chat":
@@ -468,7 +480,8 @@ class SglangApi:
                                                  "logprobs": take(0), "finish_reason": out.finish_reason,
                                                  "matched_stop": self._matched_stop(seq)}))
                 elif out.text or finishing or echo is not None:
-                    await writer.send(chunk({"index": 0, "text": (echo or "") + out.text, "logprobs": take(0),
+                    await writer.send(chunk({"index": 0, "text": (echo or "") + out.text,
+                                             "logprobs": self._echoed(req, seq, take(0), echo),
                                              "finish_reason": out.finish_reason,
                                              "matched_stop": self._matched_stop(seq) if finishing else None}))
                     echo = None
