@@ -600,6 +600,22 @@ async def test_sglang_echo_with_logprobs_answers_the_prompts_logprobs_first(sims
                                                    "must be positive"), got
 
 
+async def test_sglang_refuses_an_empty_embedding_input(sims):
+    """SGLang's embeddings handler refuses an input that is empty or whitespace only, or holds such
+    a string, with its 400 saying which (its ``_validate_request``), never an answer of 0 prompt
+    tokens."""
+    sg = await sims("sglang", "qwen")
+    async with aiohttp.ClientSession() as s:
+        for empty, message in (("", "Input cannot be empty"), ("  ", "Input cannot be empty or whitespace only"),
+                               (["hi", " "], "Input at index 1 cannot be empty or whitespace only")):
+            async with s.post(sg.url + "/v1/embeddings", json={"model": "qwen", "input": empty}) as r:
+                got = await r.json()
+            assert (r.status, got) == (400, {"object": "error", "message": message, "type": "BadRequestError",
+                                             "param": None, "code": 400}), (empty, got)
+        async with s.post(sg.url + "/v1/embeddings", json={"model": "qwen", "input": ["hi", "there"]}) as r:
+            assert r.status == 200 and (await r.json())["usage"]["prompt_tokens"] > 0
+
+
 async def test_sglang_completion_batch_of_prompts_answers_each_prompts_choices(sims):
     """SGLang's completions take a list of prompts (strings or token id lists) as a batch, as vLLM's
     do: choice ``prompt_i * n + j`` is prompt i's j-th, each echoing its own prompt; usage counts
