@@ -163,6 +163,9 @@ class SglangApi:
         try:
             body = await read_json(request, require_json=False)
             self._check_alive()
+            refused = _empty_input(body.get("input"))
+            if refused is not None:
+                raise ApiError(400, refused, type_="BadRequestError")
             inputs = embedding_inputs(body.get("input"))
             dims = body.get("dimensions") or self.cfg.embedding_dim
             if not isinstance(dims, int) or isinstance(dims, bool) or dims < 1:
@@ -753,3 +756,25 @@ def _failure(out: StepOutput) -> ApiError | None:
 
 def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
+
+
+def _empty_input(value: Any) -> str | None:
+    """What SGLang's embeddings handler (its ``_validate_request``) says of an input that is empty
+    or whitespace only, or a list of strings or of token lists holding one; None for any other."""
+    if not isinstance(value, str | list):      # the request model's type error comes first
+        return None
+    if not value:
+        return "Input cannot be empty"
+    if isinstance(value, str):
+        return None if value.strip() else "Input cannot be empty or whitespace only"
+    if isinstance(value, list) and isinstance(value[0], str):
+        for i, item in enumerate(value):
+            if not isinstance(item, str):
+                return "All items in input list must be strings"
+            if not item.strip():
+                return f"Input at index {i} cannot be empty or whitespace only"
+    if isinstance(value, list) and isinstance(value[0], list):
+        for i, item in enumerate(value):
+            if isinstance(item, list) and not item:
+                return f"Input at index {i} cannot be empty"
+    return None
