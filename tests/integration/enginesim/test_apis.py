@@ -616,6 +616,24 @@ async def test_sglang_refuses_an_empty_embedding_input(sims):
             assert r.status == 200 and (await r.json())["usage"]["prompt_tokens"] > 0
 
 
+async def test_sglang_refuses_a_logit_bias_it_cannot_read(sims):
+    """SGLang's sampling params' check reads each ``logit_bias`` key with int() and bounds it by the
+    vocabulary: a key that is not an integer, or the first out of range, is its 400 (chat and
+    completions)."""
+    sg = await sims("sglang", "qwen")
+    async with aiohttp.ClientSession() as s:
+        for path, body in (("/v1/completions", {"model": "qwen", "prompt": "hi", "max_tokens": 1}),
+                           ("/v1/chat/completions", {"model": "qwen", "messages": MSGS, "max_tokens": 1})):
+            for bias, message in (({"abc": 1}, "invalid literal for int() with base 10: 'abc'"),
+                                  ({"5": 1, str(1 << 30): 1, "-1": 1}, "logit_bias must has keys in [0, ")):
+                async with s.post(sg.url + path, json={**body, "logit_bias": bias}) as r:
+                    got = await r.json()
+                assert r.status == 400 and got["message"].startswith(message), (path, bias, got)
+            assert got["message"].endswith(f"], got {1 << 30}."), got
+            async with s.post(sg.url + path, json={**body, "logit_bias": {"1000": -100}}) as r:
+                assert r.status == 200
+
+
 async def test_sglang_completion_batch_of_prompts_answers_each_prompts_choices(sims):
     """SGLang's completions take a list of prompts (strings or token id lists) as a batch, as vLLM's
     do: choice ``prompt_i * n + j`` is prompt i's j-th, each echoing its own prompt; usage counts
