@@ -43,7 +43,7 @@ from enginesim.protocol import OpenAIRequest, parse_openai, parse_stop, token_id
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
 from enginesim.tools import ToolCalls, chat_tool_calls, sglang_call_id, tool_deltas
 from enginesim.tracing import trace_headers
-from enginesim.vllm_api import embed, embedding_inputs
+from enginesim.vllm_api import embed, embedding_inputs, vocab_size
 from enginesim.wire import SseWriter, json_response, read_json
 
 OPENAI = ErrorStyle.SGLANG_OPENAI
@@ -192,6 +192,7 @@ class SglangApi:
                 raise ApiError(501, "enginesim does not simulate n > 1 on a P/D role "
                                "(SGLang's samples of a prompt share its bootstrap room)", param="n")
             req = dataclasses.replace(req, logprobs=sglang_requested(body, kind))
+            _check_logit_bias(body.get("logit_bias"), vocab_size(self.engine.tokenizer))
             model = req.model if req.model is not None else "default"
             prompts = [ids for ids, _ in req.batch] or [req.prompt_ids]
             for ids in prompts:
@@ -778,3 +779,20 @@ def _empty_input(value: Any) -> str | None:
             if isinstance(item, list) and not item:
                 return f"Input at index {i} cannot be empty"
     return None
+
+
+def _check_logit_bias(bias: Any, vocab: int) -> None:
+    """What SGLang's sampling params' check refuses of a ``logit_bias``: a key int() cannot read, and
+    the first key outside the vocabulary."""
+    if not isinstance(bias, dict):
+        if bias is not None:
+            raise ApiError(400, "1 validation error:\n  logit_bias: Input should be a valid dictionary",
+                           type_="Bad Request")
+        return
+    for key in bias:
+        try:
+            token = int(key)
+        except ValueError as e:
+            raise ApiError(400, str(e), type_="BadRequestError") from None
+        if not 0 <= token < vocab:
+            raise ApiError(400, f"logit_bias must has keys in [0, {vocab - 1}], got {key}.", type_="BadRequestError")
