@@ -270,3 +270,22 @@ async def test_a_client_leaving_an_sglang_batch_mid_decode_has_each_prompts_deco
     rids = (await sim_state(d.url))["abort_requests"]
     assert len(rids) >= 2 and all(r.endswith(("_0", "_1")) for r in rids)
     assert (await sim_state(p.url))["pd"]["rooms_waiting"] == []
+
+
+async def test_a_vllm_request_of_no_tokens_runs_whole_on_the_decode_which_refuses_it(sims, gateway):
+    """vLLM refuses ``max_tokens: 0`` (``max_completion_tokens: 0``) with 400, but its prefill leg
+    is sent ``max_tokens: 1``: split, the prefill computed the prompt and pinned its blocks for a
+    decode that then refused the request, until the lease ran out. Such a request generates
+    nothing: it runs whole on the chosen decode, whose own 400 the client gets, the prefill not asked."""
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    client = openai_client(gw)
+    for field, stream in (("max_tokens", False), ("max_completion_tokens", False), ("max_tokens", True)):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model="m", messages=MSG, stream=stream, **{field: 0})
+        assert e.value.response.headers["x-pd-decision"] == "decode; reason=no_generation"
+        assert e.value.response.headers["target-pod"] == d.url.split("//")[1]
+        assert e.value.body["param"] == field and "at least 1" in e.value.body["message"]
+    ps = await sim_state(p.url)
+    assert _posts(ps) == [] and ps["pd"]["pinned"] == []
+    assert len(_posts(await sim_state(d.url))) == 3
