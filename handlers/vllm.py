@@ -150,12 +150,21 @@ class VLLMAdapter:
         answer carries the first one's kv_transfer_params (OpenAIServingCompletion), which the
         decode would give every prompt. Nor are prompt logprobs (a completion's echo with logprobs,
         or prompt_logprobs): they come from the prompt's forward pass, which a decode that loads
-        the prompt's KV does not run (vLLM reads no cached prefix for them)."""
+        the prompt's KV does not run (vLLM reads no cached prefix for them). Nor is a request of no
+        tokens (``max_tokens`` or ``max_completion_tokens`` below 1), which vLLM refuses: its prefill
+        leg, sent ``max_tokens: 1``, would compute the prompt and pin its blocks for a decode that
+        then refuses it; run whole, the decode answers its own 400."""
+        data = ireq.data
+        for key in ("max_tokens", "max_completion_tokens"):
+            v = data.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and v < 1:
+                return Unsplit("no_generation", "a request of no tokens", key,
+                               "vLLM generates at least one token, and its prefill leg would pin the prompt's blocks "
+                               "for a decode that refuses the request")
         if ireq.sequences > ireq.fan:
             return Unsplit("several_prompts", "a batch of prompts", "prompt",
                            "vLLM's prefill answers the KV transfer parameters of a batch's first prompt alone, "
                            "which its decode would read for every prompt")
-        data = ireq.data
         if data.get("prompt_logprobs") is not None or (
                 ireq.path != CHAT and data.get("echo") is True and data.get("logprobs") is not None):
             return Unsplit("prompt_logprobs", "prompt logprobs", "logprobs",
