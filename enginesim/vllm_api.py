@@ -169,6 +169,9 @@ class VllmApi:
             self._check_alive()
             fault = request_fault(engine, request)
             max_tokens = self._max_tokens(req)
+            if req.min_tokens > max_tokens:     # SamplingParams._verify_args, on the bound it got
+                raise ApiError(400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+                               f"got {req.min_tokens}.", type_="BadRequestError")
             check_fault_status(engine, fault)
             base = request.headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex
             seq_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{base}"

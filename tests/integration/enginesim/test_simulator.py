@@ -213,6 +213,9 @@ async def test_ignore_eos_and_min_tokens(make_sim: MakeSim, http: aiohttp.Client
     assert data["usage"]["completion_tokens"] == 4 and data["choices"][0]["finish_reason"] == "stop"
     _, data, _ = await call(http, sim.url + "/v1/completions", {**base, "ignore_eos": True})
     assert data["choices"][0]["finish_reason"] == "length" and data["usage"]["completion_tokens"] == 5
+    # vLLM's SamplingParams refuses a min_tokens above the bound it got
+    status, data, _ = await call(http, sim.url + "/v1/completions", {**base, "min_tokens": 6})
+    assert status == 400 and data["error"]["message"] == "min_tokens must be less than or equal to max_tokens=5, got 6."
 
 
 # -- vLLM: other endpoints and errors -------------------------------------------------------------
