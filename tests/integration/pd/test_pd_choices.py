@@ -289,3 +289,25 @@ async def test_a_vllm_request_of_no_tokens_runs_whole_on_the_decode_which_refuse
     ps = await sim_state(p.url)
     assert _posts(ps) == [] and ps["pd"]["pinned"] == []
     assert len(_posts(await sim_state(d.url))) == 3
+
+
+async def test_a_vllm_request_whose_min_tokens_its_engine_refuses_runs_whole_on_the_decode(sims, gateway):
+    """vLLM refuses a ``min_tokens`` above the request's bound, or below 0; the prefill leg is sent
+    none (and ``max_tokens: 1``), so split, the prefill pinned the prompt's blocks for a decode that
+    then refused the request. Such a request runs whole on the chosen decode, whose 400 the client
+    gets; one whose ``min_tokens`` fits is split as before."""
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    client = openai_client(gw)
+    for bounds in ({"max_tokens": 4, "min_tokens": 5}, {"max_completion_tokens": 4, "min_tokens": 5},
+                   {"max_tokens": 4, "min_tokens": -1}):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model="m", messages=MSG, extra_body=bounds)
+        assert e.value.response.headers["x-pd-decision"] == "decode; reason=min_tokens", bounds
+        assert "min_tokens must be" in e.value.body["message"]
+    ps = await sim_state(p.url)
+    assert _posts(ps) == [] and ps["pd"]["pinned"] == []
+    raw = await client.chat.completions.with_raw_response.create(model="m", messages=MSG, max_tokens=4,
+                                                                extra_body={"min_tokens": 4})
+    assert raw.headers["x-pd-decision"] == "disaggregated; reason=always"
+    assert raw.parse().usage.completion_tokens == 4
