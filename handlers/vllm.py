@@ -21,7 +21,7 @@ from gateway.apis.paths import (
     SGLANG_TOKENIZE,
 )
 from gateway.endpoints import Endpoint
-from gateway.request import CHAT, InferenceRequest, body_bytes, usage_stream_options
+from gateway.request import CHAT, InferenceRequest, body_bytes, lax_int, usage_stream_options
 from handlers.base import OPENAI_PATHS, BadPrefillAnswer, PDPlan, Unsplit, engine_message, openai_usage
 from handlers.continuation import TEXT, TOKEN, multimodal, stop_strings, tools_on
 
@@ -151,16 +151,25 @@ class VLLMAdapter:
         decode would give every prompt. Nor are prompt logprobs (a completion's echo with logprobs,
         or prompt_logprobs): they come from the prompt's forward pass, which a decode that loads
         the prompt's KV does not run (vLLM reads no cached prefix for them). Nor is a request of no
-        tokens (``max_tokens`` or ``max_completion_tokens`` below 1), which vLLM refuses: its prefill
-        leg, sent ``max_tokens: 1``, would compute the prompt and pin its blocks for a decode that
-        then refuses it; run whole, the decode answers its own 400."""
+        tokens (``max_tokens`` or ``max_completion_tokens`` below 1), or of a ``min_tokens`` above its
+        bound or below 0, which vLLM refuses: its prefill leg, sent ``max_tokens: 1`` and no
+        ``min_tokens``, would compute the prompt and pin its blocks for a decode that then refuses
+        it; run whole, the decode answers its own 400."""
         data = ireq.data
+        bound = _lax_int(data.get("max_completion_tokens"))
+        if bound is None:
+            bound = _lax_int(data.get("max_tokens"))
         for key in ("max_tokens", "max_completion_tokens"):
-            v = data.get(key)
-            if isinstance(v, int) and not isinstance(v, bool) and v < 1:
+            v = _lax_int(data.get(key))
+            if v is not None and v < 1:
                 return Unsplit("no_generation", "a request of no tokens", key,
                                "vLLM generates at least one token, and its prefill leg would pin the prompt's blocks "
                                "for a decode that refuses the request")
+        least = _lax_int(data.get("min_tokens"))
+        if least is not None and (least < 0 or (bound is not None and least > bound)):
+            return Unsplit("min_tokens", "a min_tokens out of its bounds", "min_tokens",
+                           "vLLM refuses it, and the prefill leg, sent none, would pin the prompt's blocks "
+                           "for a decode that refuses the request")
         if ireq.sequences > ireq.fan:
             return Unsplit("several_prompts", "a batch of prompts", "prompt",
                            "vLLM's prefill answers the KV transfer parameters of a batch's first prompt alone, "
@@ -238,3 +247,14 @@ class VLLMAdapter:
 
 
 VLLM = VLLMAdapter()
+
+
+def _lax_int(v: Any) -> int | None:
+    """``v`` as vLLM's request model reads an int, or None (absent, null, or not one: the engine
+    answers that itself)."""
+    if v is None:
+        return None
+    try:
+        return lax_int(v)
+    except ValueError:
+        return None
