@@ -154,7 +154,8 @@ class VLLMAdapter:
         tokens (``max_tokens`` or ``max_completion_tokens`` below 1), or of a ``min_tokens`` above its
         bound or below 0, which vLLM refuses: its prefill leg, sent ``max_tokens: 1`` and no
         ``min_tokens``, would compute the prompt and pin its blocks for a decode that then refuses
-        it; run whole, the decode answers its own 400."""
+        it; run whole, the decode answers its own 400. So is a ``best_of`` below ``n`` (the prefill
+        is sent neither)."""
         data = ireq.data
         bound = _lax_int(data.get("max_completion_tokens"))
         if bound is None:
@@ -169,6 +170,11 @@ class VLLMAdapter:
         if least is not None and (least < 0 or (bound is not None and least > bound)):
             return Unsplit("min_tokens", "a min_tokens out of its bounds", "min_tokens",
                            "vLLM refuses it, and the prefill leg, sent none, would pin the prompt's blocks "
+                           "for a decode that refuses the request")
+        best_of = _lax_int(data.get("best_of"))
+        if best_of is not None and best_of < (_lax_int(data.get("n")) or 1):
+            return Unsplit("best_of", "a best_of below n", "best_of",
+                           "vLLM refuses it, and the prefill leg, sent neither, would pin the prompt's blocks "
                            "for a decode that refuses the request")
         if ireq.sequences > ireq.fan:
             return Unsplit("several_prompts", "a batch of prompts", "prompt",
