@@ -311,6 +311,10 @@ async def test_a_vllm_request_whose_min_tokens_its_engine_refuses_runs_whole_on_
                                                                 extra_body={"min_tokens": 4})
     assert raw.headers["x-pd-decision"] == "disaggregated; reason=always"
     assert raw.parse().usage.completion_tokens == 4
+    # vLLM's Messages request has no min_tokens (its model drops it): nothing there to refuse
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/messages", json={
+            "model": "m", "messages": MSG, "max_tokens": 4, "min_tokens": 9}) as r:
+        assert r.status == 200 and r.headers["x-pd-decision"] == "disaggregated; reason=always"
 
 
 async def test_a_vllm_request_of_fewer_best_of_than_choices_runs_whole_on_the_decode(sims, gateway):
