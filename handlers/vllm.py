@@ -166,12 +166,13 @@ class VLLMAdapter:
                 return Unsplit("no_generation", "a request of no tokens", key,
                                "vLLM generates at least one token, and its prefill leg would pin the prompt's blocks "
                                "for a decode that refuses the request")
-        least = _lax_int(data.get("min_tokens"))
+        # vLLM's Messages request has neither min_tokens nor best_of (its model drops them)
+        least = None if ireq.path == MESSAGES else _lax_int(data.get("min_tokens"))
         if least is not None and (least < 0 or (bound is not None and least > bound)):
             return Unsplit("min_tokens", "a min_tokens out of its bounds", "min_tokens",
                            "vLLM refuses it, and the prefill leg, sent none, would pin the prompt's blocks "
                            "for a decode that refuses the request")
-        best_of = _lax_int(data.get("best_of"))
+        best_of = None if ireq.path == MESSAGES else _lax_int(data.get("best_of"))
         if best_of is not None and best_of < (_lax_int(data.get("n")) or 1):
             return Unsplit("best_of", "a best_of below n", "best_of",
                            "vLLM refuses it, and the prefill leg, sent neither, would pin the prompt's blocks "
