@@ -317,6 +317,21 @@ async def test_a_decode_that_refuses_the_leg_hands_it_to_another_decode_of_the_r
     await _until_retried(gw, p, d, stream, "connect")
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_refused_decode_leg_goes_to_no_decode_whose_prompt_bucket_excludes_the_request(sims, gateway, engine):
+    """The other decode a refused leg goes to is one the request could have been routed to: a decode
+    whose prompt-length bucket excludes the request (here one for short prompts) is not sent it;
+    with no other, the client gets the refused decode's 502."""
+    p, d = await pd_pair(sims, engine)
+    rs = {**roleset(engine, p, d, name="rs"),
+          "decode": ["http://127.0.0.1:9", {"url": d.url, "max_prompt_tokens": 10}]}
+    gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60})
+    st, hdrs, raw = await post(gw, body())
+    assert st == 502 and hdrs["x-error-pd-decode"] == "connect", raw[:300]
+    assert [r for r in (await sim_state(d.url))["received"] if r["method"] == "POST"] == []
+    assert await wait_for(lambda: quiet(p.url), timeout=5)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("engine", ENGINES)
 async def test_a_prefill_that_refuses_the_leg_is_left_out_and_the_pair_chosen_again(sims, gateway, engine, stream):
