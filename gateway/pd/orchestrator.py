@@ -52,6 +52,7 @@ from gateway.upstream.upstream import (
     upstream_headers,
 )
 from handlers.base import AbortSpec, BadPrefillAnswer, EngineAdapter, PDPlan
+from routers.pd import in_bucket
 
 log = structlog.get_logger("switchyard.pd")
 
@@ -486,10 +487,12 @@ class PDOrchestrator:
 
     def _other_decode(self, ctx: RequestContext, tried: list[Endpoint]) -> Endpoint | None:
         """Another decode endpoint of the prefill's roleset for a decode leg that could not be sent
-        (gateway/resilience/retry.py ``redecode``), or None."""
+        (gateway/resilience/retry.py ``redecode``), or None. Only one whose prompt-length bucket
+        holds the request: the pair's choice dropped the others."""
         assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
-        roleset = ctx.decision.prefill.roleset
-        decodes = [e for e in self.pool.endpoints(ctx.ireq.model) if e.role == "decode" and e.roleset == roleset]
+        roleset, n = ctx.decision.prefill.roleset, ctx.ireq.prompt_tokens_est
+        decodes = [e for e in self.pool.endpoints(ctx.ireq.model)
+                   if e.role == "decode" and e.roleset == roleset and in_bucket(e, n)]
         return self.retries.redecode(ctx, self.metrics, decodes, tried, "connect")
 
     async def _relay_decode(self, ctx: RequestContext, adapter: EngineAdapter, plan: PDPlan,

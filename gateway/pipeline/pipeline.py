@@ -451,8 +451,12 @@ class Pipeline:
                                                and c not in tried for c in candidates):
                     tried.append(suspect)
                 others = [c for c in candidates if c not in tried]
+                # another of the failed one's role (or a combined endpoint) that the pair's choice
+                # may take: one whose prompt-length bucket holds the request
+                n = ctx.ireq.prompt_tokens_est
                 if self.retries.others(ctx.ireq.model, Outcome.FAULT, failed, ctx.rec.retries,
-                                       [c for c in others if c.role in (failed.role, "combined")], tried) is None:
+                                       [c for c in others if c.role in (failed.role, "combined") and in_bucket(c, n)],
+                                       tried) is None:
                     raise
                 self.retries.count(ctx, self.metrics, failed, e.cause)
                 ctx.rec.error_class = None              # of the failed try: the retry's answer says its own
