@@ -321,6 +321,26 @@ async def test_pd_model_routes_both_legs_to_endpoints_serving_the_adapter(sims, 
     assert status == 503 and "no ready decode endpoint of the P/D model `n`" in body["error"]["message"]
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_a_refused_decode_leg_of_an_adapter_goes_to_no_decode_without_it(sims, gateway, engine):
+    """The adapter's decode died (its port refuses) before the probes noticed: its leg goes to no
+    decode of the roleset that does not serve the adapter (which would answer that the adapter does
+    not exist): with none left, the client gets the refused decode's 502."""
+    lora = ("sql=org/sql-lora",)
+    p = await sims(engine, "m", role="prefill", lora_modules=lora, **LORA_SIM)
+    d_with = await sims(engine, "m", role="decode", lora_modules=lora, **LORA_SIM)
+    d_without = await sims(engine, "m", role="decode", **LORA_SIM)
+    prefills = [{"url": p.url, "bootstrap_port": p.bootstrap_port}] if engine == "sglang" else [p.url]
+    gw = await gateway([{"name": "m", "engine": engine,
+                         "rolesets": [{"name": "rs", "prefill": prefills, "decode": [d_with.url, d_without.url]}]}],
+                       lora={"discovery_interval_s": 60}, health={"interval_s": 60})
+    await wait_for(lambda: sum(bool(ep.adapters.served) for ep in gw.gw.pool.endpoints()) == 2)
+    await d_with.close()
+    status, headers, body = await chat(gw, "sql")
+    assert status == 502 and headers["x-error-pd-decode"] == "connect", body
+    assert [r for r in (await sim_state(d_without.url))["received"] if r["method"] == "POST"] == []
+
+
 async def test_an_adapter_named_as_a_model_or_an_alias_is_not_listed_twice(sims, gateway):
     """An engine may serve adapters whose names a model or an alias of the gateway has (no file
     check can see them): a request naming one reaches that model or alias, so the listing names it
