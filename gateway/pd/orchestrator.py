@@ -488,10 +488,11 @@ class PDOrchestrator:
     def _other_decode(self, ctx: RequestContext, tried: list[Endpoint]) -> Endpoint | None:
         """Another decode endpoint of the prefill's roleset for a decode leg that could not be sent
         (gateway/resilience/retry.py ``redecode``), or None. Only one whose prompt-length bucket
-        holds the request: the pair's choice dropped the others."""
+        holds the request, and that serves its API or LoRA adapter when those narrowed the model's
+        endpoints: the pair's choice dropped the others."""
         assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
         roleset, n = ctx.decision.prefill.roleset, ctx.ireq.prompt_tokens_est
-        decodes = [e for e in self.pool.endpoints(ctx.ireq.model)
+        decodes = [e for e in (self.pool.endpoints(ctx.ireq.model) if ctx.serving is None else ctx.serving)
                    if e.role == "decode" and e.roleset == roleset and in_bucket(e, n)]
         return self.retries.redecode(ctx, self.metrics, decodes, tried, "connect")
 

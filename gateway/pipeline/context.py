@@ -175,6 +175,9 @@ class RequestContext:
     api_state: Any = None                            # what that API keeps between its hooks (gateway/apis)
     migration: Any = None                            # a stream's continuation state (gateway/pipeline/migration.py)
     pd_plan: PDPlan | None = None                    # the P/D legs in flight (gateway/pd/orchestrator.py), to abort them
+    # the endpoints that serve the request when its API or its LoRA adapter narrowed the model's
+    # (gateway/pipeline/pipeline.py ``_serving``): a P/D leg's other decode is one of them
+    serving: list[Endpoint] | None = None
     # bookkeeping not needed to choose the endpoint or build the body (routing observers, prefix
     # index inserts, log fields): run by ``written`` once the first upstream leg is written
     after_write: list[Callable[[], None]] = field(default_factory=list)

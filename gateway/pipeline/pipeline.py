@@ -305,7 +305,7 @@ class Pipeline:
         finally:
             rec.user = ireq.user                      # with auth on, the key's user (admit decides it); a 429's too
         if ctx.api is not None or ireq.lora is not None:
-            candidates = await self._serving(ctx, spec, router, candidates)
+            candidates = ctx.serving = await self._serving(ctx, spec, router, candidates)
         adapter = adapter_for(candidates[0].engine)
         checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
         self._objectives(ireq, rec, slo)
