@@ -289,6 +289,11 @@ async def test_a_vllm_request_of_no_tokens_runs_whole_on_the_decode_which_refuse
     ps = await sim_state(p.url)
     assert _posts(ps) == [] and ps["pd"]["pinned"] == []
     assert len(_posts(await sim_state(d.url))) == 3
+    # a chat's bound is its max_completion_tokens when it names one: a max_tokens of 0 beside it is no refusal
+    raw = await client.chat.completions.with_raw_response.create(model="m", messages=MSG, max_completion_tokens=3,
+                                                                max_tokens=0)
+    assert raw.headers["x-pd-decision"] == "disaggregated; reason=always"
+    assert raw.parse().usage.completion_tokens == 3
 
 
 async def test_a_vllm_request_whose_min_tokens_its_engine_refuses_runs_whole_on_the_decode(sims, gateway):
