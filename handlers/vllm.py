@@ -151,21 +151,20 @@ class VLLMAdapter:
         decode would give every prompt. Nor are prompt logprobs (a completion's echo with logprobs,
         or prompt_logprobs): they come from the prompt's forward pass, which a decode that loads
         the prompt's KV does not run (vLLM reads no cached prefix for them). Nor is a request of no
-        tokens (``max_tokens`` or ``max_completion_tokens`` below 1), or of a ``min_tokens`` above its
-        bound or below 0, which vLLM refuses: its prefill leg, sent ``max_tokens: 1`` and no
+        tokens (its bound below 1: a chat's ``max_completion_tokens`` when it names one, else its
+        ``max_tokens``), or of a ``min_tokens`` above that bound or below 0, which vLLM refuses: its prefill leg, sent ``max_tokens: 1`` and no
         ``min_tokens``, would compute the prompt and pin its blocks for a decode that then refuses
         it; run whole, the decode answers its own 400. So is a ``best_of`` below ``n`` (the prefill
         is sent neither)."""
         data = ireq.data
-        bound = _lax_int(data.get("max_completion_tokens"))
-        if bound is None:
-            bound = _lax_int(data.get("max_tokens"))
-        for key in ("max_tokens", "max_completion_tokens"):
-            v = _lax_int(data.get(key))
-            if v is not None and v < 1:
-                return Unsplit("no_generation", "a request of no tokens", key,
-                               "vLLM generates at least one token, and its prefill leg would pin the prompt's blocks "
-                               "for a decode that refuses the request")
+        # a chat's bound is its max_completion_tokens when it names one, else its max_tokens
+        key = "max_completion_tokens" if ireq.path == CHAT and data.get("max_completion_tokens") is not None \
+            else "max_tokens"
+        bound = _lax_int(data.get(key))
+        if bound is not None and bound < 1:
+            return Unsplit("no_generation", "a request of no tokens", key,
+                           "vLLM generates at least one token, and its prefill leg would pin the prompt's blocks "
+                           "for a decode that refuses the request")
         # vLLM's Messages request has neither min_tokens nor best_of (its model drops them)
         least = None if ireq.path == MESSAGES else _lax_int(data.get("min_tokens"))
         if least is not None and (least < 0 or (bound is not None and least > bound)):
