@@ -261,3 +261,46 @@ async def test_concurrent_changes_of_one_user_all_land(gw):
     assert gone["keys_deleted"] + len(left["data"]) == 20
     assert (await admin("PATCH", "/admin/users/gus", {"rpm": 2}))[0] == 404
     assert (await admin("DELETE", "/admin/users/gus"))[0] == 404
+
+
+async def test_every_admin_call_has_a_log_line_and_is_counted(gw):
+    """An audit trail: each admin call, a refused token's included, is one request line naming the
+    action, the credential by its id (never the token), the object changed (never a created key)
+    and the status, and counts in switchyard_admin_requests_total{action,result}."""
+    import hashlib
+
+    from tests.support.metrics import metric
+
+    admin = Admin(gw)
+    token_id = hashlib.sha256(TOKEN.encode()).hexdigest()[:16]
+    with gw.gw.request_log.capture() as lines:
+        status, key = await admin("POST", "/admin/keys", {"user": "erin", "name": "laptop"})
+        assert status == 201
+        assert (await admin("DELETE", f"/admin/keys/{key['id']}"))[0] == 200
+        assert (await admin("PUT", "/admin/users/erin", {"rpm": 5}))[0] == 201
+        assert (await admin("GET", "/admin/keys/nope"))[0] == 404
+        assert (await Admin(gw, "wrong-guess")("DELETE", "/admin/users/erin"))[0] == 401
+        async with aiohttp.ClientSession() as s, s.post(gw.url + "/admin/reload") as r:
+            assert r.status == 401                      # no Authorization at all
+        assert (await admin("POST", "/admin/reload"))[0] == 409      # started without a config file
+    got = [(ln["method"], ln["path"], ln["status"], ln["admin_action"], ln["admin_token"], ln.get("admin_object"))
+           for ln in lines]
+    wrong_id = hashlib.sha256(b"wrong-guess").hexdigest()[:16]
+    assert got == [("POST", "/admin/keys", 201, "create_key", token_id, key["id"]),
+                   ("DELETE", f"/admin/keys/{key['id']}", 200, "revoke_key", token_id, key["id"]),
+                   ("PUT", "/admin/users/erin", 201, "replace_user", token_id, "erin"),
+                   ("GET", "/admin/keys/nope", 404, "get_key", token_id, "nope"),
+                   ("DELETE", "/admin/users/erin", 401, "delete_user", wrong_id, "erin"),
+                   ("POST", "/admin/reload", 401, "reload", None, None),
+                   ("POST", "/admin/reload", 409, "reload", token_id, None)], got
+    text = json.dumps(lines)
+    assert TOKEN not in text and "wrong-guess" not in text and key["key"] not in text
+    assert all(ln["request_id"] for ln in lines)
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+        page = await r.text()
+    assert metric(page, "switchyard_admin_requests_total", action="create_key", result="ok") == 1
+    assert metric(page, "switchyard_admin_requests_total", action="revoke_key", result="ok") == 1
+    assert metric(page, "switchyard_admin_requests_total", action="get_key", result="not_found") == 1
+    assert metric(page, "switchyard_admin_requests_total", action="delete_user", result="unauthorized") == 1
+    assert metric(page, "switchyard_admin_requests_total", action="reload", result="unauthorized") == 1
+    assert metric(page, "switchyard_admin_requests_total", action="reload", result="conflict") == 1
