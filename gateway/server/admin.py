@@ -27,20 +27,27 @@ from __future__ import annotations
 
 import hmac
 import re
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 import structlog
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter
 
 from gateway.config.schema import UserLimits
-from gateway.errors import ErrorClass, GatewayError
+from gateway.errors import ErrorClass, GatewayError, printable
+from gateway.observability.logs import RequestLog
+from gateway.pipeline.context import MAX_LOG_CHARS, RequestRecord, log_answer
+from gateway.request import given_request_id, request_id_from
 from gateway.tenants import Tenancy
 from gateway.tenants.directory import (
     LIMIT_FIELDS,
     USER_NAME,
     KeyRecord,
     admin_token_valid,
+    bearer_token,
     header_field,
     key_digest,
     limits_stored,
@@ -62,9 +69,97 @@ KEY_TEXT = re.compile(rf"[\x21-\x7e]{{{MIN_KEY_LENGTH},{MAX_KEY_LENGTH}}}")
 MAX_LIMIT = 2**53 - 1
 
 
-def add_tenancy(app: web.Application, tenancy: Tenancy) -> None:
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# what the object an admin call changed or read is: a key's id, a user's name (the path's, or a
+# created one's, which the handler sets)
+ADMIN_OBJECT = web.RequestKey("admin_object", str)
+# the admin fields of a line the error middleware writes (gateway/server/app.py ``_error_answers``)
+ADMIN_LOG_FIELDS = web.RequestKey("admin_log_fields", dict)
+# an admin answer's status as the result label of switchyard_admin_requests_total
+ADMIN_RESULTS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 409: "conflict", 413: "too_large",
+                 499: "cancelled", 503: "unavailable"}
+
+
+def credential_id(authorization: str | None) -> str | None:
+    """The bearer token an ``Authorization`` header carries, as the log names it: the first 16 hex
+    digits of its SHA-256, as an API key's id is (so an API key sent as the admin token shows as its
+    key id); None without a bearer token. Never the token itself."""
+    token = bearer_token(authorization)
+    return key_digest(token)[:16] if token is not None else None
+
+
+class AdminAudit:
+    """The admin API's audit trail: one request line per admin call (``POST /admin/reload``'s
+    included), whatever its answer, a refused token's too, with ``admin_action``, ``admin_token``
+    (``credential_id``: never the token), ``admin_object`` (never a key) and the status; and
+    ``switchyard_admin_requests_total{action,result}``. A 404 of the admin API turned off by a reload,
+    and a 413 of a body too large, keep the line the error middleware writes for them (one line a
+    request), with the same fields."""
+
+    def __init__(self, registry: CollectorRegistry | None, request_log: RequestLog | None) -> None:
+        self.requests = Counter("switchyard_admin_requests", "Admin API calls (POST /admin/reload included), "
+                                "by action and result", ["action", "result"], registry=registry)
+        self.request_log = request_log
+
+    def wrap(self, action: str, fn: Handler) -> Handler:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            started = time.perf_counter()
+            given = given_request_id(request.headers)
+            rid = request_id_from(given)
+            obj = request.match_info.get("id") or request.match_info.get("name")
+            if obj is not None:
+                request[ADMIN_OBJECT] = obj
+            fields = {"method": request.method, "admin_action": action,
+                      "admin_token": credential_id(header_field(request.headers, "Authorization"))}
+            status, error, error_class, logged = 499, "client went away", ErrorClass.CLIENT_CANCEL, False
+            try:
+                resp = await fn(request)
+            except GatewayError as e:
+                status, error, error_class = e.status, e.message, e.error_class
+                # the error middleware's answer carries this line's request id
+                e.headers.setdefault("request-id", rid)
+                e.headers.setdefault("x-request-id", e.headers["request-id"])
+                rid = e.headers["request-id"]
+                logged = status == 413                  # the error middleware writes its line
+                self._fields(request, fields, logged)
+                raise
+            except web.HTTPException as e:
+                status, error, error_class = e.status, e.reason, ErrorClass.HTTP
+                logged = status in (404, 405, 413, 501)     # the error middleware writes its line
+                self._fields(request, fields, logged)
+                raise
+            except Exception:
+                status, error, error_class = 500, "internal gateway error", ErrorClass.INTERNAL
+                raise
+            else:
+                status, error, error_class = resp.status, None, None
+                rid = resp.headers.setdefault("request-id", rid)
+                return resp
+            finally:
+                self.requests.labels(action, ADMIN_RESULTS.get(status, "ok" if status < 400 else "error")).inc()
+                if not logged and self.request_log is not None:
+                    self._fields(request, fields)
+                    rec = RequestRecord(rid, request.path, started, status=status, error_class=error_class,
+                                        error=error, request_id_replaced=given is not None and given != rid)
+                    rec.extra.update(fields)
+                    log_answer(rec, time.perf_counter(), self.request_log)
+        return handler
+
+    @staticmethod
+    def _fields(request: web.Request, fields: dict[str, Any], edge_line: bool = False) -> None:
+        """``fields`` with the call's object; for a line the error middleware writes, on the request."""
+        obj = request.get(ADMIN_OBJECT)
+        if obj is not None:
+            obj = printable(obj)
+            fields["admin_object"] = obj if len(obj) <= MAX_LOG_CHARS else f"{obj[:MAX_LOG_CHARS]}… ({len(obj)} characters)"
+        if edge_line:
+            request[ADMIN_LOG_FIELDS] = fields
+
+
+def add_tenancy(app: web.Application, tenancy: Tenancy, audit: AdminAudit | None = None) -> None:
     """Wire tenancy into the app: rate-limit headers on every answer, the state backend's
-    lifecycle, and the admin routes when an admin token is configured."""
+    lifecycle, and the admin routes when an admin token is configured (each call written to
+    ``audit``'s log and counted there)."""
     app[TENANCY_KEY] = tenancy
     app.on_response_prepare.append(tenancy.on_response_prepare)
 
@@ -77,7 +172,7 @@ def add_tenancy(app: web.Application, tenancy: Tenancy) -> None:
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
     if tenancy.admin_digest is not None:
-        AdminAPI(tenancy).register(app.router)
+        AdminAPI(tenancy, audit).register(app.router)
 
 
 def require_admin(request: web.Request, digest: str | None) -> None:
@@ -139,20 +234,27 @@ def _user_name(v: Any, param: str = "name") -> str:
 
 
 class AdminAPI:
-    def __init__(self, tenancy: Tenancy) -> None:
+    def __init__(self, tenancy: Tenancy, audit: AdminAudit | None = None) -> None:
         self.t = tenancy
         self.dir = tenancy.directory
+        self.audit = audit
 
     def register(self, router: web.UrlDispatcher) -> None:
-        for method, path, fn in (
-            ("GET", "/admin/users", self.list_users), ("POST", "/admin/users", self.create_user),
-            ("GET", "/admin/users/{name}", self.get_user), ("PUT", "/admin/users/{name}", self.put_user),
-            ("PATCH", "/admin/users/{name}", self.patch_user), ("DELETE", "/admin/users/{name}", self.delete_user),
-            ("GET", "/admin/keys", self.list_keys), ("POST", "/admin/keys", self.create_key),
-            ("GET", "/admin/keys/{id}", self.get_key), ("PATCH", "/admin/keys/{id}", self.patch_key),
-            ("DELETE", "/admin/keys/{id}", self.delete_key),
+        for method, path, action, fn in (
+            ("GET", "/admin/users", "list_users", self.list_users),
+            ("POST", "/admin/users", "create_user", self.create_user),
+            ("GET", "/admin/users/{name}", "get_user", self.get_user),
+            ("PUT", "/admin/users/{name}", "replace_user", self.put_user),
+            ("PATCH", "/admin/users/{name}", "update_user", self.patch_user),
+            ("DELETE", "/admin/users/{name}", "delete_user", self.delete_user),
+            ("GET", "/admin/keys", "list_keys", self.list_keys),
+            ("POST", "/admin/keys", "create_key", self.create_key),
+            ("GET", "/admin/keys/{id}", "get_key", self.get_key),
+            ("PATCH", "/admin/keys/{id}", "update_key", self.patch_key),
+            ("DELETE", "/admin/keys/{id}", "revoke_key", self.delete_key),
         ):
-            router.add_route(method, path, self._guard(fn))
+            handler = self._guard(fn)
+            router.add_route(method, path, self.audit.wrap(action, handler) if self.audit is not None else handler)
 
     def _guard(self, fn):
         async def handler(request: web.Request) -> web.Response:
@@ -207,6 +309,7 @@ class AdminAPI:
     async def create_user(self, request: web.Request) -> web.Response:
         data = await self._body(request)
         name = _user_name(data.pop("name", None))
+        request[ADMIN_OBJECT] = name
         if self.dir.user_source(name) is not None:
             raise _conflict(f"user {name} exists (PUT /admin/users/{name} replaces it)")
         limits = _limits(data)
@@ -298,6 +401,7 @@ class AdminAPI:
         if self.dir.key(digest) is not None:
             raise _conflict("this key already exists")
         rec = KeyRecord(digest=digest, user=user, name=name, created=now())
+        request[ADMIN_OBJECT] = rec.id
         if not await self.t.state.put_key(rec, only="absent"):      # created meanwhile elsewhere
             await self.t.refresh()
             raise _conflict("this key already exists")

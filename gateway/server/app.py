@@ -45,7 +45,7 @@ from gateway.pipeline.context import safe_header_value
 from gateway.pipeline.generation import Generation, Services, build_generation, build_services
 from gateway.pipeline.pipeline import Pipeline, not_listed_yet
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, given_request_id, request_id_from
-from gateway.server.admin import add_tenancy
+from gateway.server.admin import ADMIN_LOG_FIELDS, AdminAudit, add_tenancy
 from gateway.server.cors import add_vary
 from gateway.server.edge import (
     STANDARD_METHODS,
@@ -106,6 +106,11 @@ _BATCH_OFF = ("the Batch API (/v1/files, /v1/batches) is off on this gateway: "
 
 def _on_batch_path(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in _BATCH_PATHS)
+
+
+def _log_fields(request: web.BaseRequest) -> dict | None:
+    """The fields a request's line adds (a CORS outcome, an admin call's action and credential)."""
+    return getattr(request, "log_fields", None) or request.get(ADMIN_LOG_FIELDS)
 
 
 def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_log: RequestLog | None = None,
@@ -175,7 +180,7 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_l
             if request_log is not None and resp.status in (404, 405, 413, 501):
                 log_edge_answer(rid, given_request_id(request.headers), request.path, request.method,
                                 resp.status, msg, head_started(request), request_log,
-                                extra=getattr(request, "log_fields", None))
+                                extra=_log_fields(request))
             return resp
         if isinstance(e, GatewayError):
             api = api_of(request)
@@ -186,7 +191,7 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_l
                 # logged as the edge's 413 to a told length is, though the API's other answers are not
                 log_edge_answer(rid, given_request_id(request.headers), request.path, request.method,
                                 413, e.message, head_started(request), request_log,
-                                extra=getattr(request, "log_fields", None))
+                                extra=_log_fields(request))
             return error_response(e.status, shaped(request, e), {"request-id": rid, "x-request-id": rid, **e.headers})
         # a bug outside the pipeline (which answers its own)
         metrics.internal_errors.inc()
@@ -327,9 +332,10 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     siblings = _siblings(app, worker, s) if worker is not None else None
     _add_public_routes(app, s, reloader, started_at, siblings)   # /v1/models, /health, /ready, /metrics
     if tenancy is not None:      # x-ratelimit-* on every answer, state lifecycle, /admin API
-        add_tenancy(app, tenancy)
+        audit = AdminAudit(metrics.registry, s.request_log)     # a line and a count per admin call
+        add_tenancy(app, tenancy, audit)
         if tenancy.admin_digest is not None:
-            reloader.register(app.router)        # POST /admin/reload
+            reloader.register(app.router, audit)        # POST /admin/reload
     batch = _add_batch(app, config, s, reloader) if config.batch.enabled else None
     if config.status.enabled:    # /status and /status.json; its board watches requests and decisions
         page = _add_status_page(app, config, s, reloader, tenancy, started_at, batch)

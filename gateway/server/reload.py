@@ -78,7 +78,7 @@ from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
 from gateway.pipeline.generation import Entry, Generation
 from gateway.pipeline.routing import Routing
-from gateway.server.admin import require_admin
+from gateway.server.admin import AdminAudit, require_admin
 from gateway.tenants import Tenancy
 from gateway.tenants.service import needs_tenancy
 
@@ -587,8 +587,8 @@ class Reloader:
 
     # -- POST /admin/reload --------------------------------------------------------------------
 
-    def register(self, router: web.UrlDispatcher) -> None:
-        router.add_post("/admin/reload", self.handle_admin)
+    def register(self, router: web.UrlDispatcher, audit: AdminAudit | None = None) -> None:
+        router.add_post("/admin/reload", audit.wrap("reload", self.handle_admin) if audit is not None else self.handle_admin)
 
     async def handle_admin(self, request: web.Request) -> web.Response:
         """The admin token as for the rest of /admin (gateway/server/admin.py)."""
