@@ -103,3 +103,28 @@ async def _per_worker(port: int, workers: int = 2) -> dict:
             async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
                 found[0] = await r.text()
     return found
+
+
+@pytest.mark.timeout(120)
+async def test_a_reload_making_a_stored_key_the_admin_token_is_refused(sims, tmp_path, redis_server):
+    """The config's own check cannot see the keys the admin API stored in Redis: the reload that
+    would make one of them the admin token (every holder of that key an admin) is refused when
+    applied, naming auth.admin_token and the key's id, and the running config is kept."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = _config(tmp_path, "a", port, sim.url, redis_server.url)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    key = "sk-stored-then-admin-0123456789"
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2, admin_token=ADMIN):
+        status, _, created = await post_new(port, "/admin/keys", {"user": "dana", "key": key}, admin)
+        assert status == 201, created
+        cfg = yaml.safe_load(path.read_text())
+        cfg["auth"]["admin_token"] = key
+        path.write_text(yaml.safe_dump(cfg))
+        status, _, body = await post_new(port, "/admin/reload", {}, admin)
+        assert status == 400 and body["error"]["param"] == "auth.admin_token", body
+        assert created["id"] in body["error"]["message"], body
+        for _ in range(4):              # on either worker: the old token is still the admin's, the key a client's
+            assert (await post_new(port, "/admin/keys", {"user": "erin"}, admin))[0] == 201
+            assert (await post_new(port, "/admin/keys", {"user": "erin"}, {"Authorization": f"Bearer {key}"}))[0] == 401
+        assert set(await _statuses(port, key)) == {200}
