@@ -398,6 +398,7 @@ class Reloader:
                 return self._refused(trigger, "restart_required", path,
                                      f"{path}: changing this needs a restart; the running config is kept")
             check_strategies(config)     # every error names its key
+            self._check_admin_token(config)
             pipeline = self.build(config, live.gen)   # beside the live one: changes nothing of it
         except Exception as e:           # nothing has changed yet: refused, never raised into the signal handler
             return self._refused_for(trigger, e)
@@ -422,6 +423,20 @@ class Reloader:
             log_no_effect(config, self.source)
         return self._finish(result)
 
+    def _check_admin_token(self, config: Config) -> None:
+        """A ConfigError when the new admin token is a key the admin API stored (the config's own
+        check sees only ``auth.api_keys``): every holder of that key would be an admin. The store's
+        keys as this process holds them (brought up to date first by ``reload_off_loop``)."""
+        token = config.auth.admin_token
+        if self.tenancy is None or token is None:
+            return
+        rec = self.tenancy.directory.store_keys.get(hashlib.sha256(token.encode()).hexdigest())
+        if rec is not None:
+            path = "auth.admin_token_env" if config.auth.admin_token_env is not None else "auth.admin_token"
+            raise ConfigError(path, f"the admin token is the API key {rec.id} (user {rec.user}) the admin API "
+                                    "stored: an API key is not an admin token (revoke the key, DELETE "
+                                    f"/admin/keys/{rec.id}, or choose another token); the running config is kept")
+
     def _refused_for(self, trigger: str, e: Exception) -> ReloadResult:
         if isinstance(e, ConfigError):
             return self._refused(trigger, "invalid", e.key_path, str(e))
@@ -445,6 +460,14 @@ class Reloader:
                 config = await self._read_whole(trigger, loader)
             except Exception as e:      # nothing has changed
                 return self._refused_for(trigger, e)
+            if self.tenancy is not None and config.auth.admin_token is not None:
+                # the store's keys as they are now, for the admin token's check (``_check_admin_token``);
+                # with the store out of reach, the keys as last read
+                try:
+                    await self.tenancy.refresh()
+                except Exception as e:
+                    log.warning("config reload: the stored keys could not be read; checked against "
+                                "those last read", error=str(e))
             return self.reload(trigger, config, parent_generation)
 
     async def _read_whole(self, trigger: str, loader: Callable[[], Config]) -> Config:
