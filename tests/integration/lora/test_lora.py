@@ -404,3 +404,22 @@ async def test_an_adapter_name_two_base_models_serve_lists_the_endpoints_request
     for _ in range(3):
         raw = await client.chat.completions.with_raw_response.create(model="sql", messages=MSG, max_tokens=2)
         assert raw.headers["target-pod"] == a.url.removeprefix("http://")
+
+
+async def test_the_serving_gauge_drops_an_adapter_no_engine_lists_and_the_config_does_not(sims, gateway):
+    """Bounded series over a long life: an adapter an engine listed and no longer does, which the
+    config does not list, loses its switchyard_lora_adapter_endpoints series (engines' own adapters
+    come and go by the thousand over months); one the config lists reads 0, a fact about it."""
+    sim = await sims("vllm", "m", lora_modules=("sql=org/sql-lora",), **LORA_SIM)
+    gw = await gateway([model_block("m", "vllm", [sim.url], adapters={"cfg": "org/cfg"})], lora=FAST_LORA)
+    assert (await chat(gw, "cfg"))[0] == 200
+    series = 'switchyard_lora_adapter_endpoints{adapter="%s",model="m"}'
+    assert await wait_for(lambda: (series % "sql") + " 1.0" in gw.gw.metrics.render().decode()
+                          and (series % "cfg") + " 1.0" in gw.gw.metrics.render().decode(), timeout=10.0)
+    async with aiohttp.ClientSession() as s:
+        for name in ("sql", "cfg"):         # the engine drops both (an operator's unload, a restart)
+            async with s.post(sim.url + "/v1/unload_lora_adapter", json={"lora_name": name}) as r:
+                assert r.status == 200, await r.text()
+    assert await wait_for(lambda: (series % "cfg") + " 0.0" in gw.gw.metrics.render().decode(), timeout=10.0)
+    assert await wait_for(lambda: series % "sql" not in gw.gw.metrics.render().decode(), timeout=10.0), \
+        "the series of an adapter nothing lists any more stays, at 0, forever"
