@@ -806,12 +806,17 @@ class Lora:
         self.count_serving()
 
     def count_serving(self) -> None:
-        """Set ``switchyard_lora_adapter_endpoints``: after each discovery round, load and unload
-        (an adapter no endpoint serves any more reads 0, not its last count)."""
-        counts = dict.fromkeys(self._counted, 0)
+        """Set ``switchyard_lora_adapter_endpoints``: after each discovery round, load and unload.
+        An adapter no endpoint serves any more reads 0, not its last count, when the config lists it
+        for that model; one it does not (an engine's own, listed once) has its series removed, so
+        the adapters engines list and drop over a long life do not each keep a series."""
+        counts = {k: 0 for k in self._counted if self.paths.get(k[1], ("",))[0] == k[0]}
         for ep in self.pool.endpoints():
             for a in ep.adapters.served:
                 counts[(ep.model, a)] = counts.get((ep.model, a), 0) + 1
+        for model, adapter in self._counted.difference(counts):
+            with contextlib.suppress(KeyError):
+                self.metrics.serving.remove(model, adapter)
         for (model, adapter), n in counts.items():
             self.metrics.serving.labels(model, adapter).set(n)
         self._counted = set(counts)
