@@ -435,7 +435,7 @@ class Reloader:
             path = "auth.admin_token_env" if config.auth.admin_token_env is not None else "auth.admin_token"
             raise ConfigError(path, f"the admin token is the API key {rec.id} (user {rec.user}) the admin API "
                                     "stored: an API key is not an admin token (revoke the key, DELETE "
-                                    f"/admin/keys/{rec.id}, or choose another token); the running config is kept")
+                                    f"/admin/keys/{rec.id}, or choose another token)")
 
     def _refused_for(self, trigger: str, e: Exception) -> ReloadResult:
         if isinstance(e, ConfigError):
