@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import json
 
 import aiohttp
+import msgspec
 import openai
 import pytest
 
 from gateway.admin_cli import main as cli
+from gateway.config.schema import config_from_dict
+from gateway.server.app import RELOAD_KEY
 from tests.support.factories import model_block
 from tests.support.http import openai_client
+from tests.support.metrics import metric
 from tests.support.tenancy import ALICE, CHAT
 
 TOKEN = "admin-secret-token"
@@ -267,10 +272,6 @@ async def test_every_admin_call_has_a_log_line_and_is_counted(gw):
     """An audit trail: each admin call, a refused token's included, is one request line naming the
     action, the credential by its id (never the token), the object changed (never a created key)
     and the status, and counts in switchyard_admin_requests_total{action,result}."""
-    import hashlib
-
-    from tests.support.metrics import metric
-
     admin = Admin(gw)
     token_id = hashlib.sha256(TOKEN.encode()).hexdigest()[:16]
     with gw.gw.request_log.capture() as lines:
@@ -304,3 +305,19 @@ async def test_every_admin_call_has_a_log_line_and_is_counted(gw):
     assert metric(page, "switchyard_admin_requests_total", action="delete_user", result="unauthorized") == 1
     assert metric(page, "switchyard_admin_requests_total", action="reload", result="unauthorized") == 1
     assert metric(page, "switchyard_admin_requests_total", action="reload", result="conflict") == 1
+
+
+async def test_an_admin_call_after_a_reload_removed_the_token_keeps_one_line_with_its_action(gw):
+    """A reload that removes the admin token turns the API off (404): the call's one line (the
+    error answer's) names its action and credential, and it is counted."""
+    reloader = gw.runner.app[RELOAD_KEY]
+    raw = msgspec.to_builtins(reloader.live.config)
+    raw["auth"]["admin_token"] = None
+    assert reloader.reload("test", config_from_dict(raw, source="<test>")).result == "ok"
+    with gw.gw.request_log.capture() as lines:
+        status, _ = await Admin(gw)("GET", "/admin/keys/abc")
+        assert status == 404
+    assert [(ln["status"], ln["admin_action"], ln["admin_object"], ln["error_class"]) for ln in lines] == \
+        [(404, "get_key", "abc", "http")], lines
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+        assert metric(await r.text(), "switchyard_admin_requests_total", action="get_key", result="not_found") == 1
