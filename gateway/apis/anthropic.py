@@ -58,7 +58,7 @@ import orjson
 from gateway.apis.paths import ANTHROPIC_PATHS, COUNT_TOKENS
 from gateway.apis.serving import EngineSpecificApi
 from gateway.errors import ErrorClass, GatewayError, normalize_upstream_error
-from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES, as_lf, cr_mode
+from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES, as_lf, cr_mode, lf_scan
 from gateway.request import (
     InferenceRequest,
     caller_headers,
@@ -556,15 +556,7 @@ class MessagesScanner:
             self._cr = cr_mode(data, max(pos - 1, 0))
         scan: bytes | bytearray = data
         if self._cr:
-            lf = self._lf
-            if old and lf is not None and len(lf) == old:
-                # the held bytes were converted as they came: only their last byte can read otherwise
-                # now (a CR whose LF came with this read), so from it on, not all again at every read
-                del lf[old - 1:]
-                lf += as_lf(data[old - 1:])
-                scan = lf
-            else:
-                scan = as_lf(data)
+            scan = lf_scan(self._lf, data, old)
         start = 0
         swaps: list[tuple[int, int, bytes]] | None = None
         for m in _BOUNDARY.finditer(scan, pos):

@@ -32,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES, as_lf, cr_mode
+from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES, as_lf, cr_mode, lf_scan
 
 _BOUNDARY = re.compile(rb"\n\r?\n")
 TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
@@ -100,15 +100,7 @@ class ResponsesScanner:
             self._cr = cr_mode(data, max(0, old - 3))
         scan: bytes | bytearray = data
         if self._cr:
-            lf = self._lf
-            if old and lf is not None and len(lf) == old:
-                # the held bytes were converted as they came: only their last byte can read otherwise
-                # now (a CR whose LF came with this read), so from it on, not all again at every read
-                del lf[old - 1:]
-                lf += as_lf(data[old - 1:])
-                scan = lf
-            else:
-                scan = as_lf(data)
+            scan = lf_scan(self._lf, data, old)
         start = 0
         for m in _BOUNDARY.finditer(scan, max(0, old - 2)):
             if self._skip:

@@ -77,6 +77,20 @@ def as_lf(data: bytes | bytearray) -> bytes:
     return _CR_ALONE.sub(b"\n", data)
 
 
+def lf_scan(lf: bytearray | None, data: bytes | bytearray, old: int) -> bytes | bytearray:
+    """What a scanner of a bare-CR stream reads of ``data`` (its held bytes, the first ``old`` of
+    them held before this read, then the read's): ``lf``, the held bytes as LFs converted as their
+    reads came, extended in place from the last held byte on (a CR whose LF came with this read is
+    the only one that can read otherwise now), rather than all of ``data`` converted again at
+    every read, which made an event of MBs in many reads quadratic work. Without such a copy of
+    the held bytes, ``data`` is converted whole."""
+    if old and lf is not None and len(lf) == old:
+        del lf[old - 1:]
+        lf += as_lf(data[old - 1:])
+        return lf
+    return as_lf(data)
+
+
 # The per-event tests, one regex search each (``_event`` runs once per relayed event): generated
 # content is a content key (``"content"``, ``"text"``, ``"reasoning_content"``, ``"reasoning"``)
 # followed by a non-empty string, or ``"tool_calls"`` by a non-empty list; a finish is a
@@ -413,16 +427,7 @@ class SSEScanner:
             self._cr = cr_mode(data, max(pos - 1, 0))
         scan: bytes | bytearray = data      # read for events; the bytes passed on are ``data``'s
         if self._cr:
-            lf = self._lf
-            if old and lf is not None and len(lf) == old:
-                # the held bytes were converted as they came: only the last of them can read
-                # otherwise now (a CR whose LF came with this read), so from it on, not all again
-                # at every read (an event of MBs in many reads was quadratic work)
-                del lf[old - 1:]
-                lf += as_lf(data[old - 1:])
-                scan = lf
-            else:
-                scan = as_lf(data)
+            scan = lf_scan(self._lf, data, old)
         out: list[bytes | bytearray] | None = None
         start = 0
         flags = 0
