@@ -7,10 +7,13 @@ import contextlib
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from gateway.upstream.engine_metrics import parse_engine_metrics
 from routers.session import encode_session_id
 from tests.support.factories import model_block
+from tests.support.fake_engine import fake_engine
+from tests.support.waiting import until
 
 # -- the parser extension, on real engine output -----------------------------------------------------
 
@@ -105,3 +108,33 @@ async def test_an_engine_without_metrics_still_takes_its_share(sims, gateway, st
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
     assert seen[-1] == (2, 2), seen
+
+
+# -- an engine whose /metrics are garbage ------------------------------------------------------------
+
+
+async def _answer(request: web.Request) -> web.Response:
+    await request.read()
+    return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": "m",
+                              "choices": [{"index": 0, "finish_reason": "stop",
+                                           "message": {"role": "assistant", "content": "ok"}}],
+                              "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+
+_SANE = 'vllm:num_requests_running{model_name="m"} 0\nvllm:num_requests_waiting{model_name="m"} 0\n'
+
+
+async def test_a_session_beside_an_engine_reporting_an_absurd_load_is_routed(gateway):
+    """An engine reporting 1e200 requests running (a broken exporter) is the most loaded endpoint
+    to prefix-cache's guards, nothing worse: a session kept on the other engine stays there."""
+    absurd = 'vllm:num_requests_running{model_name="m"} 1e200\nvllm:num_requests_waiting{model_name="m"} 0\n'
+    async with fake_engine(_answer, metrics=absurd) as bad, fake_engine(_answer, metrics=_SANE) as good:
+        gw = await gateway([model_block("m", "vllm", [bad, good])], routing={"strategy": "prefix-cache"})
+        await until(lambda: all(e.metrics is not None for e in gw.gw.pool.endpoints()))
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        async with aiohttp.ClientSession() as s:
+            for _ in range(3):
+                async with s.post(gw.url + "/v1/chat/completions", json=body, headers={"x-session-key": "k"}) as r:
+                    assert r.status == 200, await r.text()
+                    assert r.headers["target-pod"] == good.removeprefix("http://")
+
