@@ -195,10 +195,12 @@ class PrefixCacheRouter(ScoringRouter):
         return None
 
     def _limit(self, loads: list[float]) -> float:
-        """mean + std_factor · sample stddev of ``loads``."""
+        """mean + std_factor · sample stddev of ``loads``. A load is an engine's own count under
+        ``fleet``, whatever it reports: squared as a product, a huge one (1e200 running, a broken
+        exporter) makes an infinite limit, where ``** 2`` raised OverflowError and failed the request."""
         k = len(loads)
         mean = sum(loads) / k
-        std = math.sqrt(sum((x - mean) ** 2 for x in loads) / (k - 1)) if k > 1 else 0.0
+        std = math.sqrt(sum((x - mean) * (x - mean) for x in loads) / (k - 1)) if k > 1 else 0.0
         return mean + self.std_factor * std
 
     def _decide(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> tuple[Endpoint, float | None, str]:
