@@ -121,7 +121,8 @@ async def _answer(request: web.Request) -> web.Response:
                               "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
 
 
-_SANE = 'vllm:num_requests_running{model_name="m"} 0\nvllm:num_requests_waiting{model_name="m"} 0\n'
+_SANE = ('vllm:num_requests_running{model_name="m"} 0\nvllm:num_requests_waiting{model_name="m"} 0\n'
+         'vllm:prompt_tokens_total{model_name="m"} 10\nvllm:generation_tokens_total{model_name="m"} 10\n')
 
 
 async def test_a_session_beside_an_engine_reporting_an_absurd_load_is_routed(gateway):
@@ -138,3 +139,24 @@ async def test_a_session_beside_an_engine_reporting_an_absurd_load_is_routed(gat
                     assert r.status == 200, await r.text()
                     assert r.headers["target-pod"] == good.removeprefix("http://")
 
+
+async def test_throughput_does_not_herd_onto_an_engine_whose_counters_overflow(gateway):
+    """Two series of a token counter near a double's largest value sum past it: the engine's rate
+    is unknown then, not NaN (which won every throughput decision, as no comparison is true of it)."""
+    overflow = ('vllm:prompt_tokens_total{model_name="m",engine="0"} 1e308\n'
+                'vllm:prompt_tokens_total{model_name="m",engine="1"} 1e308\n'
+                'vllm:generation_tokens_total{model_name="m"} 10\n')
+    async with fake_engine(_answer, metrics=overflow) as bad, fake_engine(_answer, metrics=_SANE) as good:
+        gw = await gateway([model_block("m", "vllm", [bad, good])])
+        bad_ep, good_ep = (next(e for e in gw.gw.pool.endpoints() if e.url == u) for u in (bad, good))
+        await until(lambda: good_ep.metrics is not None and good_ep.metrics.gen_throughput is not None
+                    and bad_ep.metrics is not None and bad_ep.metrics.gen_throughput is not None)
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        pods = []
+        async with aiohttp.ClientSession() as s:
+            for _ in range(6):
+                async with s.post(gw.url + "/v1/chat/completions", json=body,
+                                  headers={"routing-strategy": "throughput"}) as r:
+                    assert r.status == 200
+                    pods.append(r.headers["target-pod"])
+        assert pods.count(good.removeprefix("http://")) >= 2, pods

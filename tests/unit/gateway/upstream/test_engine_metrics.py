@@ -117,6 +117,17 @@ def test_a_negative_figure_is_left_out_not_read():
     assert (m.running, m.waiting, m.kv_usage) == (3.0, None, None)
 
 
+def test_a_sum_past_a_doubles_range_is_not_read():
+    """Series of one counter (data-parallel ranks) near a double's largest value sum to infinity:
+    that figure is not read, as an infinite sample is not, and its rate is unknown, not NaN."""
+    text = ('vllm:prompt_tokens_total{engine="0"} 1e308\nvllm:prompt_tokens_total{engine="1"} 1e308\n'
+            'vllm:generation_tokens_total{engine="0"} 7\n')
+    first = parse_engine_metrics(text, "vllm", now=100.0)
+    second = parse_engine_metrics(text, "vllm", now=105.0, prev=first)
+    assert (second.prompt_tokens_total, second.prompt_throughput) == (None, None)
+    assert (second.generation_tokens_total, second.gen_throughput) == (7.0, 0.0)
+
+
 def test_vllm_rates_from_two_scrapes():
     first = parse_engine_metrics(vllm_text(), "vllm", now=100.0)
     second = parse_engine_metrics(
