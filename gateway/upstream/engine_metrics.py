@@ -16,7 +16,9 @@ Rules:
   of the total it also reports under ``priority=""``.
 * With ``model`` given, series whose ``model_name`` label equals it are used; if none match, all
   series are (an engine serving one model under another served name still reports something).
-* ``NaN`` and infinite samples are ignored, as are optional timestamps and comment lines.
+* ``NaN``, infinite and negative samples are ignored, as are optional timestamps and comment lines;
+  so is a figure whose series sum past a double's range (its rate would be NaN, which no
+  comparison is true of: a strategy reading it would pick that engine every time, or never).
 * ``process_start_time_seconds`` (the engine server's start, where its registry has a process
   collector) is kept as ``start_time``: a change between scrapes is a restarted engine
   (``gateway.upstream.monitor``).
@@ -249,6 +251,8 @@ def _combine(values: dict[int, list[float]], field: int) -> float | None:
     if not vals:
         return None
     total = sum(vals)
+    if total == math.inf:           # finite samples that sum past a double's range: as an infinite one
+        return None
     return total / len(vals) if field in _AVERAGED else total
 
 
