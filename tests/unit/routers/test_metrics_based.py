@@ -248,3 +248,32 @@ def test_endpoints_that_left_the_pool_are_not_kept(router_cls):
             if d is not None]
     assert all(len(d) <= 128 for d in kept), [len(d) for d in kept]
     assert any(kept)                    # the router did keep state per endpoint while they were there
+
+
+def test_least_latency_is_not_steered_by_a_histogram_whose_mean_overflows():
+    """An engine reporting a TTFT histogram of sum 1e200 over a count of 1e-200 (a broken exporter:
+    each figure finite, their quotient past a double's range) has no usable recent TTFT, as one
+    with none: no score is NaN, which no comparison is true of (the first candidate scoring NaN
+    took every request, and one scoring NaN after another took none)."""
+    ctx, _ = ctx_for()
+    router = LeastLatencyRouter(ctx)
+    eps = make_eps(3)
+    eps[0].metrics = snap(waiting=0.0, ttft_recent_mean=float("inf"), queue_time_recent_mean=0.0)
+    garbage = latency_snap(1000.0, 1e200, 1e-200, 0.0, 0.0, 0.0)
+    for ep in eps[1:]:
+        ep.metrics = snap(waiting=0.0, ttft_recent_mean=0.2, queue_time_recent_mean=0.0)
+    scores = router.score(make_req(), eps)
+    assert all(s == s for s in scores), scores
+    router2 = LeastLatencyRouter(ctx_for()[0])
+    eps2 = make_eps(3)
+    eps2[0].metrics = latency_snap(990.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    for ep in eps2[1:]:
+        ep.metrics = latency_snap(990.0, 1.0, 5.0, 0.0, 5.0, 0.0)
+    router2.score(make_req(), eps2)
+    eps2[0].metrics = garbage
+    for ep in eps2[1:]:
+        ep.metrics = latency_snap(1000.0, 2.0, 10.0, 0.0, 10.0, 0.0)
+    scores = router2.score(make_req(), eps2)
+    assert all(s == s for s in scores), scores
+    picks = Counter(router2.route(make_req(), eps2).endpoint for _ in range(30))
+    assert len(picks) > 1, picks
