@@ -26,6 +26,7 @@ histograms over ``metrics_window_s``, without Prometheus.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 
@@ -96,7 +97,10 @@ class MetricRouter(ScoringRouter):
             sent = sent_get(ep)
             v = value(ep, m, sent if sent is not None and sent[0] is m else None)
             if v is not None:
-                scored = True
+                if v != v:          # NaN (figures past a double's range): no usable value
+                    v = None
+                else:
+                    scored = True
             out.append(v)
         if scored:
             return out, None
@@ -419,6 +423,12 @@ class LeastLatencyRouter(WindowedRouter):
             qs = _increase(last.queue_time_sum, first.queue_time_sum)
             if qc and qs is not None:
                 queue = qs / qc
+        # a mean past a double's range (a broken histogram: a sum of 1e200 over a count of 1e-200) is
+        # no mean: as an infinite TTFT it made inf + 0 x inf = NaN, which no comparison is true of
+        if ttft is not None and not math.isfinite(ttft):
+            ttft = None
+        if queue is not None and not math.isfinite(queue):
+            queue = None
         service = None
         if ttft is not None:
             service = max(0.0, ttft - (queue or 0.0))
