@@ -118,3 +118,27 @@ def test_property_decisions_are_ready_candidates_and_charges_balance(steps, seed
     assert all(ep.in_flight == 0 for ep in eps)
     assert len(ctx.prefix_index.match(make_req(prompts[0]), eps)) == 8
     assert ctx.prefix_index.stats()["blocks"] <= 64
+
+
+TIED = ["random", "least-request", "power-of-two", "least-kv-cache", "least-waiting", "throughput",
+        "least-latency", "prefix-cache", "session-affinity", "lora-affinity", "slo",
+        "prefix-cache:3,least-request:2,least-kv-cache:2", "least-latency:1,throughput:1"]
+
+
+@pytest.mark.parametrize("spec", TIED)
+def test_a_tied_fleet_is_spread_not_routed_by_the_list_order(spec):
+    """An idle fleet whose engines report the same figures, no prefix held, no session or user: every
+    strategy spreads 1,000 decisions over the four endpoints, none left out, not the first listed
+    taking them all (replicas of the gateway, or workers, would otherwise all pick it)."""
+    ctx = RouterContext(rng=random.Random(5), clock=Clock())
+    router = default_registry(ctx).get(spec)
+    eps = make_eps(4)
+    for ep in eps:
+        ep.metrics = EngineMetrics(scraped_at=1000.0, running=0.0, waiting=0.0, kv_usage=0.1,
+                                   prompt_tokens_total=100.0, generation_tokens_total=100.0,
+                                   prompt_throughput=0.0, gen_throughput=0.0, ttft_recent_mean=0.1,
+                                   queue_time_recent_mean=0.0, gateway_in_flight=0)
+    picks = {ep: 0 for ep in eps}
+    for i in range(1000):
+        picks[router.route(make_req(f"short {i}"), eps).endpoint] += 1
+    assert min(picks.values()) > 150, picks
