@@ -229,6 +229,35 @@ async def test_a_background_response_is_charged_its_usage_once_when_it_is_read(s
     assert (await state.usage("alice"))["tokens"] == total
 
 
+async def test_a_background_response_holds_its_concurrency_slot_until_it_ends_and_is_charged_unread(sims, gateway):
+    """A background response goes on on its engine after its ``queued`` answer: it holds its user's
+    concurrency slot until the gateway, polling it, finds it ended, so a user of ``max_concurrent:
+    1`` runs one generation at a time, background or not; and it is charged its usage then, though
+    no client ever reads it, once (a later read charges nothing more)."""
+    sim = await sims("vllm", "m", itl_ms=5.0, enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"tpm": 100_000, "max_concurrent": 1}}})
+    c = openai_client(gw, ALICE)
+    r = await c.responses.create(model="m", input="Tell me about switchyards.", max_output_tokens=100,
+                                 background=True)
+    assert r.status in ("queued", "in_progress")
+    with pytest.raises(openai.RateLimitError) as ei:     # still generating: its slot is held
+        await c.responses.create(model="m", input="And another.", max_output_tokens=5, background=True)
+    assert ei.value.response.headers["x-error-concurrency-exceeded"] == "true"
+    state = gw.gw.tenancy.state
+
+    async def freed():
+        u = await state.usage("alice")
+        return u if u["concurrent"] == 0 and u["tokens"] >= 100 else None
+    await until(freed, timeout=30)                       # never read: ended, freed and charged
+    done = await c.responses.retrieve(r.id)
+    assert done.status in ("completed", "incomplete") and done.usage.output_tokens == 100
+    await asyncio.sleep(0.1)
+    assert (await state.usage("alice"))["tokens"] == done.usage.input_tokens + done.usage.output_tokens
+    ok = await c.responses.create(model="m", input="Now.", max_output_tokens=2)
+    assert ok.status in ("completed", "incomplete")           # the slot is free again
+
+
 async def test_a_background_stream_its_client_left_is_charged_the_rest_of_its_usage_when_it_is_read(sims, gateway):
     """A background stream goes on on its engine when its client leaves: the client was charged what
     it was sent (its prompt's estimate and a token an event), and the rest of the usage when a read
