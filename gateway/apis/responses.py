@@ -90,6 +90,15 @@ _PD_ROLES = ("prefill", "decode")
 OWED = "owed/"
 # a response's states after which it generates nothing more
 _ENDED = ("completed", "incomplete", "failed", "cancelled")
+# a background response answered queued is polled on its engine until it ends (its user's
+# concurrency slot held until then, its usage charged then): every 0.25 s at first, doubling to
+# every 2 s; the slot is given back after WATCH_MAX_S whatever its state, after WATCH_FAILURES polls
+# in a row its engine did not answer, or when its engine no longer knows it (404)
+WATCH_FIRST_S = 0.25
+WATCH_EVERY_S = 2.0
+WATCH_MAX_S = 3600.0
+WATCH_FAILURES = 10
+MAX_WATCHED = 10_000               # background responses one worker polls at once
 
 
 @dataclass(slots=True)
@@ -222,6 +231,7 @@ class ResponsesApi(ApiShape):
         self.m = ResponsesMetrics(metrics.registry)
         self.session: aiohttp.ClientSession | None = None
         self._early: set[asyncio.Task] = set()         # owners written at a background stream's first event
+        self._watched: set[asyncio.Task] = set()       # background responses polled until they end
         self._unreachable_at = -UNREACHABLE_LOG_S      # the store's failures, logged at most this often
         self._unreachable_quiet = 0
         self._unreadable_at = -UNREACHABLE_LOG_S       # records that are not the gateway's, logged so too
@@ -503,6 +513,54 @@ class ResponsesApi(ApiShape):
         if self.tenancy is not None and ex.scanner is None and ireq.data.get("background") is True \
                 and isinstance(ex.body, dict) and ex.body.get("status") in ("queued", "in_progress"):
             await self._owe_usage(ctx, rid)
+            self._watch_background(ctx, rid)
+
+    def _watch_background(self, ctx: RequestContext, rid: str) -> None:
+        """A background response answered ``queued`` goes on generating on its engine: it keeps its
+        request's concurrency slot (the ticket's, given back at settlement no more) and is polled on
+        its engine until it ends, when the slot is given back and its usage charged, if no read
+        charged it first (``_charge_ended``: the owed entry's delete decides, once)."""
+        t = ctx.http.get(TICKET)
+        if t is None or t.user is None or ctx.decision is None or len(rid) > 200 or \
+                len(self._watched) >= MAX_WATCHED:
+            return
+        hold = t.held
+        if not hold and not (t.limits is not None and t.limits.tpm):
+            return                          # no slot to hold, no window to charge: its reads charge it
+        t.held = False
+        task = asyncio.get_running_loop().create_task(self._watch(rid, ctx.decision.endpoint, t.user, hold))
+        self._watched.add(task)
+        task.add_done_callback(self._watched.discard)
+
+    async def _watch(self, rid: str, ep: Endpoint, user: str, hold: bool) -> None:
+        assert self.session is not None and self.tenancy is not None
+        delay, failures = WATCH_FIRST_S, 0
+        deadline = time.monotonic() + WATCH_MAX_S
+        url = f"{ep.url}{RESPONSES}/{rid}"
+        try:
+            while time.monotonic() < deadline and failures < WATCH_FAILURES:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, WATCH_EVERY_S)
+                try:
+                    async with self.session.get(url, headers=engine_headers(ep, {})) as r:
+                        if r.status == 404:
+                            return          # its engine no longer holds it (restarted, deleted)
+                        most = self.config.upstream.max_response_bytes or None
+                        if r.status != 200 or (most and (r.content_length or 0) > most):
+                            failures += 1
+                            continue
+                        raw = await r.content.read(most or -1)
+                    body = orjson.loads(_with_responses_usage(raw))
+                except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
+                    failures += 1
+                    continue
+                failures = 0
+                if isinstance(body, dict) and body.get("status") in _ENDED:
+                    await self._charge_ended(rid, body)
+                    return
+        finally:
+            if hold:
+                self.tenancy.release(user)
 
     async def _owe_usage(self, ctx: RequestContext, rid: str) -> None:
         """A background response answered before it ended (``queued``): its usage is charged to its
@@ -911,6 +969,10 @@ class ResponsesApi(ApiShape):
         try:
             yield
         finally:
+            for task in list(self._watched):        # stopping: the slots they hold are given back
+                task.cancel()
+            if self._watched:
+                await asyncio.wait(set(self._watched), timeout=1.0)
             if self._early:                 # owners being written: a resume GET must find them
                 await asyncio.wait(set(self._early), timeout=self.config.state.timeout_s + 1)
             await self.session.close()

@@ -518,6 +518,11 @@ class Tenancy:
         if lim is not None and lim.tpm and prompt + completion > charged:
             self.state.settle(user or "", prompt + completion - charged, False)
 
+    def release(self, user: str) -> None:
+        """The concurrency slot a request kept after its answer (a background response, until it
+        ended) given back."""
+        self.state.settle(user, 0, True)
+
     # -- response headers --------------------------------------------------------------------
 
     async def on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
