@@ -258,6 +258,26 @@ async def test_a_background_response_holds_its_concurrency_slot_until_it_ends_an
     assert ok.status in ("completed", "incomplete")           # the slot is free again
 
 
+async def test_a_cancelled_background_response_gives_its_concurrency_slot_back(sims, gateway):
+    """A background response its client cancels ends there: the gateway's poll finds it cancelled
+    and gives its slot back, so the user's next request is served."""
+    sim = await sims("vllm", "m", itl_ms=5.0, enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"max_concurrent": 1}}})
+    c = openai_client(gw, ALICE)
+    r = await c.responses.create(model="m", input="Tell me about switchyards.", max_output_tokens=4000,
+                                 background=True)
+    with pytest.raises(openai.RateLimitError):
+        await c.responses.create(model="m", input="And another.", max_output_tokens=2)
+    assert (await c.responses.cancel(r.id)).status == "cancelled"
+    state = gw.gw.tenancy.state
+
+    async def freed():
+        return (await state.usage("alice"))["concurrent"] == 0
+    await until(freed, timeout=30)
+    assert (await c.responses.create(model="m", input="Now.", max_output_tokens=2)).usage.output_tokens == 2
+
+
 async def test_a_background_stream_its_client_left_is_charged_the_rest_of_its_usage_when_it_is_read(sims, gateway):
     """A background stream goes on on its engine when its client leaves: the client was charged what
     it was sent (its prompt's estimate and a token an event), and the rest of the usage when a read
