@@ -104,6 +104,35 @@ async def test_concurrency_is_counted_across_replicas(sims, gateway, redis_serve
     assert (await chat(b)).choices
 
 
+async def test_a_background_response_holds_its_slot_across_replicas_and_is_charged_once(sims, gateway, redis_server):
+    """A background response created on one replica holds its user's slot for every replica until
+    the creating one's poll finds it ended; the other replica's reads race that poll for what it
+    owes, and the usage is charged once."""
+    sim = await sims("vllm", "m", itl_ms=5.0, enable_responses_store=True)
+    blocks = {"auth": KEYS, "limits": {"users": {"alice": {"tpm": 100_000, "max_concurrent": 1}}},
+              "state": state(redis_server)}
+    a = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
+    b = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
+    async with openai_client(a, ALICE) as ca, openai_client(b, ALICE) as cb:
+        r = await ca.responses.create(model="m", input="Tell me about switchyards.", max_output_tokens=100,
+                                      background=True)
+        with pytest.raises(openai.RateLimitError) as ei:
+            await chat(b)
+        assert ei.value.response.headers["x-error-concurrency-exceeded"] == "true"
+
+        async def ended():
+            got = await cb.responses.retrieve(r.id)
+            return got if got.status in ("completed", "incomplete") else None
+        done = await wait_for(ended, timeout=30, interval=0.05)
+        assert done and done.usage.output_tokens == 100
+        assert await wait_for(lambda: _concurrent_is(a, "alice", 0), timeout=30)
+        total = done.usage.input_tokens + done.usage.output_tokens
+        assert await wait_for(lambda: _tokens(a, "alice", above=total - 1), timeout=30)
+        await asyncio.sleep(0.2)
+        assert (await a.gw.tenancy.state.usage("alice"))["tokens"] == total
+        assert (await chat(b)).choices
+
+
 async def _concurrent_is(gw, user, n):
     return (await gw.gw.tenancy.state.usage(user))["concurrent"] == n
 
