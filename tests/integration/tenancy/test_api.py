@@ -317,6 +317,47 @@ async def test_a_background_stream_its_client_left_is_charged_the_rest_of_its_us
     assert (await state.usage("alice"))["tokens"] == total
 
 
+async def test_a_background_stream_its_client_left_holds_its_concurrency_slot_until_it_ends(sims, gateway):
+    """A background stream its client leaves goes on on its engine: it keeps its user's concurrency
+    slot, past its request's settlement, until the gateway's poll finds it ended, and is charged the
+    rest of its usage then, unread, once."""
+    sim = await sims("vllm", "m", itl_ms=5.0, enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"tpm": 100_000, "max_concurrent": 1}}})
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/responses", headers={"Authorization": f"Bearer {ALICE}"},
+                          json={"model": "m", "input": "Tell me about switchyards.", "max_output_tokens": 300,
+                                "background": True, "stream": True}) as r:
+            rid = None
+            async for line in r.content:
+                if line.startswith(b"data: ") and rid is None:
+                    rid = orjson.loads(line[6:]).get("response", {}).get("id")
+                if line.startswith(b"event: response.output_text.delta"):
+                    break
+            r.connection.transport.abort()           # gone; the engine goes on
+    assert rid
+    state = gw.gw.tenancy.state
+
+    async def settled():                                # charged what its client was sent
+        u = await state.usage("alice")
+        return u if u["tokens"] > 0 else None
+    u = await until(settled, timeout=30)
+    assert u["concurrent"] == 1 and u["tokens"] < 300
+    c = openai_client(gw, ALICE)
+    with pytest.raises(openai.RateLimitError) as ei:
+        await c.responses.create(model="m", input="And another.", max_output_tokens=2)
+    assert ei.value.response.headers["x-error-concurrency-exceeded"] == "true"
+
+    async def freed():
+        u = await state.usage("alice")
+        return u if u["concurrent"] == 0 and u["tokens"] >= 300 else None
+    await until(freed, timeout=30)
+    done = await c.responses.retrieve(rid)
+    assert done.usage.output_tokens == 300
+    await asyncio.sleep(0.1)
+    assert (await state.usage("alice"))["tokens"] == done.usage.input_tokens + done.usage.output_tokens
+
+
 async def test_a_background_stream_resumed_to_its_end_is_charged_its_usage_once(sims, gateway):
     """A client that left a background stream resumes it as its engine replays it (``GET
     ?stream=true&starting_after=``): the replay's terminal event finds the response ended, and
