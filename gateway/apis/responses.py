@@ -337,15 +337,20 @@ class ResponsesApi(ApiShape):
         if t is not None and t.user is not None and len(rid) <= 200:
             t.settled = partial(self._owe_if_cut, ctx, rid, t)
 
-    def _owe_if_cut(self, ctx: RequestContext, rid: str, t: Ticket, charged: int) -> None:
+    def _owe_if_cut(self, ctx: RequestContext, rid: str, t: Ticket, charged: int, held: bool) -> bool:
         """A background stream settled: one cut before its terminal event (its client left, its
-        connection to the engine broke) goes on on its engine, and owes the rest of its usage."""
+        connection to the engine broke) goes on on its engine, and owes the rest of its usage; it
+        is polled until it ends, keeping its concurrency slot (``held``) until then (True)."""
         ex = ctx.api_state
         if isinstance(ex, Exchange) and ex.scanner is not None and ex.scanner.done:
-            return                          # its usage came with its end, and was charged
-        task = asyncio.get_running_loop().create_task(self._owe(rid, t, charged))
+            return False                    # its usage came with its end, and was charged
+        owe = self._owe(rid, t, charged)
+        if ctx.decision is not None and self._start_watch(rid, ctx.decision.endpoint, t, held, owe):
+            return held
+        task = asyncio.get_running_loop().create_task(owe)
         self._early.add(task)
         task.add_done_callback(self._early.discard)
+        return False
 
     def stream_error(self, ctx: RequestContext, status: int, message: str, code: str | None) -> bytes:
         ex = self._exchange(ctx)
@@ -521,23 +526,32 @@ class ResponsesApi(ApiShape):
         its engine until it ends, when the slot is given back and its usage charged, if no read
         charged it first (``_charge_ended``: the owed entry's delete decides, once)."""
         t = ctx.http.get(TICKET)
-        if t is None or t.user is None or ctx.decision is None or len(rid) > 200 or \
-                len(self._watched) >= MAX_WATCHED:
-            return
-        hold = t.held
-        if not hold and not (t.limits is not None and t.limits.tpm):
-            return                          # no slot to hold, no window to charge: its reads charge it
-        t.held = False
-        task = asyncio.get_running_loop().create_task(self._watch(rid, ctx.decision.endpoint, t.user, hold))
+        if t is not None and t.user is not None and ctx.decision is not None and len(rid) <= 200 and \
+                self._start_watch(rid, ctx.decision.endpoint, t, t.held):
+            t.held = False
+
+    def _start_watch(self, rid: str, ep: Endpoint, t: Ticket, hold: bool,
+                     first: Awaitable[None] | None = None) -> bool:
+        """The poll of a background response still generating, started (True) unless a worker polls
+        ``MAX_WATCHED`` already or there is nothing to hold or charge (no concurrency slot, no TPM
+        window: its reads charge it). ``first`` (its owed entry's write) is awaited before the poll."""
+        if len(self._watched) >= MAX_WATCHED or t.user is None or \
+                not (hold or (t.limits is not None and t.limits.tpm)):
+            return False
+        task = asyncio.get_running_loop().create_task(self._watch(rid, ep, t.user, hold, first))
         self._watched.add(task)
         task.add_done_callback(self._watched.discard)
+        return True
 
-    async def _watch(self, rid: str, ep: Endpoint, user: str, hold: bool) -> None:
+    async def _watch(self, rid: str, ep: Endpoint, user: str, hold: bool,
+                     first: Awaitable[None] | None = None) -> None:
         assert self.session is not None and self.tenancy is not None
         delay, failures = WATCH_FIRST_S, 0
         deadline = time.monotonic() + WATCH_MAX_S
         url = f"{ep.url}{RESPONSES}/{rid}"
         try:
+            if first is not None:
+                await first
             while time.monotonic() < deadline and failures < WATCH_FAILURES:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, WATCH_EVERY_S)

@@ -73,9 +73,10 @@ class Ticket:
     # the request windows it was counted in: (user's RPM window ends, model's RPS window ends, model),
     # monotonic times (None: not counted there); given back when no engine ever saw the request
     counted: tuple[float | None, float | None, str] | None = None
-    # told, once settled, the tokens the request was charged (0 without a TPM limit): a background
-    # response that goes on on its engine after its client left owes the rest of its usage
-    settled: Callable[[int], None] | None = None
+    # told, once settled, the tokens the request was charged (0 without a TPM limit) and whether it
+    # holds a concurrency slot: a background response that goes on on its engine after its client
+    # left owes the rest of its usage, and answers True when it keeps the slot until it ends
+    settled: Callable[[int, bool], bool] | None = None
 
 
 TICKET = web.RequestKey("tenancy_ticket", Ticket)
@@ -496,12 +497,13 @@ class Tenancy:
                 # nothing generated and no usage: not charged, as an engine's error answer, also
                 # when its client left on reading that error (a 499 with the error on its record)
                 tokens = t.est_tokens + rec.streamed_events
-        release, t.held = t.held, False
-        if tokens or release:
-            self.state.settle(t.user or "", tokens, release)
+        kept = False
         if t.settled is not None:
             told, t.settled = t.settled, None
-            told(tokens)
+            kept = told(tokens, t.held)     # a response still generating keeps the slot until it ends
+        release, t.held = t.held and not kept, False
+        if tokens or release:
+            self.state.settle(t.user or "", tokens, release)
 
     def charge_ended(self, user: str | None, keyed: bool, prompt: int, completion: int, charged: int) -> None:
         """A response that went on on its engine after its request's answer (``background: true``),
