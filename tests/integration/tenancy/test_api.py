@@ -238,7 +238,7 @@ async def test_a_background_response_holds_its_concurrency_slot_until_it_ends_an
     gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
                        limits={"users": {"alice": {"tpm": 100_000, "max_concurrent": 1}}})
     c = openai_client(gw, ALICE)
-    r = await c.responses.create(model="m", input="Tell me about switchyards.", max_output_tokens=100,
+    r = await c.responses.create(model="m", input="Tell me about switchyards.", max_output_tokens=200,
                                  background=True)
     assert r.status in ("queued", "in_progress")
     with pytest.raises(openai.RateLimitError) as ei:     # still generating: its slot is held
@@ -248,10 +248,10 @@ async def test_a_background_response_holds_its_concurrency_slot_until_it_ends_an
 
     async def freed():
         u = await state.usage("alice")
-        return u if u["concurrent"] == 0 and u["tokens"] >= 100 else None
+        return u if u["concurrent"] == 0 and u["tokens"] >= 200 else None
     await until(freed, timeout=30)                       # never read: ended, freed and charged
     done = await c.responses.retrieve(r.id)
-    assert done.status in ("completed", "incomplete") and done.usage.output_tokens == 100
+    assert done.status in ("completed", "incomplete") and done.usage.output_tokens == 200
     await asyncio.sleep(0.1)
     assert (await state.usage("alice"))["tokens"] == done.usage.input_tokens + done.usage.output_tokens
     ok = await c.responses.create(model="m", input="Now.", max_output_tokens=2)

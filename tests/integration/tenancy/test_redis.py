@@ -114,7 +114,7 @@ async def test_a_background_response_holds_its_slot_across_replicas_and_is_charg
     a = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
     b = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
     async with openai_client(a, ALICE) as ca, openai_client(b, ALICE) as cb:
-        r = await ca.responses.create(model="m", input="Tell me about switchyards.", max_output_tokens=100,
+        r = await ca.responses.create(model="m", input="Tell me about switchyards.", max_output_tokens=200,
                                       background=True)
         with pytest.raises(openai.RateLimitError) as ei:
             await chat(b)
@@ -124,7 +124,7 @@ async def test_a_background_response_holds_its_slot_across_replicas_and_is_charg
             got = await cb.responses.retrieve(r.id)
             return got if got.status in ("completed", "incomplete") else None
         done = await wait_for(ended, timeout=30, interval=0.05)
-        assert done and done.usage.output_tokens == 100
+        assert done and done.usage.output_tokens == 200
         assert await wait_for(lambda: _concurrent_is(a, "alice", 0), timeout=30)
         total = done.usage.input_tokens + done.usage.output_tokens
         assert await wait_for(lambda: _tokens(a, "alice", above=total - 1), timeout=30)
