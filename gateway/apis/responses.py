@@ -551,7 +551,8 @@ class ResponsesApi(ApiShape):
         url = f"{ep.url}{RESPONSES}/{rid}"
         try:
             if first is not None:
-                await first
+                owe, first = first, None
+                await owe
             while time.monotonic() < deadline and failures < WATCH_FAILURES:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, WATCH_EVERY_S)
@@ -559,11 +560,10 @@ class ResponsesApi(ApiShape):
                     async with self.session.get(url, headers=engine_headers(ep, {})) as r:
                         if r.status == 404:
                             return          # its engine no longer holds it (restarted, deleted)
-                        most = self.config.upstream.max_response_bytes or None
-                        if r.status != 200 or (most and (r.content_length or 0) > most):
-                            failures += 1
-                            continue
-                        raw = await r.content.read(most or -1)
+                        raw = await self._poll_body(r)
+                    if raw is None:
+                        failures += 1
+                        continue
                     body = orjson.loads(_with_responses_usage(raw))
                 except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
                     failures += 1
@@ -573,8 +573,22 @@ class ResponsesApi(ApiShape):
                     await self._charge_ended(rid, body)
                     return
         finally:
+            if first is not None and asyncio.iscoroutine(first):
+                first.close()               # cancelled (the gateway stopping) before it ran
             if hold:
                 self.tenancy.release(user)
+
+    async def _poll_body(self, r: aiohttp.ClientResponse) -> bytes | None:
+        """A poll's answer: the engine's 200 body, at most ``upstream.max_response_bytes`` of it."""
+        most = self.config.upstream.max_response_bytes
+        if r.status != 200 or (most and (r.content_length or 0) > most):
+            return None
+        got = bytearray()
+        async for chunk in r.content.iter_any():
+            got += chunk
+            if most and len(got) > most:
+                return None
+        return bytes(got)
 
     async def _owe_usage(self, ctx: RequestContext, rid: str) -> None:
         """A background response answered before it ended (``queued``): its usage is charged to its
