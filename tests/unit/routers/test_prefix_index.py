@@ -39,6 +39,67 @@ def test_non_ascii_text_is_keyed_by_characters():
     assert prefix_keys("é" * 8, "m", 8, 100) == keys[:1]
 
 
+def _keys_encoding_all(text: str, model: str, block_chars: int, max_blocks: int) -> list[int]:
+    """The keys as they were made when the whole prompt was encoded first (the reference)."""
+    from xxhash import xxh3_64_intdigest
+
+    from routers.prefix_index import _ROOT_SEED
+    n = min(len(text) // block_chars, max_blocks)
+    h = xxh3_64_intdigest(model.encode(), _ROOT_SEED)
+    keys = []
+    if text.isascii():
+        data = text.encode()
+        for i in range(n):
+            h = xxh3_64_intdigest(data[i * block_chars:(i + 1) * block_chars], h)
+            keys.append(h)
+        return keys
+    for i in range(n):
+        h = xxh3_64_intdigest(text[i * block_chars:(i + 1) * block_chars].encode(), h)
+        keys.append(h)
+    return keys
+
+
+@pytest.mark.parametrize("text", [
+    "",
+    "a" * 7,
+    "abcdefgh" * 5,
+    "abcdefgh" * 5 + "abc",
+    "abcdefgh" * 40,                         # past max_blocks: the tail is not keyed
+    "abcdefgh" * 4 + "é" + "x" * 200,        # non-ASCII past what is hashed: ASCII where it is
+    "é" + "abcdefgh" * 10,
+    "abcdefg" + "日本語のテキスト" * 9,
+    "🙂" * 33 + "a" * 100,                   # four UTF-8 bytes a character
+    "x" * 31 + "🙂" + "y" * 500,
+    "\x00\x7f" * 100 + "\u0080",
+])
+@pytest.mark.parametrize("block_chars,max_blocks", [(8, 4), (8, 100), (1, 3), (7, 1000), (512, 1024)])
+def test_keys_are_those_of_the_whole_prompt_encoded(text, block_chars, max_blocks):
+    """Only the characters of the keyed blocks are encoded now: the keys are byte for byte the same
+    for every prompt, ASCII or not, whether the non-ASCII part is keyed or past the cut."""
+    assert prefix_keys(text, "m", block_chars, max_blocks) == _keys_encoding_all(text, "m", block_chars, max_blocks)
+
+
+@given(st.text(max_size=200), st.integers(1, 16), st.integers(1, 20))
+@settings(max_examples=300, deadline=None)
+def test_keys_of_any_prompt_are_those_of_the_whole_prompt_encoded(text, block_chars, max_blocks):
+    assert prefix_keys(text, "m", block_chars, max_blocks) == _keys_encoding_all(text, "m", block_chars, max_blocks)
+
+
+def test_a_huge_prompt_is_encoded_only_as_far_as_it_is_hashed():
+    """At most ``max_blocks × block_chars`` characters are hashed: a prompt at the body limit is
+    not encoded whole (16 MB of bytes made and dropped for each request, about 20 ms)."""
+    import tracemalloc
+    text = "a" * (8 << 20)
+    tracemalloc.start()
+    try:
+        keys = prefix_keys(text, "m", 512, 1024)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(keys) == 1024
+    assert peak < 2 << 20, peak
+
+
 _KEYS_SCRIPT = ("from routers.prefix_index import prefix_keys; "
                 "print(prefix_keys('abcdefgh' * 6 + 'élan vital' * 3, 'm', 8, 100))")
 
