@@ -80,13 +80,15 @@ def prefix_keys(text: str, model: str, block_chars: int, max_blocks: int) -> lis
 
     ``key[i]`` depends on the model and on every character of blocks 0..i; a trailing partial
     block is not keyed (as engines only cache full blocks). Keys are unsigned 64-bit ints, the same
-    in every process.
+    in every process. Only the keyed characters are read and encoded, whatever the prompt's length.
     """
     n = min(len(text) // block_chars, max_blocks)
     h = xxh3_64_intdigest(model.encode(), _ROOT_SEED)
     keys = [0] * n
     b = block_chars
     xxh = xxh3_64_intdigest
+    if len(text) > n * b:           # only what is hashed is read and encoded (a prompt may be 16 MB)
+        text = text[:n * b]         # blocks are characters: the cut is too, so the keys do not change
     if text.isascii():              # one encoding, then zero-copy block views
         view = memoryview(text.encode())
         for i in range(n):
