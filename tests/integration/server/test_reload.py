@@ -743,3 +743,32 @@ async def test_a_file_that_cannot_be_read_as_a_config_is_refused_and_the_old_one
     assert metric(text, "switchyard_config_reload_total", result="invalid") == len(cases)
     assert metric(text, "switchyard_config_last_reload_successful") == 0
     await client.close()
+
+
+async def test_a_reload_forgets_the_prefix_entries_of_an_engine_it_removed_and_keeps_those_of_one_it_declared_anew(
+        sims, gateway, tmp_path):
+    """An endpoint a reload removes for good leaves the prefix index with it (its entries, which
+    ``switchyard_prefix_index_entries`` counts, and the endpoint they hold), not after the idle TTL;
+    one declared again with other settings keeps its entries, and one left as it was keeps them too."""
+    from routers.prefix_index import prefix_keys
+
+    sims_ = [await sims("vllm", "m") for _ in range(3)]
+    gw = await gateway([model_block("m", "vllm", [s.url for s in sims_])], routing={"strategy": "prefix-cache"})
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    index = f.reloader.live.routing.ctx.prefix_index
+    eps = {ep.url: ep for ep in f.reloader.live.routing.pool.endpoints("m")}
+    for i, s in enumerate(sims_):       # prompts of 3, 4 and 5 blocks
+        index.apply_insert(prefix_keys(f"prompt {i} " * 1000, "m", index.block_chars, 2 + i + 1), eps[s.url])
+    assert index.stats()["entries"] == 12
+    kept, anew, gone = sims_
+    f.write(models=[model_block("m", "vllm", [kept.url, {"url": anew.url, "max_prompt_tokens": 100_000}])])
+    result = f.reloader.reload("test")
+    assert result.result == "ok" and len(result.removed) == 2 and len(result.added) == 1
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert f.reloader.live.routing.ctx.prefix_index is index
+    assert index.stats()["entries"] == 3 + 4
+    assert eps[gone.url] not in index.slots().values()
+    assert metric(await gw.metrics_text(), "switchyard_prefix_index_entries") == 7
+    new = next(ep for ep in f.reloader.live.routing.pool.endpoints("m") if ep.url == anew.url)
+    assert new in index.slots().values() and eps[kept.url] in index.slots().values()
