@@ -1443,3 +1443,42 @@ async def test_an_admin_reload_to_a_worker_whose_parent_was_killed_is_refused_50
         await logs.close()          # the workers ended: their stderr closed
     assert [(status, body["error"]["code"]) for status, body in answers] == [(503, "reload_unavailable")] * 2, answers
     assert not [line for line in logs.lines if line.get("event") == "internal error"], logs.lines
+
+
+@pytest.mark.timeout(90)
+async def test_every_worker_forgets_the_prefix_entries_of_an_engine_a_sighup_removed(sims, tmp_path):
+    """Each worker's prefix index holds every worker's insertions (the shared view); an engine a
+    reload removes leaves every worker's index, so ``switchyard_prefix_index_entries`` (the largest
+    of the workers') counts the entries of the engine kept only."""
+    from tests.support.gateway_process import per_worker
+
+    a, b = [await sims("vllm", "m") for _ in range(2)]
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    routing = "routing: {strategy: prefix-cache, prefix_block_chars: 64}\n"
+    path.write_text(config_text(port, [a.url, b.url], extra=routing))
+    async with gateway_process(path, port, "--workers", "2") as proc:
+        url = f"http://127.0.0.1:{port}"
+        on_a = 0
+        for i in range(8):          # prompts of 4 blocks each, on fresh connections (either worker routes each)
+            conn = aiohttp.TCPConnector(force_close=True)
+            async with aiohttp.ClientSession(connector=conn) as s, s.post(url + "/v1/completions", json={
+                    "model": "m", "prompt": f"prompt {i}: " + "x" * 256, "max_tokens": 1}) as r:
+                assert r.status == 200, await r.text()
+                on_a += r.headers["target-pod"] == a.url.removeprefix("http://")
+
+        async def entries() -> list[float]:
+            return [metric(text, "switchyard_prefix_index_entries") for text in (await per_worker(port, 2)).values()]
+
+        for _ in range(200):
+            if await entries() == [32.0, 32.0]:
+                break
+            await asyncio.sleep(0.05)
+        assert await entries() == [32.0, 32.0]
+        path.write_text(config_text(port, [a.url], extra=routing))
+        proc.send_signal(signal.SIGHUP)
+        for _ in range(200):
+            if await entries() == [4.0 * on_a] * 2:
+                break
+            await asyncio.sleep(0.05)
+        assert await entries() == [4.0 * on_a] * 2
