@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 import orjson
@@ -342,7 +342,8 @@ class PrefixIndex:
         not there is skipped): each holder's touch kept unless this index knows a later one.
         ``on_insert`` is not told. Returns the block-endpoint entries merged."""
         cut = self._now_ms() - self.idle_ttl_ms
-        mine = {theirs: self._slot(ep) for theirs, ep in endpoints.items()}
+        # an endpoint that left the pool while the parts came is not taken back (``drop``)
+        mine = {theirs: self._slot(ep) for theirs, ep in endpoints.items() if not ep.removed}
         cleared = self._cleared
         floors = {theirs: cleared[ep] for theirs, ep in endpoints.items() if ep in cleared} if cleared else None
         blocks = self._blocks
@@ -416,6 +417,38 @@ class PrefixIndex:
                 del held[slot]
                 if not held:
                     del blocks[k]
+
+    def drop(self, eps: Iterable[Endpoint]) -> int:
+        """Remove endpoints that left the pool for good from every block, and their slots: nothing
+        here holds them any more (they are not ``forget``'s restarted engines, still routed to, so
+        nothing is kept to refuse a sibling's older entries of them: ``merge`` takes none of an
+        endpoint that left). One walk for all of them, O(size). Returns the entries removed."""
+        slots = set()
+        for ep in eps:
+            self._cleared.pop(ep, None)
+            slot = self._slots.pop(ep, None)
+            if slot is not None:
+                slots.add(slot)
+        if not slots:
+            return 0
+        blocks = self._blocks
+        mask = _SLOT_MASK
+        gone = [k for k, held in blocks.items()
+                if (held & mask in slots if held.__class__ is int else not slots.isdisjoint(held))]
+        n = 0
+        for k in gone:
+            held = blocks[k]
+            if held.__class__ is int:
+                del blocks[k]
+                n += 1
+                continue
+            for slot in slots.intersection(held):
+                del held[slot]
+                n += 1
+            if not held:
+                del blocks[k]
+        self._free_slots.extend(slots)
+        return n
 
     def rebind(self, old: Endpoint, new: Endpoint) -> None:
         """``old``'s entries are ``new``'s (a reload declared ``old``'s engine again with other

@@ -241,6 +241,7 @@ class RoutingView:
         self._scheduled = False
         self._keys: dict[Endpoint, str] = {}              # endpoint → its key (identity map)
         self._by_key: dict[str, Endpoint] = {}
+        self._left: list[Endpoint] = []                   # left the pool this loop turn (``_drop_left``)
         pool.removal_listeners.append(self._forget)       # pods come and go: nothing kept of a gone one
         pool.replacement_listeners.append(self._replaced)  # but an engine declared anew keeps its conversations
         self._resolved_at = -1e9
@@ -527,12 +528,29 @@ class RoutingView:
         return k
 
     def _forget(self, ep: Endpoint) -> None:
-        """``ep`` left the pool: its key, and when its watcher was last heard of."""
+        """``ep`` left the pool: its key, when its watcher was last heard of, and (``_drop_left``)
+        its prefix-index entries."""
+        self._left.append(ep)
+        if len(self._left) == 1:
+            try:
+                asyncio.get_running_loop().call_soon(self._drop_left)
+            except RuntimeError:            # no loop (a pool changed outside the server): at once
+                self._drop_left()
         k = self._keys.pop(ep, None) or endpoint_key(ep)
         self._unvetted.pop(ep, None)
         if not any(endpoint_key(e) == k for e in self.pool.endpoints(ep.model)):   # not back under its key
             for kind in ("probe", "scrape", "models"):
                 self._heard_watcher.pop((kind, k), None)
+
+    def _drop_left(self) -> None:
+        """The prefix-index entries of the endpoints that left the pool, at the end of the loop turn
+        they left in: a reload that declared one again as another endpoint (``_replaced``, right after
+        its removal) gave them to that one first. Each worker and each replica drops an endpoint
+        that leaves its own pool (each reloads and discovers on its own), so nothing is sent. Not the
+        sessions: a session on a gone endpoint is counted ``gone`` and routed anew."""
+        left, self._left = self._left, []
+        if self._index is not None:
+            self._index.drop([ep for ep in left if ep.removed])     # not one added back meanwhile
 
     def _replaced(self, old: Endpoint, new: Endpoint) -> None:
         """A reload declared ``old``'s engine again at its URL with other settings, as ``new``: the

@@ -216,6 +216,31 @@ def test_a_forgotten_endpoint_is_not_brought_back_by_a_siblings_older_blocks():
     assert mine._cleared == {}
 
 
+def test_endpoints_that_left_are_dropped_with_their_slots_and_not_merged_back():
+    """``drop``: endpoints gone for good leave every block (in one walk) and the index holds them no
+    more; a sibling's view merged later does not bring them back; their slots serve others."""
+    _, index, _, _ = setup()
+    _, theirs, _, _ = setup()
+    eps = make_eps(3)
+    for i, ep in enumerate(eps):
+        index.insert(make_req(SYSTEM[:40 * (i + 1)]), ep)       # 5, 10 and 15 blocks, nested
+        theirs.insert(make_req(SYSTEM[:40 * (i + 1)]), ep)
+    assert index.stats()["entries"] == 30
+    index.forget(eps[0])                     # a restart first: dropping clears its mark too
+    for ep in eps[:2]:
+        ep.removed = True
+    assert index.drop(eps[:2]) == 10
+    assert index.stats()["entries"] == 15 and len(index) == 15
+    assert list(index.slots().values()) == [eps[2]] and index._cleared == {}
+    by_slot, rows = theirs.export()
+    index.merge(rows, by_slot)
+    assert list(index.slots().values()) == [eps[2]] and index.stats()["entries"] == 15
+    assert index.drop(eps[:2]) == 0
+    fresh = make_eps(1)[0]
+    index.insert(make_req(SYSTEM[:40]), fresh)
+    assert index.depths(make_req(SYSTEM), [fresh, eps[2]])[0] == {fresh: 5, eps[2]: 15}
+
+
 def test_stats_for_a_gauge():
     _, index, _, _ = setup(prefix_index_blocks=100)
     eps = make_eps(2)
