@@ -242,3 +242,21 @@ async def test_a_caller_header_sent_twice_with_two_values_is_400_on_the_fast_lan
                 ex = await exchange(gw.port, twice(target, body, name, "alice", "alice"), until_close=False,
                                     responses=1)
                 assert ex.first.status == 200, (target, name, ex.first.body[:300])
+
+
+async def test_every_routing_strategy_400_echoes_the_strategy_it_refused(sims, gateway):
+    """An unknown name, and lines naming different strategies, are each a 400 with
+    ``x-error-routing: true`` and the refused strategy in the answer's ``routing-strategy``: for
+    several lines, the first line's, spelt as routing spells it."""
+    e = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [e.url])])
+    body = {"model": "m", "prompt": "x", "max_tokens": 1}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/completions", json=body, headers={"routing-strategy": "bogus"}) as r:
+            assert r.status == 400 and r.headers["routing-strategy"] == "bogus"
+        lines = [("routing-strategy", "Prefix-Cache:2, least-request:4"), ("routing-strategy", "random")]
+        async with s.post(gw.url + "/v1/completions", json=body, headers=lines) as r:
+            got = await r.json()
+            assert r.status == 400 and r.headers["x-error-routing"] == "true", got
+            assert got["error"]["param"] == "routing-strategy" and "different strategies" in got["error"]["message"]
+            assert r.headers.getall("routing-strategy") == ["prefix-cache,least-request:2"], dict(r.headers)
