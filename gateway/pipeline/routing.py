@@ -152,6 +152,7 @@ class Routing:
                                         f"different strategies ({echo(named[0].strip(), _ECHO_SPEC)} and "
                                         f"{echo(line.strip(), _ECHO_SPEC)}); give it once",
                                    param="routing-strategy", code="invalid_routing_strategy",
+                                   headers={"routing-strategy": first},    # the first line's, as the other 400s
                                    header=("x-error-routing", "true"), error_class=ErrorClass.ROUTING)
         return named[0]
 
