@@ -100,6 +100,25 @@ def test_a_huge_prompt_is_encoded_only_as_far_as_it_is_hashed():
     assert peak < 2 << 20, peak
 
 
+def test_a_huge_prompt_with_tools_is_copied_only_as_far_as_it_is_hashed():
+    """A request with ``tools`` is keyed as its tools' text then its prompt: the prompt is not copied
+    whole behind the tools for the few blocks hashed, and the keys are those of the whole text."""
+    import tracemalloc
+
+    from routers.prefix_index import tools_text
+    _, index, _, _ = setup(block=512, prefix_max_blocks=1024)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    req = make_req("a" * (8 << 20), data={"tools": tools})
+    tracemalloc.start()
+    try:
+        keys = index.keys(req)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert keys == _keys_encoding_all(tools_text(tools) + req.prompt_text, "m", 512, 1024)
+    assert peak < 2 << 20, peak
+
+
 _KEYS_SCRIPT = ("from routers.prefix_index import prefix_keys; "
                 "print(prefix_keys('abcdefgh' * 6 + 'élan vital' * 3, 'm', 8, 100))")
 
