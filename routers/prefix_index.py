@@ -189,7 +189,8 @@ class PrefixIndex:
         if salt.__class__ is str and salt:
             seed = f"{seed}\0salt:{salt}"
         tools = req.data.get("tools")
-        text = req.prompt_text if not tools else tools_text(tools) + req.prompt_text
+        # behind the tools, only what can be hashed of the prompt is copied (it may be 16 MB)
+        text = req.prompt_text if not tools else tools_text(tools) + req.prompt_text[:self.block_chars * self.max_blocks]
         keys = prefix_keys(text, seed, self.block_chars, self.max_blocks)
         self._memo_req, self._memo_keys = req, keys
         return keys
