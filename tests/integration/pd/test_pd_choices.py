@@ -335,3 +335,40 @@ async def test_a_vllm_request_of_fewer_best_of_than_choices_runs_whole_on_the_de
     assert e.value.body["param"] == "best_of"
     ps = await sim_state(p.url)
     assert _posts(ps) == [] and ps["pd"]["pinned"] == []
+
+
+async def test_a_vllm_request_whose_bound_passes_the_decodes_context_runs_whole_on_the_decode(sims, gateway):
+    """A request whose prompt plus its bound (``max_completion_tokens`` or ``max_tokens``) passes the
+    decode's ``max_model_len`` is refused by vLLM's decode, but its prefill leg, sent ``max_tokens: 1``,
+    accepts it: split, the prefill computed the prompt and pinned its blocks for a decode that then
+    refused the request. The gateway reads each engine's ``max_model_len`` from its ``/v1/models``:
+    such a request runs whole on the decode, whose own 400 the client gets; one that fits is split."""
+    p, d = await pd_pair(sims, "vllm", max_model_len=512)
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])], lora={"discovery_interval_s": 0.1})
+    client = openai_client(gw)
+
+    async def refused_whole(**bound) -> bool:
+        try:
+            await client.chat.completions.create(model="m", messages=MSG, **bound)
+        except openai.BadRequestError as e:
+            return e.response.headers["x-pd-decision"] == "decode; reason=context"
+        return False
+
+    # the first discovery round may not have answered yet: a split one is refused by the decode alone
+    assert await until(lambda: refused_whole(max_tokens=512), timeout=20, interval=0.05)
+    before = len(_posts(await sim_state(p.url)))
+    # the bound alone, and the bound beside half the prompt's estimate (about 100 tokens here)
+    for bound in ({"max_tokens": 600}, {"max_completion_tokens": 512}, {"max_tokens": 490}):
+        assert await refused_whole(**bound), bound
+    ps = await sim_state(p.url)
+    assert len(_posts(ps)) == before and ps["pd"]["pinned"] == []
+    # one that fits (with the margin the estimate needs) is split as before
+    raw = await client.chat.completions.with_raw_response.create(model="m", messages=MSG, max_tokens=4)
+    assert raw.headers["x-pd-decision"] == "disaggregated; reason=always"
+    # a completion of token ids counts its prompt exactly: 300 + 250 passes 512, 300 + 200 fits
+    prompt = list(range(1, 301))
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(model="m", prompt=prompt, max_tokens=250)
+    assert e.value.response.headers["x-pd-decision"] == "decode; reason=context"
+    raw = await client.completions.with_raw_response.create(model="m", prompt=prompt, max_tokens=200)
+    assert raw.headers["x-pd-decision"] == "disaggregated; reason=always"
