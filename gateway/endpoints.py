@@ -117,6 +117,10 @@ class Endpoint:
     # (admission deals the slots of a bound over the workers by it: gateway/admission/saturation.py)
     turn: int = 0
     adapters: AdapterState = field(default_factory=AdapterState)   # LoRA adapters (gateway/lora/adapters.py)
+    # the model's context length as the engine's ``/v1/models`` last listed it (read with the LoRA
+    # adapters, gateway/lora/adapters.py); None: not listed, or not read yet. A vLLM P/D request that
+    # cannot fit in its decode's runs whole (handlers/vllm.py ``unsplit``)
+    max_model_len: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -173,6 +173,8 @@ class InferenceRequest:
     # told the answer's text (``None``, and why not, when there is none) once a chat's answer is relayed
     # whole (set by the KV-events router, which tokenizes it ahead of the next turn: gateway/kv/events.py)
     answered: Callable[..., None] | None = None
+    # ``prompt_tokens_est`` is the prompt's exact count (a prompt of token ids), not an estimate
+    prompt_tokens_exact: bool = False
     # a mid-stream continuation's leg (gateway/pipeline/migration.py): what the client already has,
     # its first token included, came from the legs before (a leg that starts over, nothing generated
     # nor sent, is not one)
@@ -822,6 +824,7 @@ def _parse_named(path: str, body: bytes, headers: dict[str, str], request_id: st
         choices=choices,
         fan=fan,
         sequences=fan * prompts,
+        prompt_tokens_exact=exact_tokens is not None,
     )
 
 

@@ -95,10 +95,11 @@ class EngineAdapter(Protocol):
     # whether a decode endpoint computes a prompt itself when asked without the P/D fields
     decode_runs_whole: bool
 
-    def unsplit(self, ireq: InferenceRequest) -> Unsplit | None:
+    def unsplit(self, ireq: InferenceRequest, context: int | None = None) -> Unsplit | None:
         """Why the engine's P/D legs cannot serve ``ireq`` (several choices, a batch of prompts,
-        prompt logprobs), which then runs whole, on the decode or a combined endpoint, or is
-        refused (gateway/pd/decide.py); None when they can."""
+        prompt logprobs, a request past the chosen decode's ``context`` length when it is known),
+        which then runs whole, on the decode or a combined endpoint, or is refused
+        (gateway/pd/decide.py); None when they can."""
         ...
 
     # whether a stream's head comes with its first token (SGLang's server awaits it before it

@@ -242,7 +242,7 @@ class SGLangAdapter:
 
     usage = staticmethod(openai_usage)     # OpenAI's usage object as it is: no frame around it
 
-    def unsplit(self, ireq: InferenceRequest) -> Unsplit | None:
+    def unsplit(self, ireq: InferenceRequest, context: int | None = None) -> Unsplit | None:
         """SGLang sends a prompt's n samples (and the prefill-only request caching its prefix first)
         with the prompt's one bootstrap room (TokenizerManager._handle_batch_request; a list of
         rooms gives them all its first), so its P/D legs would pair them by a room they share: such

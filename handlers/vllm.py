@@ -144,7 +144,7 @@ class VLLMAdapter:
     def serves(self, path: str) -> bool:
         return path in PATHS
 
-    def unsplit(self, ireq: InferenceRequest) -> Unsplit | None:
+    def unsplit(self, ireq: InferenceRequest, context: int | None = None) -> Unsplit | None:
         """A request of several choices is split (the decode's choices all read the prefill's
         blocks). A batch of prompts is not: vLLM runs each prompt as a request of its own, and its
         answer carries the first one's kv_transfer_params (OpenAIServingCompletion), which the
@@ -155,7 +155,13 @@ class VLLMAdapter:
         ``max_tokens``), or of a ``min_tokens`` above that bound or below 0, which vLLM refuses: its prefill leg, sent ``max_tokens: 1`` and no
         ``min_tokens``, would compute the prompt and pin its blocks for a decode that then refuses
         it; run whole, the decode answers its own 400. So is a ``best_of`` below ``n`` (the prefill
-        is sent neither)."""
+        is sent neither), and a request whose bound does not fit beside its prompt in the decode's
+        ``context`` (its ``max_model_len``, when its ``/v1/models`` listed it): vLLM refuses a prompt
+        plus bound past it. The gateway's estimate of a text prompt (a token every four characters)
+        can be off, so it is counted at half (a token every eight characters) and its template's
+        tokens not at all: the request is unsplit only when it surely does not fit (a prompt of
+        token ids counts exactly). One that does fit and is unsplit all the same is only prefilled
+        on its decode."""
         data = ireq.data
         # a chat's bound is its max_completion_tokens when it names one, else its max_tokens
         key = "max_completion_tokens" if ireq.path == CHAT and data.get("max_completion_tokens") is not None \
@@ -180,6 +186,10 @@ class VLLMAdapter:
             return Unsplit("several_prompts", "a batch of prompts", "prompt",
                            "vLLM's prefill answers the KV transfer parameters of a batch's first prompt alone, "
                            "which its decode would read for every prompt")
+        if context is not None and bound is not None and bound + _least_prompt_tokens(ireq) > context:
+            return Unsplit("context", "a request past the model's context length", key,
+                           "vLLM refuses a prompt and its bound past max_model_len, and the prefill leg, sent "
+                           "max_tokens: 1, would pin the prompt's blocks for a decode that refuses the request")
         if data.get("prompt_logprobs") is not None or (
                 ireq.path != CHAT and data.get("echo") is True and data.get("logprobs") is not None):
             return Unsplit("prompt_logprobs", "prompt logprobs", "logprobs",
@@ -253,6 +263,14 @@ class VLLMAdapter:
 
 
 VLLM = VLLMAdapter()
+
+
+def _least_prompt_tokens(ireq: InferenceRequest) -> int:
+    """The fewest tokens ``ireq``'s prompt surely has: its count when it is token ids, else half the
+    gateway's estimate (a token every eight characters; the template's own tokens not counted),
+    and at least one."""
+    n = ireq.prompt_tokens_est
+    return max(1, n if ireq.prompt_tokens_exact else n // 2)
 
 
 def _lax_int(v: Any) -> int | None:

@@ -823,19 +823,21 @@ class Lora:
 
     async def _discover_one(self, session: aiohttp.ClientSession, ep: Endpoint) -> None:
         asked = self.clock()
-        found = None
+        found = context = None
         try:
             async with asyncio.timeout(self.config.scrape.timeout_s or 2.0):
                 async with session.get(ep.url + "/v1/models", headers=engine_headers(ep, {})) as r:
                     if r.status == 200:
-                        found = served_adapters(orjson.loads(await r.read()), ep.model)
+                        listed = orjson.loads(await r.read())
+                        found, context = served_adapters(listed, ep.model), model_context(listed, ep.model)
                     elif key_refused(r.status, ep.api_key is not None):
                         engine_key_refused(self.upstream.metrics, ep, ep.model, r.status, "/v1/models")
         except (TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError):
             pass
         if self.share is not None:
-            self.share.told_models(ep, asked, found)
+            self.share.told_models(ep, asked, found, context)
         if found is not None:
+            ep.max_model_len = context
             self.adopt_models(ep, asked, dict(found))
 
     def adopt_models(self, ep: Endpoint, asked: float, found: dict[str, str]) -> None:
@@ -967,6 +969,20 @@ def _free_slot(ep: Endpoint) -> bool:
     active = (m.lora_running or frozenset()) | (m.lora_waiting or frozenset()) | {
         a for a, n in ep.adapters.in_flight.items() if n}
     return len(active) < m.max_lora
+
+
+def model_context(models: Any, base: str) -> int | None:
+    """The ``max_model_len`` a ``/v1/models`` answer lists for ``base`` (the card of that id, else
+    its one card without a ``parent``): vLLM's and SGLang's ModelCard carry it; None when it lists none."""
+    if not isinstance(models, dict) or not isinstance(models.get("data"), list):
+        return None
+    cards = [e for e in models["data"] if isinstance(e, dict)]
+    card = next((e for e in cards if e.get("id") == base), None)
+    if card is None:
+        bases = [e for e in cards if not e.get("parent")]
+        card = bases[0] if len(bases) == 1 else None
+    n = card.get("max_model_len") if card is not None else None
+    return n if type(n) is int and n > 0 else None
 
 
 def served_adapters(models: Any, base: str) -> dict[str, str] | None:

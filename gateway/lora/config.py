@@ -21,7 +21,7 @@ class LoraConfig(Block):
     """LoRA adapters: discovery, the strategy of adapter requests, loading and unloading on demand."""
 
     strategy: Annotated[str, Meta(description="Routing strategy of requests naming an adapter, unless a lock or the routing-strategy header names one.")] = "lora-affinity"
-    discovery_interval_s: Annotated[_Seconds, Meta(description="How often every endpoint's /v1/models is read to learn the adapters it serves, in seconds (0: off).")] = 10.0
+    discovery_interval_s: Annotated[_Seconds, Meta(description="How often every endpoint's /v1/models is read to learn the adapters it serves, and its model's max_model_len (a vLLM P/D request that cannot fit in its decode's runs whole there: docs/pd.md), in seconds (0: off).")] = 10.0
     load_timeout_s: Annotated[_Positive, Meta(description="Longest runtime adapter load call, in seconds.")] = 60.0
     failure_cooldown_s: Annotated[_Seconds, Meta(description="After a failed load, that endpoint is not asked to load the adapter again for this long, in seconds.")] = 60.0
     max_adapters_per_endpoint: Annotated[_Count, Meta(description="Before loading onto an endpoint already serving this many adapters, unload one (0: no cap).")] = 0

@@ -371,11 +371,12 @@ class RoutingView:
         counts too, and its first read of Redis's may come after its first scrape)."""
         return self._heard_from is not None and time.monotonic() >= self._heard_from
 
-    def told_models(self, ep: Endpoint, asked: float, adapters: dict[str, str] | None) -> None:
-        """This worker read ``ep``'s LoRA adapters (None: no answer): the siblings learn them if it
-        is the watcher."""
+    def told_models(self, ep: Endpoint, asked: float, adapters: dict[str, str] | None,
+                    max_model_len: int | None = None) -> None:
+        """This worker read ``ep``'s LoRA adapters (None: no answer) and its model's context length:
+        the siblings learn them if it is the watcher."""
         if self._watching(ep):
-            self._served.append(Served(self._key(ep), asked, adapters))
+            self._served.append(Served(self._key(ep), asked, adapters, max_model_len=max_model_len))
             self._later()
 
     def told_adapters(self, ep: Endpoint, at: float, adapters: dict[str, str], loaded: bool) -> None:
@@ -1184,6 +1185,7 @@ class RoutingView:
         elif sv.change:
             self._lora.adopt_change(ep, sv.asked, sv.adapters or {}, sv.change == LOADED)
         elif sv.adapters is not None:        # None: the endpoint did not answer the watcher
+            ep.max_model_len = sv.max_model_len
             self._lora.adopt_models(ep, sv.asked, sv.adapters)
         return 1
 

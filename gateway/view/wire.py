@@ -113,6 +113,7 @@ class Served(msgspec.Struct, array_like=True):
     asked: float                         # the watcher's time.monotonic() when it asked (the same clock in every worker)
     adapters: dict[str, str] | None      # adapter → its base model; None: the endpoint did not answer
     change: int = 0                      # 0: the whole list; LOADED, UNLOADED, USED: the sender did that to these, at ``asked``
+    max_model_len: int | None = None     # the whole list's: the model's context length as it listed it (None: none)
 
 
 LOADED, UNLOADED, USED = 1, 2, 3

@@ -16,7 +16,7 @@ from gateway.request import CHAT
 from routers.base import Decision, RouterContext
 from tests.support.factories import inference_request
 
-VLLM = SimpleNamespace(decode_runs_whole=True, unsplit=lambda ireq: None)
+VLLM = SimpleNamespace(decode_runs_whole=True, unsplit=lambda ireq, context=None: None)
 
 
 def setup(**pd):

@@ -1049,6 +1049,32 @@ async def test_the_adapters_of_an_engine_serving_thousands_reach_the_sibling():
     assert metric_total(page, "switchyard_view_messages_dropped_total", reason="undecodable") == 0
 
 
+async def test_the_context_length_an_engine_lists_reaches_the_sibling():
+    """The watcher of an engine tells its siblings the ``max_model_len`` its ``/v1/models`` lists with
+    its adapters: a sibling's vLLM P/D requests that cannot fit in that decode run whole there too."""
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from gateway.lora.adapters import Lora, LoraMetrics
+
+    d = RunDirectory()
+    cfg = _config(heartbeat_s=0.05, load_interval_s=0.01)
+    (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
+    la, lb = (Lora(cfg, p, upstream=None, metrics=LoraMetrics(CollectorRegistry())) for p in (apool, bpool))
+    a.attach_lora(la)
+    b.attach_lora(lb)
+    async with _running(d, a, b):
+        ea = next(ep for ep in apool.endpoints("m") if a.watcher(ep) == 0)
+        eb = next(ep for ep in bpool.endpoints("m") if ep.url == ea.url)
+        a.told_models(ea, time.monotonic(), {}, 4096)
+        await until(lambda: eb.max_model_len == 4096, timeout=5)
+        a.told_models(ea, time.monotonic(), None)          # no answer: what was listed stays
+        a.told_models(ea, time.monotonic(), {"x": "m"})    # a list without it: unknown again
+        await until(lambda: eb.max_model_len is None, timeout=5)
+        assert eb.adapters.served == {"x": "m"}
+
+
 async def test_a_siblings_ejection_refused_here_is_counted_once_though_a_catch_up_tells_it_again(monkeypatch):
     """a ejects the first endpoint; b refuses to follow, the other being down by its probes (one
     endpoint of a group stays ready), and counts that refused ejection. b's queue then fills and it
