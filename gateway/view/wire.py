@@ -241,7 +241,7 @@ def _size(fact: Insert | Session | Tokens | Probe | Scrape | Served) -> int:
     """An upper bound of a fact's encoded size (9 bytes per 64-bit key)."""
     cls = fact.__class__
     if cls is Served:
-        return 24 + len(fact.ep) + sum(len(a) + len(b) + 8 for a, b in (fact.adapters or {}).items())  # type: ignore[union-attr]
+        return 33 + len(fact.ep) + sum(len(a) + len(b) + 8 for a, b in (fact.adapters or {}).items())  # type: ignore[union-attr]
     if cls is Scrape:
         return 24 + len(fact.ep) + len(fact.snapshot)      # type: ignore[union-attr]
     if cls is Probe:

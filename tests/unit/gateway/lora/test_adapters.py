@@ -134,3 +134,18 @@ def test_target_breaks_ties_at_random_and_keeps_to_the_least_loaded():
     assert picks == {eps[1].url, eps[2].url}                    # the busier one never
     eps[1].adapters.served = {"b": "m"}                         # fewer adapters held breaks the tie first
     assert {lora.target(eps, "a").url for _ in range(50)} == {eps[2].url}
+
+
+def test_the_context_length_of_a_model_list_is_its_base_cards():
+    """``max_model_len`` of the endpoint's model's card; else of the list's one card without a parent
+    (an engine serving its model under another name); None when it lists none or no usable one."""
+    from gateway.lora.adapters import model_context
+
+    card = {"id": "m", "object": "model", "root": "org/m", "parent": None, "max_model_len": 8192}
+    lora = {"id": "a", "root": "/a", "parent": "m", "max_model_len": None}
+    assert model_context({"object": "list", "data": [lora, card]}, "m") == 8192
+    assert model_context({"data": [lora, {**card, "id": "served"}]}, "m") == 8192
+    assert model_context({"data": [{**card, "id": "x"}, {**card, "id": "y"}]}, "m") is None
+    for bad in (None, True, "8192", 0, -1, 1.5):
+        assert model_context({"data": [{**card, "max_model_len": bad}]}, "m") is None
+    assert model_context({"data": "m"}, "m") is None and model_context([], "m") is None
