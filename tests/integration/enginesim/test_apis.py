@@ -760,3 +760,21 @@ async def test_vllm_echo_with_logprobs_answers_the_prompts_logprobs_first(sims):
     only = alone["choices"][0]
     assert only["text"] == prompt and only["logprobs"] == {k: vals[:n] for k, vals in lp.items()}
     assert only["prompt_logprobs"] == pl and alone["usage"]["completion_tokens"] == 1
+
+
+async def test_vllm_messages_refuses_a_max_tokens_past_the_rest_of_the_context(sims):
+    """vLLM's Messages API runs through its chat path, whose input check refuses a bound that does
+    not fit beside the prompt in ``max_model_len`` (``'max_tokens' or 'max_completion_tokens' is too
+    large``), as chat does; a bound that fits is served."""
+    v = await sims("vllm", "llama")
+    ctx = v.cfg.max_model_len
+    async with aiohttp.ClientSession() as s:
+        body = {"model": "llama", "max_tokens": ctx, "messages": MSGS}
+        for stream in (False, True):
+            async with s.post(v.url + "/v1/messages", json={**body, "stream": stream}) as r:
+                got = await r.json()
+            assert r.status == 400, (stream, got)
+            assert got["type"] == "error" and got["error"]["type"] == "BadRequestError", got
+            assert got["error"]["message"].startswith(f"'max_tokens' or 'max_completion_tokens' is too large: {ctx}."), got
+        async with s.post(v.url + "/v1/messages", json={**body, "max_tokens": 4}) as r:
+            assert r.status == 200, await r.text()
