@@ -359,7 +359,11 @@ class MessagesApi:
                                type_="InternalServerError")
             prompt_ids = self._prompt_ids(body)
             fault = request_fault(engine, request)
-            max_tokens = min(max_tokens, self.cfg.max_model_len - len(prompt_ids))
+            n, ctx = len(prompt_ids), self.cfg.max_model_len
+            if max_tokens + n > ctx:        # vLLM's chat path checks the Messages request too
+                raise ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                               f"model's maximum context length is {ctx} tokens and your request has {n} input "
+                               f"tokens ({max_tokens} > {ctx} - {n}).", type_="BadRequestError", param="max_tokens")
             check_fault_status(engine, fault)
             base = request.headers.get("X-Request-Id") or uuid.uuid4().hex
             seq_id = f"chatcmpl-{base}"
