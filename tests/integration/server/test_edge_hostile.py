@@ -781,15 +781,19 @@ STILL_SENDING = [
     ("chunked_framing_broken_in_the_first_read", H + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
     ("header_field_too_large", H + b"X-Big: " + b"a" * 20000, 431),
     ("content_length_not_a_number", H + b"Content-Length: 1x\r\n\r\n", 400),
+    # a client speaking HTTP/2 with prior knowledge: its connection preface, then its frames
+    ("http2_connection_preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 400),
+    ("http2_request_line", b"POST /v1/chat/completions HTTP/2.0\r\nHost: gateway.test\r\n\r\n", 400),
 ]
 
 
-async def _keep_sending(writer: asyncio.StreamWriter, first: bytes, answered: asyncio.Event) -> None:
+async def _keep_sending(writer: asyncio.StreamWriter, first: bytes, answered: asyncio.Event,
+                        size: int = 16384) -> None:
     """``first``, then more of the request every few milliseconds, until 20 writes after ``answered``."""
     writer.write(first)
     after = 0
     while after < 20:
-        writer.write(b"x" * 16384)
+        writer.write(b"x" * size)
         await writer.drain()
         after += answered.is_set()
         await asyncio.sleep(0.005)
@@ -844,3 +848,35 @@ async def test_a_header_section_over_its_total_bound_is_a_431_at_the_edge_and_re
         under = {f"X-Big-{i}": "a" * 5000 for i in range(12)}
         ex = await exchange(gw.port, request("POST", CHAT, BODY, under, close=True))
         assert [r.status for r in ex.responses] == [200], ex.responses[0].body[:300]
+
+
+@on_both_loops
+async def test_a_408_to_a_body_still_coming_is_read_whole_by_its_client():
+    """A body that comes too slowly (``server.body_total_timeout_s`` passes while the client is
+    still sending it) gets its 408 and the connection closes lingering, as other refusals of a
+    client still sending do: the client reads the whole answer and the connection's end, its
+    writes after the answer taken, not reset. On the fast lane (which holds a request for its body)
+    and on aiohttp's path (a query string leaves the request to it)."""
+    async with edge_gateway(body_total_timeout_s=0.5, body_timeout_s=5.0, keepalive_timeout_s=30.0) as gw:
+        for target in (CHAT, CHAT + "?x=1"):
+            head = request("POST", target, None, {"Content-Type": "application/json", "Content-Length": "900000"})
+            reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+            answered = asyncio.Event()
+            sender = asyncio.ensure_future(_keep_sending(writer, head, answered, size=256))
+            data = b""
+            try:
+                async with asyncio.timeout(8.0):
+                    while chunk := await reader.read(65536):
+                        data += chunk
+                    answered.set()
+                    await sender        # the writes after the answer are taken, not reset
+            finally:
+                sender.cancel()
+                writer.close()
+            got, rest = parse_responses(data, eof=True)
+            assert [r.status for r in got] == [408] and not rest, (target, data[:300])
+            err = assert_openai_error(got[0], 408)
+            assert "body_total_timeout_s" in err["message"], err
+            assert got[0].headers["connection"].lower() == "close", target
+        assert await wait_for(lambda: gw.connections() == 0, timeout=5.0, interval=0.01)
+        assert await gw.received() == []
