@@ -45,9 +45,9 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   answer, so the client reads its end at once; aiohttp's read-and-drop of what the client still
   sends (up to 10 s, or the body clock) goes on behind it, so the close does not reset the
   connection under an answer not yet read. A refusal after which aiohttp reads nothing more (a head
-  it could not parse, a body whose framing broke, a held lane request cut by a stop) closes
-  lingering (``_Linger``): the write side shut after the answer, what the client still sends is
-  read and dropped for a bounded while before the close.
+  it could not parse, a request line in HTTP/2.0, a body whose framing broke, a body's 408, a held
+  lane request cut by a stop) closes lingering (``_Linger``): the write side shut after the
+  answer, what the client still sends is read and dropped for a bounded while before the close.
 - **The request log.** Every answer the edge writes itself (those above, the 408s, and the
   refusals of ``EdgeServer``'s handler: a version, a ``Host`` that is no host, ``CONNECT``, a
   ``Content-Length``, a transfer coding, a coding, an ``Expect``) has a request log line (``log_edge_answer``, the shape of every request line), its
@@ -1080,9 +1080,11 @@ class EdgeProtocol(web.RequestHandler):
             if not out[1] and not resp.keep_alive:
                 if not request.content.is_eof():
                     self._e_half_close()        # aiohttp reads and drops the rest of the body
-                elif resp.status >= 400 and (self._e_unparsed or request.content.exception() is not None):
-                    # a head it could not parse, a body whose framing broke: what the client still
-                    # sends is no request aiohttp reads, and it closes next
+                elif resp.status >= 400 and (self._e_unparsed or request.content.exception() is not None
+                                             or _VERSION_REFUSED in request):
+                    # a head it could not parse, a body whose framing broke, a request line in
+                    # HTTP/2.0 (a client's frames follow it): what the client still sends is no
+                    # request aiohttp reads, and it closes next
                     self._e_lingering()
             return out
         finally:
@@ -1331,7 +1333,9 @@ class EdgeProtocol(web.RequestHandler):
                 if reason == "header":
                     method, path = self._e_line_method(), self._e_line_path()
                 self._e_logged(rid, given, method, path, 408, message, None, started)
-        self._e_close()
+        # a body's client may still be sending it (one too slow in all is, most often): the answer
+        # is read whole before the close; a head's, which sent too little, closes at once
+        self._e_close(linger=answer and reason != "header")
 
     def _e_close(self, linger: bool = False) -> None:
         """Close as aiohttp's own keep-alive timer does (the transport flushes what was written,
