@@ -414,7 +414,8 @@ async def test_a_client_leaving_while_its_body_comes_is_logged_and_counted_on_th
 async def test_a_request_held_for_its_body_when_the_grace_period_ends_is_answered_503(sims, gateway):
     """A request the lane holds for its body (its head whole) is in flight for the drain, as
     aiohttp's request reading its body is: the drain waits for it, and when the grace period ends
-    its client reads the 503 of a gateway shutting down that its request line says, on both paths."""
+    its client reads the 503 of a gateway shutting down that its request line says, on both paths,
+    with one ``Connection: close``."""
     from gateway.server.app import GATEWAY_KEY, LIFECYCLE_KEY
     from gateway.server.run import drain_and_stop
 
@@ -439,6 +440,8 @@ async def test_a_request_held_for_its_body_when_the_grace_period_ends_is_answere
             writer.close()          # (the stop waits a moment for a connection still reading the body)
             assert answer.startswith(b"HTTP/1.1 503 "), (rid, answer)
             assert f"request-id: {rid}\r\n".encode() in answer and b"shutting down" in answer, (rid, answer)
+            head = answer[:answer.index(b"\r\n\r\n")].lower().split(b"\r\n")
+            assert [h for h in head if h.startswith(b"connection:")] == [b"connection: close"], (rid, answer)
         async with asyncio.timeout(10):
             await drain
     mine = {x["request_id"]: x for x in lines}
