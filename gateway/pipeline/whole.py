@@ -117,7 +117,7 @@ def _head(request: Any, status: int, headers: dict[str, str], extra: tuple[str, 
     # formatted in C, no Python frame per header
     lines = [*map(_FIELD.__mod__, headers.items()), *extra, f"Date: {rfc822_formatted_time()}"]
     keep_alive = request.keep_alive
-    if not keep_alive:
+    if not keep_alive and "Connection" not in headers:     # (the 503 of a stop says it already)
         lines.append("Connection: close")
     text = "\r\n".join(lines)
     breaks = len(lines) - 1
