@@ -5,6 +5,7 @@ sharing a real redis-server, with a sync interval far longer than the tests wait
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import aiohttp
 import pytest
@@ -128,3 +129,62 @@ async def test_a_reload_making_a_stored_key_the_admin_token_is_refused(sims, tmp
             assert (await post_new(port, "/admin/keys", {"user": "erin"}, admin))[0] == 201
             assert (await post_new(port, "/admin/keys", {"user": "erin"}, {"Authorization": f"Bearer {key}"}))[0] == 401
         assert set(await _statuses(port, key)) == {200}
+
+
+async def _metrics(port: int) -> str:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
+            s.get(f"http://127.0.0.1:{port}/metrics") as r:
+        return await r.text()
+
+
+@pytest.mark.timeout(120)
+async def test_a_gateway_started_with_a_stored_key_as_its_admin_token_refuses_that_token(
+        sims, tmp_path, redis_server):
+    """A replica started (or restarted) with an admin token that is a key the admin API stored keeps
+    serving, but its admin API refuses that token with a 403 naming the key and auth.admin_token
+    (every holder of the key would be an admin), counted in switchyard_admin_token_refused; the key
+    stays a client's. Likewise on a running replica once another one, with another admin token,
+    stores a key that is its token."""
+    sim = await sims("vllm", "m")
+    port_a, port_b = listen_port(), listen_port()
+    key = "sk-stored-then-admin-0123456789"
+    later = "sk-stored-later-admin-987654321"
+    path_a = _config(tmp_path, "a", port_a, sim.url, redis_server.url)
+    path_b = _config(tmp_path, "b", port_b, sim.url, redis_server.url)
+    cfg = yaml.safe_load(path_b.read_text())
+    cfg["auth"]["admin_token"] = key
+    path_b.write_text(yaml.safe_dump(cfg))
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    async with gateway_process(path_a, port_a, admin_token=ADMIN):
+        status, _, created = await post_new(port_a, "/admin/keys", {"user": "dana", "key": key}, admin)
+        assert status == 201, created
+        async with gateway_process(path_b, port_b, admin_token=key) as gateway_b:
+            as_admin = {"Authorization": f"Bearer {key}"}
+            for path, body in (("/admin/keys", {"user": "erin"}), ("/admin/reload", {})):
+                status, _, answer = await post_new(port_b, path, body, as_admin)
+                assert status == 403, (path, answer)
+                assert created["id"] in answer["error"]["message"], answer
+                assert "auth.admin_token" in answer["error"]["message"], answer
+            assert metric_total(await _metrics(port_b), "switchyard_admin_token_refused") == 1
+            assert (await post_new(port_b, "/admin/keys", {"user": "erin"}, admin))[0] == 401
+            assert set(await _statuses(port_b, key, 2)) == {200}         # the key is still a client's
+            assert metric_total(await _metrics(port_a), "switchyard_admin_token_refused") == 0
+            # a key made later on the other replica, that is this replica's admin token
+            cfg["auth"]["admin_token"] = later
+            path_b.write_text(yaml.safe_dump(cfg))
+            status, _, answer = await post_new(port_b, "/admin/reload", {}, {"Authorization": f"Bearer {later}"})
+            assert status == 401, answer         # not its token yet: the reload comes by SIGHUP
+            gateway_b.send_signal(signal.SIGHUP)
+            later_admin = {"Authorization": f"Bearer {later}"}
+
+            async def takes_later() -> bool:
+                return (await post_new(port_b, "/admin/keys", {"user": "gus"}, later_admin))[0] == 201
+            assert await wait_for(takes_later, timeout=20)
+            assert metric_total(await _metrics(port_b), "switchyard_admin_token_refused") == 0
+            status, _, made = await post_new(port_a, "/admin/keys", {"user": "hal", "key": later}, admin)
+            assert status == 201, made
+
+            async def refuses_later() -> bool:
+                return (await post_new(port_b, "/admin/keys", {"user": "gus"}, later_admin))[0] == 403
+            assert await wait_for(refuses_later, timeout=BOUND_S)
+            assert metric_total(await _metrics(port_b), "switchyard_admin_token_refused") == 1
