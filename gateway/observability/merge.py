@@ -76,6 +76,7 @@ GAUGE_RULES: dict[str, str] = {
     "switchyard_config_generation": MIN,
     "switchyard_kubernetes_last_sync_timestamp_seconds": MIN,   # the worker that heard from the API the longest ago
     "switchyard_kv_events_fast_tokenizer": MIN,      # 1 only while every worker encodes with tiktoken
+    "switchyard_admin_token_refused": MAX,            # 1 while any worker refuses the admin token
     # admission gives each worker its share of an endpoint's room: saturated for the gateway only when
     # no worker has any left (as the summed headroom is 0)
     "switchyard_endpoint_saturated": MIN,

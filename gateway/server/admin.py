@@ -76,7 +76,7 @@ ADMIN_OBJECT = web.RequestKey("admin_object", str)
 # the admin fields of a line the error middleware writes (gateway/server/app.py ``_error_answers``)
 ADMIN_LOG_FIELDS = web.RequestKey("admin_log_fields", dict)
 # an admin answer's status as the result label of switchyard_admin_requests_total
-ADMIN_RESULTS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 409: "conflict", 413: "too_large",
+ADMIN_RESULTS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 409: "conflict", 413: "too_large",
                  499: "cancelled", 503: "unavailable"}
 
 
@@ -175,14 +175,18 @@ def add_tenancy(app: web.Application, tenancy: Tenancy, audit: AdminAudit | None
         AdminAPI(tenancy, audit).register(app.router)
 
 
-def require_admin(request: web.Request, digest: str | None) -> None:
+def require_admin(request: web.Request, digest: str | None, tenancy: Tenancy | None = None) -> None:
     """401 unless the request carries the admin token (``digest``: its digest, None when unset).
-    Unset (a reload removed it): the admin API is off, a 404 as on a gateway started without one."""
+    Unset (a reload removed it): the admin API is off, a 404 as on a gateway started without one.
+    The token while ``tenancy`` finds it is an API key the store holds: a 403 saying so."""
     if digest is None:
         raise web.HTTPNotFound()
     if not admin_token_valid(header_field(request.headers, "Authorization"), digest):
         raise GatewayError(401, "a valid admin token is required ('Authorization: Bearer <token>')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}, error_class=ErrorClass.AUTH)
+    refusal = tenancy.admin_refusal() if tenancy is not None else None
+    if refusal is not None:
+        raise refusal
 
 
 def _json(status: int, payload: Any) -> web.Response:
@@ -261,6 +265,7 @@ class AdminAPI:
             require_admin(request, self.t.admin_digest)
             try:
                 await self.t.refresh()
+                require_admin(request, self.t.admin_digest, self.t)     # the store's keys as they are now
                 return await fn(request)
             except StateUnavailable as e:
                 # the client is told the store is unavailable; what Redis said (an ACL's refusal, a

@@ -615,7 +615,7 @@ class Reloader:
 
     async def handle_admin(self, request: web.Request) -> web.Response:
         """The admin token as for the rest of /admin (gateway/server/admin.py)."""
-        require_admin(request, self.tenancy.admin_digest if self.tenancy is not None else None)
+        require_admin(request, self.tenancy.admin_digest if self.tenancy is not None else None, self.tenancy)
         if self.loader is None:
             raise GatewayError(409, "the gateway was started without a config file (--config): nothing to reload",
                                code="no_config_file", error_class=ErrorClass.ADMIN)

@@ -128,6 +128,11 @@ class TenancyMetrics:
                                "Directory change notices (an API key or user made, changed or revoked on any "
                                "replica) read from the shared state and applied to this gateway's mirror",
                                registry=r)
+        self.admin_token_refused = Gauge(
+            "switchyard_admin_token_refused",
+            "1 while the admin token is an API key the admin API stored (a replica started with such a "
+            "token, or another replica stored the key): the admin API and POST /admin/reload refuse the "
+            "token with a 403 until auth.admin_token is changed", registry=r)
         self.latency = Histogram("switchyard_state_admit_seconds",
                                  "Time of the limit check (one Redis round trip with the Redis backend)",
                                  buckets=ROUTING_BUCKETS, registry=r)
@@ -151,6 +156,8 @@ class Tenancy:
         self.policy = self.cfg.failure_policy
         self.directory = Directory(config.auth, config.limits)
         self.m = TenancyMetrics(metrics.registry)
+        # the stored key the admin token is, when it is one: the admin API refuses the token then
+        self.admin_clash: KeyRecord | None = None
         self._token_children: dict[str, tuple] = {}
         if state is None:
             state = (RedisState(self.cfg, on_transition=self._on_transition,
@@ -202,6 +209,7 @@ class Tenancy:
         self.admin_digest = key_digest(config.auth.admin_token) if config.auth.admin_token else None
         self.model_rps = {m: lim.rps for m, lim in config.limits.models.items() if lim.rps}
         self.directory.reconfigure(config.auth, config.limits)
+        self._check_admin_clash()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -276,6 +284,7 @@ class Tenancy:
                     self._unknown.difference_update(keys)
                     self._version, self._tag = version, tag
                     self._mirrored += 1
+                    self._check_admin_clash()
                     return
             self._reload_all = False
             version, users, keys, tag = await state.load_directory()
@@ -283,6 +292,39 @@ class Tenancy:
             self._version, self._tag = version, tag
             self._mirrored += 1
             self._unknown.clear()
+            self._check_admin_clash()
+
+    def _check_admin_clash(self) -> None:
+        """Whether the admin token is a key the store holds, after each read of the store's keys
+        and each reload: a gateway started with such a token (a reload with one is refused,
+        gateway/server/reload.py), or whose token another replica, with another token, stored as
+        a key. Every holder of that key would be an admin: the admin API refuses the token
+        (``admin_refusal``) while it is one, and says so once in the log and in
+        ``switchyard_admin_token_refused``. Refusing to start instead would have every worker, and a
+        fleet restarted together, exit over and over; the gateway serves, its admin API does not."""
+        digest = self.admin_digest
+        rec = self.directory.store_keys.get(digest) if digest is not None else None
+        before, self.admin_clash = self.admin_clash, rec
+        self.m.admin_token_refused.set(1 if rec is not None else 0)
+        if rec is not None and (before is None or before.digest != rec.digest):
+            path = "auth.admin_token_env" if self.config.auth.admin_token_env is not None else "auth.admin_token"
+            log.error(f"the admin token is an API key the admin API stored; the admin API refuses it until "
+                      f"{path} is changed", key_id=rec.id, user=rec.user, key_path=path)
+        elif rec is None and before is not None:
+            log.info("the admin token is no longer a stored API key; the admin API takes it again",
+                     key_id=before.id)
+
+    def admin_refusal(self) -> GatewayError | None:
+        """The 403 of a request that carries the admin token while that token is a stored API key."""
+        rec = self.admin_clash
+        if rec is None:
+            return None
+        path = "auth.admin_token_env" if self.config.auth.admin_token_env is not None else "auth.admin_token"
+        return GatewayError(403, f"the admin token is the API key {rec.id} (user {rec.user}) the admin API stored, "
+                                 f"so every holder of that key could use it: the admin API refuses it until {path} is "
+                                 "changed. Set another admin token and reload the config (SIGHUP) or restart, then "
+                                 f"revoke the key with DELETE /admin/keys/{rec.id} if it should go",
+                            code="admin_token_refused", error_class=ErrorClass.AUTH)
 
     async def _on_notices(self, n: int) -> None:
         """``n`` directory change notices read (0: reading the notices starts, or starts again):
