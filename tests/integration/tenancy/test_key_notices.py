@@ -5,6 +5,7 @@ sharing a real redis-server, with a sync interval far longer than the tests wait
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import signal
 
 import aiohttp
@@ -195,3 +196,48 @@ async def test_a_gateway_started_with_a_stored_key_as_its_admin_token_refuses_th
                 return (await post_new(port_b, "/admin/keys", {"user": "gus"}, later_admin))[0] == 403
             assert await wait_for(refuses_later, timeout=BOUND_S)
             assert await _refused_gauge(port_b, 1)
+
+
+async def _published(redis_url: str, token: str, present: bool) -> bool:
+    """Whether the replicas' published admin tokens (their SHA-256) include ``token``, or not."""
+    digest = hashlib.sha256(token.encode()).hexdigest()
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        async def seen() -> bool:
+            return (digest.encode() in await r.hvals("switchyard:admintokens")) == present
+        return await wait_for(seen, timeout=20)
+    finally:
+        await r.aclose()
+
+
+@pytest.mark.timeout(120)
+async def test_a_key_that_is_another_replicas_admin_token_is_refused(sims, tmp_path, redis_server):
+    """Replicas with different admin tokens on one Redis: POST /admin/keys on one refuses a key that
+    is the admin token of another live replica (which would make every holder of the key an admin
+    there), with a 400 naming key; once that replica reloads to another token, the new one is refused
+    and the old one is an ordinary key. The sync interval is far longer than the test: a reload's
+    token is published at once."""
+    sim = await sims("vllm", "m")
+    port_a, port_b = listen_port(), listen_port()
+    token_b, token_b2 = "admin-token-of-b-0123456789", "admin-token-of-b-later-0123456789"
+    path_a = _config(tmp_path, "a", port_a, sim.url, redis_server.url)
+    path_b = _config(tmp_path, "b", port_b, sim.url, redis_server.url)
+    cfg = yaml.safe_load(path_b.read_text())
+    cfg["auth"]["admin_token"] = token_b
+    path_b.write_text(yaml.safe_dump(cfg))
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    async with gateway_process(path_a, port_a, admin_token=ADMIN), \
+            gateway_process(path_b, port_b, admin_token=token_b) as gateway_b:
+        status, _, answer = await post_new(port_a, "/admin/keys", {"user": "dana", "key": token_b}, admin)
+        assert status == 400 and answer["error"]["param"] == "key", answer
+        assert "admin token" in answer["error"]["message"], answer
+        assert (await post_new(port_b, "/admin/keys", {"user": "dana"}, {"Authorization": f"Bearer {token_b}"}))[0] == 201
+        cfg["auth"]["admin_token"] = token_b2
+        path_b.write_text(yaml.safe_dump(cfg))
+        gateway_b.send_signal(signal.SIGHUP)
+        assert await _published(redis_server.url, token_b, False)      # every worker of b reloaded
+        assert await _published(redis_server.url, token_b2, True)
+        status, _, answer = await post_new(port_a, "/admin/keys", {"user": "dana", "key": token_b2}, admin)
+        assert status == 400 and answer["error"]["param"] == "key", answer
+        status, _, answer = await post_new(port_a, "/admin/keys", {"user": "dana", "key": token_b}, admin)
+        assert status == 201, answer
