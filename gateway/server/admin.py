@@ -403,6 +403,11 @@ class AdminAPI:
         admin = self.t.admin_digest
         if admin is not None and hmac.compare_digest(digest, admin):
             raise _bad("'key' must not be the admin token: an API key is not an admin token", "key")
+        if await self.t.admin_token_of_a_replica(digest):
+            # replicas may have different admin tokens (one reloaded before the others): each
+            # publishes its token's SHA-256 in the shared state
+            raise _bad("'key' must not be the admin token of a replica sharing this state: an API key is not an "
+                       "admin token", "key")
         if self.dir.key(digest) is not None:
             raise _conflict("this key already exists")
         rec = KeyRecord(digest=digest, user=user, name=name, created=now())

@@ -31,7 +31,9 @@ whose mirror is a few versions behind reads only what changed since, not the who
 ``P:keyindex`` (the keys by user, for a user's delete) and ``P:keyindex:at`` (the version it is
 current at); ``P:dirnotes`` (a stream of the versions written, its last hundred or so: every process
 of every replica blocks reading it, ``gateway.tenants.notices``, and brings its mirror up to date as
-soon as a change is written).
+soon as a change is written); ``P:admintokens`` hash replica id → the SHA-256 of its admin token
+(each heartbeat writes it and drops those of replicas past ``replica_ttl_s``; a reload's at once),
+which ``POST /admin/keys`` refuses as a key.
 
 On a Redis Cluster every one of these keys carries the hash tag ``{P}`` (``{P}:rpm:<user>``...),
 so that a script's keys — and the per-replica keys the sync script computes — share one slot;
@@ -177,8 +179,9 @@ return 1
 """
 
 SYNC = """
--- KEYS: 1 replicas zset, 2 this replica's in-flight hash, 3 directory version
--- ARGV: 1 replica id, 2 replica ttl ms, 3 in-flight key prefix, 4 share (1/0), 5.. endpoint, count pairs
+-- KEYS: 1 replicas zset, 2 this replica's in-flight hash, 3 directory version, 4 admin tokens hash
+-- ARGV: 1 replica id, 2 replica ttl ms, 3 in-flight key prefix, 4 share (1/0), 5 the SHA-256 of this
+--       replica's admin token ('' without one), 6.. endpoint, count pairs
 -- Returns {version, lost, endpoint, others' sum, ...}; lost is 1 when this replica's heartbeat was
 -- not there, or too old to count (Redis lost its data, or the replica was silent past the ttl and
 -- the others may have dropped its concurrency slots), else 0
@@ -189,13 +192,22 @@ local last = redis.call('ZSCORE', KEYS[1], rid)
 local lost = 0
 if not last or tonumber(last) < now - ttl then lost = 1 end
 redis.call('ZADD', KEYS[1], now, rid)
+for _, r in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - ttl)) do
+  redis.call('HDEL', KEYS[4], r)
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
 redis.call('PEXPIRE', KEYS[1], 86400000)
+if ARGV[5] ~= '' then
+  redis.call('HSET', KEYS[4], rid, ARGV[5])
+  redis.call('PEXPIRE', KEYS[4], 86400000)
+else
+  redis.call('HDEL', KEYS[4], rid)
+end
 local out = {redis.call('GET', KEYS[3]) or '0', lost}
 if ARGV[4] == '1' then
   redis.call('DEL', KEYS[2])
-  if #ARGV > 4 then
-    redis.call('HSET', KEYS[2], unpack(ARGV, 5))
+  if #ARGV > 5 then
+    redis.call('HSET', KEYS[2], unpack(ARGV, 6))
     redis.call('PEXPIRE', KEYS[2], ttl)
   end
   local sums = {}
@@ -463,6 +475,9 @@ class RedisState:
         self.k_log = f"{p}:dirlog"
         self.k_key_index, self.k_key_index_at = f"{p}:keyindex", f"{p}:keyindex:at"
         self.k_notes = f"{p}:dirnotes"
+        self.k_admin_tokens = f"{p}:admintokens"
+        # the SHA-256 of this replica's admin token ('' without one), published with each heartbeat
+        self.admin_digest = ""
         self._p = p
         self.up = False
         self.refused = ""                           # why Redis refuses writes (oom, readonly, ...)
@@ -881,9 +896,9 @@ class RedisState:
         for k, v in (in_flight or {}).items():
             flat += (k, v)
         out = await self._call(self._sync(
-            keys=[self.k_replicas, self.k_inflight_prefix + self.replica_id, self.k_version],
+            keys=[self.k_replicas, self.k_inflight_prefix + self.replica_id, self.k_version, self.k_admin_tokens],
             args=[self.replica_id, self._ttl_ms, self.k_inflight_prefix,
-                  1 if in_flight is not None else 0, *flat]), probe=True)
+                  1 if in_flight is not None else 0, self.admin_digest, *flat]), probe=True)
         if self.refused and (self.refused not in COMMAND_REFUSALS
                              or time.monotonic() - self._refused_at >= REFUSAL_HOLD_S):
             # the heartbeat's write landed: Redis takes writes again. A refused command (a key the
@@ -917,11 +932,28 @@ class RedisState:
             await _kept_if_refused(self._reconcile())
         return version, remote
 
+    async def publish_admin(self, digest: str) -> None:
+        """This replica's admin token (its SHA-256; '' without one) as the others see it, at once: a
+        reload's new token, before the next heartbeat (which publishes it too)."""
+        self.admin_digest = digest
+        if digest:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hset(self.k_admin_tokens, self.replica_id, digest).pexpire(self.k_admin_tokens, 86_400_000)
+            await self._call(pipe.execute())
+        else:
+            await self._call(self.client.hdel(self.k_admin_tokens, self.replica_id))
+
+    async def admin_digests(self) -> set[str]:
+        """The SHA-256 of the admin token of every replica that heartbeats (a replica past
+        ``replica_ttl_s`` is dropped by the next heartbeat of any, as from the replicas zset)."""
+        return {v.decode() for v in await self._call(self.client.hvals(self.k_admin_tokens))}
+
     async def leave(self) -> None:
         """On shutdown: stop counting in the others' view at once instead of after the TTL."""
-        # not a transaction (see WHOLE_DIRECTORY): the two keys need not change in one step
+        # not a transaction (see WHOLE_DIRECTORY): the keys need not change in one step
         pipe = self.client.pipeline(transaction=False)
         pipe.zrem(self.k_replicas, self.replica_id).delete(self.k_inflight_prefix + self.replica_id)
+        pipe.hdel(self.k_admin_tokens, self.replica_id)
         if not self.held and not self._dirty:   # no slot of its own left in any user's hash
             pipe.delete(self._k_slot_users())
         with contextlib.suppress(StateUnavailable):

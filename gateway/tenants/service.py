@@ -167,6 +167,9 @@ class Tenancy:
                      if self.cfg.redis_url
                      else MemoryState())
         self.state = state
+        if isinstance(state, RedisState):       # published with each heartbeat, for the others' key checks
+            state.admin_digest = self.admin_digest or ""
+        self._publishing: asyncio.Task | None = None
         # with Redis, what another replica writes to the directory is read as it is written
         self.notices = (DirectoryNotices(self.cfg, state.k_notes, self._on_notices,
                                          on_pool_timeout=metrics.state_pool_timeouts.labels("tenancy").inc)
@@ -210,6 +213,35 @@ class Tenancy:
         self.model_rps = {m: lim.rps for m, lim in config.limits.models.items() if lim.rps}
         self.directory.reconfigure(config.auth, config.limits)
         self._check_admin_clash()
+        if isinstance(self.state, RedisState) and self.state.admin_digest != (self.admin_digest or ""):
+            self._publish_admin()
+
+    def _publish_admin(self) -> None:
+        """The reloaded admin token's SHA-256 to the other replicas now, not at the next heartbeat:
+        a key that is the new token is refused there from then on (``admin_digests``)."""
+        state = self.state
+        assert isinstance(state, RedisState)
+        digest = self.admin_digest or ""
+        state.admin_digest = digest             # the next heartbeat's, should this write fail
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+
+        async def publish() -> None:
+            try:
+                await state.publish_admin(digest)
+            except StateUnavailable as e:
+                log.warning("the admin token's digest could not be published; the next heartbeat does",
+                            error=str(e))
+        self._publishing = loop.create_task(publish(), name="tenancy-admin-token")
+
+    async def admin_token_of_a_replica(self, digest: str) -> bool:
+        """Whether ``digest`` is the SHA-256 of the admin token of a replica that heartbeats in the
+        shared state (this one's included); False with the in-memory state (one replica)."""
+        if not isinstance(self.state, RedisState):
+            return False
+        return digest in await self.state.admin_digests()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
