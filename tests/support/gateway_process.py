@@ -38,12 +38,13 @@ async def interrupt(procs: list[subprocess.Popen], timeout: float) -> None:
 
 @contextlib.asynccontextmanager
 async def gateway_process(path, port: int, *args: str, ready_workers: int = 1,
-                          admin_token: str | None = None,
+                          admin_token: str | None = None, status_page: bool = True,
                           file_size_limit: int | None = None,
                           read_only: tuple[str, ...] = (),
                           tmpfs: tuple[str, int] | None = None) -> AsyncIterator[asyncio.subprocess.Process]:
     """Started, and ``/ready`` answered 200 by ``ready_workers`` distinct processes (``/status.json``'s
-    pid, read with ``admin_token`` when the config has one); SIGTERM at exit. ``file_size_limit``:
+    pid, read with ``admin_token`` when the config has one; ``status_page=False``: ``/ready`` alone, for
+    one process whose status page does not answer); SIGTERM at exit. ``file_size_limit``:
     the largest file the process may write, in bytes (``RLIMIT_FSIZE``: a write past it fails with
     EFBIG, as one on a full disk fails with ENOSPC). ``read_only``: existing directories the process
     sees mounted read-only (a write there fails with EROFS, as on a file system the kernel remounted
@@ -68,7 +69,9 @@ async def gateway_process(path, port: int, *args: str, ready_workers: int = 1,
             async with asyncio.timeout(40):
                 while len(seen) < ready_workers:
                     with contextlib.suppress(aiohttp.ClientError, OSError):
-                        if (await get_new(port, "/ready"))[0] == 200:
+                        if (await get_new(port, "/ready"))[0] == 200 and not status_page:
+                            seen.add(0)
+                        elif (await get_new(port, "/ready"))[0] == 200:
                             status = await get_new(port, "/status.json", admin_token)
                             seen.add(status[1]["gateway"]["pid"])
                     await asyncio.sleep(0.05)

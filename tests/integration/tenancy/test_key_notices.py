@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 
-from tests.support.gateway_process import gateway_process, metric_total, post_new
+from tests.support.gateway_process import gateway_process, get_new, metric_total, post_new
 from tests.support.ports import listen_port
 from tests.support.tenancy import CHAT, KEYS
 from tests.support.waiting import wait_for
@@ -149,7 +149,7 @@ async def _refused_gauge(port: int, value: int) -> bool:
 async def test_a_gateway_started_with_a_stored_key_as_its_admin_token_refuses_that_token(
         sims, tmp_path, redis_server):
     """A replica started (or restarted) with an admin token that is a key the admin API stored keeps
-    serving, but its admin API refuses that token with a 403 naming the key and auth.admin_token
+    serving, but its admin API and its status page refuse that token with a 403 naming the key and auth.admin_token
     (every holder of the key would be an admin), counted in switchyard_admin_token_refused; the key
     stays a client's. Likewise on a running replica once another one, with another admin token,
     stores a key that is its token (which a key's creation refuses, but for one racing the reload)."""
@@ -166,8 +166,10 @@ async def test_a_gateway_started_with_a_stored_key_as_its_admin_token_refuses_th
     async with gateway_process(path_a, port_a, admin_token=ADMIN):
         status, _, created = await post_new(port_a, "/admin/keys", {"user": "dana", "key": key}, admin)
         assert status == 201, created
-        async with gateway_process(path_b, port_b, admin_token=key) as gateway_b:
+        async with gateway_process(path_b, port_b, status_page=False) as gateway_b:
             as_admin = {"Authorization": f"Bearer {key}"}
+            status, answer = await get_new(port_b, "/status.json", key)
+            assert status == 403 and created["id"] in answer["error"]["message"], answer
             for path, body in (("/admin/keys", {"user": "erin"}), ("/admin/reload", {})):
                 status, _, answer = await post_new(port_b, path, body, as_admin)
                 assert status == 403, (path, answer)
