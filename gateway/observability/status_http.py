@@ -118,6 +118,12 @@ class StatusPage:
         if not admin_token_valid(header_field(request.headers, "Authorization"), self.admin_digest):
             self.m.requests.labels("unauthorized").inc()
             raise _unauthorized("a valid admin token is required ('Authorization: Bearer <admin token>')")
+        tenancy = self.sources.tenancy
+        refusal = tenancy.admin_refusal() if tenancy is not None else None
+        if refusal is not None:         # the admin token is an API key the store holds, as /admin/* says
+            self.m.requests.labels("forbidden").inc()
+            refusal.headers.update(NO_STORE)
+            raise refusal
 
 
 def _unauthorized(message: str) -> GatewayError:

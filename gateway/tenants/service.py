@@ -131,8 +131,8 @@ class TenancyMetrics:
         self.admin_token_refused = Gauge(
             "switchyard_admin_token_refused",
             "1 while the admin token is an API key the admin API stored (a replica started with such a "
-            "token, or another replica stored the key): the admin API and POST /admin/reload refuse the "
-            "token with a 403 until auth.admin_token is changed", registry=r)
+            "token, or another replica stored the key): the admin API, POST /admin/reload and the status "
+            "page refuse the token with a 403 until auth.admin_token is changed", registry=r)
         self.latency = Histogram("switchyard_state_admit_seconds",
                                  "Time of the limit check (one Redis round trip with the Redis backend)",
                                  buckets=ROUTING_BUCKETS, registry=r)
@@ -347,7 +347,8 @@ class Tenancy:
                      key_id=before.id)
 
     def admin_refusal(self) -> GatewayError | None:
-        """The 403 of a request that carries the admin token while that token is a stored API key."""
+        """The 403 of a request that carries the admin token while that token is a stored API key
+        (/admin/*, POST /admin/reload, the status page); a new error each time."""
         rec = self.admin_clash
         if rec is None:
             return None
