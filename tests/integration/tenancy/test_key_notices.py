@@ -171,8 +171,9 @@ async def test_a_gateway_started_with_a_stored_key_as_its_admin_token_refuses_th
             status, answer = await get_new(port_b, "/status.json", key)
             assert status == 403 and created["id"] in answer["error"]["message"], answer
             for path, body in (("/admin/keys", {"user": "erin"}), ("/admin/reload", {})):
-                status, _, answer = await post_new(port_b, path, body, as_admin)
-                assert status == 403, (path, answer)
+                status, headers, answer = await post_new(port_b, path, body, as_admin)
+                assert status == 403 and answer["error"]["code"] == "admin_token_refused", (path, answer)
+                assert headers.get("Cache-Control") == "no-store", headers
                 assert created["id"] in answer["error"]["message"], answer
                 assert "auth.admin_token" in answer["error"]["message"], answer
             assert await _refused_gauge(port_b, 1)
