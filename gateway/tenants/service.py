@@ -268,6 +268,9 @@ class Tenancy:
             self.notices.start()
 
     async def stop(self) -> None:
+        if self._publishing is not None and not self._publishing.done():
+            self._publishing.cancel()           # before leave() takes this replica's token out
+            await asyncio.wait([self._publishing], timeout=max(1.0, self.cfg.timeout_s * 4))
         if self.notices is not None:
             await self.notices.stop()
         if self._sync_task is not None:
