@@ -1238,3 +1238,23 @@ async def _notices(gw) -> float:
         if line.startswith("switchyard_directory_notices_total "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+async def test_a_heartbeat_publishes_the_admin_token_and_drops_those_of_replicas_without_a_heartbeat(redis_server):
+    """P:admintokens holds the admin token (its SHA-256) of the replicas that heartbeat: a heartbeat
+    writes its own and takes out every other whose replica has none (gone past replica_ttl_s, or
+    left the shared state while a publication was on its way), and a replica that leaves takes its
+    own out."""
+    st = RedisState(StateConfig(redis_url=redis_server.url, timeout_s=0.5), replica_id="r1")
+    other = RedisState(StateConfig(redis_url=redis_server.url, timeout_s=0.5), replica_id="r2")
+    st.admin_digest, other.admin_digest = key_digest("token-one-0123456789"), key_digest("token-two-0123456789")
+    try:
+        await other.sync(None)
+        await st.client.hset(st.k_admin_tokens, "gone", key_digest("token-gone-0123456789"))
+        await st.sync(None)
+        assert await st.admin_digests() == {st.admin_digest, other.admin_digest}
+        await other.leave()
+        assert await st.admin_digests() == {st.admin_digest}
+    finally:
+        await other.stop()
+        await st.stop()
