@@ -32,7 +32,8 @@ whose mirror is a few versions behind reads only what changed since, not the who
 current at); ``P:dirnotes`` (a stream of the versions written, its last hundred or so: every process
 of every replica blocks reading it, ``gateway.tenants.notices``, and brings its mirror up to date as
 soon as a change is written); ``P:admintokens`` hash replica id → the SHA-256 of its admin token
-(each heartbeat writes it and drops those of replicas past ``replica_ttl_s``; a reload's at once),
+(each heartbeat writes it and drops those of replicas without a heartbeat younger than
+``replica_ttl_s``; a reload's at once),
 which ``POST /admin/keys`` refuses as a key.
 
 On a Redis Cluster every one of these keys carries the hash tag ``{P}`` (``{P}:rpm:<user>``...),
@@ -192,10 +193,10 @@ local last = redis.call('ZSCORE', KEYS[1], rid)
 local lost = 0
 if not last or tonumber(last) < now - ttl then lost = 1 end
 redis.call('ZADD', KEYS[1], now, rid)
-for _, r in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - ttl)) do
-  redis.call('HDEL', KEYS[4], r)
-end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
+for _, r in ipairs(redis.call('HKEYS', KEYS[4])) do
+  if not redis.call('ZSCORE', KEYS[1], r) then redis.call('HDEL', KEYS[4], r) end
+end
 redis.call('PEXPIRE', KEYS[1], 86400000)
 if ARGV[5] ~= '' then
   redis.call('HSET', KEYS[4], rid, ARGV[5])
