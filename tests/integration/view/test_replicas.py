@@ -526,6 +526,11 @@ async def test_a_session_whose_engine_another_replica_loaded_moves_counted_overl
         pages = [(await get_new(p, "/metrics"))[1] for p in (pa, pb)]
         return sum(metric_total(page, "switchyard_routing_session_total", outcome=outcome) for page in pages)
 
+    async def from_replicas(port: int) -> float:
+        """The session facts the gateway on ``port`` applied from other replicas, its workers summed."""
+        return metric_total((await get_new(port, "/metrics"))[1], "switchyard_view_facts_applied_total",
+                            source="replica", kind="session")
+
     stuck: list[asyncio.Task] = []
     try:
         async with gateway_process(tmp_path / "a.yaml", pa, "--workers", "2", ready_workers=2), \
@@ -540,8 +545,11 @@ async def test_a_session_whose_engine_another_replica_loaded_moves_counted_overl
                 "model": "m", "messages": [{"role": "user", "content": f"hold {i}"}], "max_tokens": 2}, pin))
                 for i in range(4)]
             await until(lambda: _equals(remote(pb, holder), {4}), timeout=20)
+            heard = await from_replicas(pa)
             moved = await turn(1, "And train 3?")
             assert moved != holder
+            # a's two workers hear from b where the conversation went before a routes a turn of it
+            await until(lambda: _at_least(from_replicas(pa), heard + 2), timeout=20)
             assert (await counted("overloaded"), await counted("kept")) == (1, 2)
             for t in stuck:
                 t.cancel()
@@ -558,6 +566,10 @@ async def test_a_session_whose_engine_another_replica_loaded_moves_counted_overl
 
 async def _equals(value, expected) -> bool:
     return await value == expected
+
+
+async def _at_least(value, least: float) -> bool:
+    return await value >= least
 
 
 @pytest.mark.timeout(120)
