@@ -122,6 +122,10 @@ class Admission:
         self._thresholds: dict[str, Thresholds] = {}
         self._by_class: dict[str, list[Thresholds]] = {}      # per class: its share of the engine queue
         self.engine_signals = config.scrape.enabled
+        # whether any model's admission writes its class into the body (``engine_priority``): when
+        # none does, the pipeline asks nothing of a request once it is admitted
+        self.writes_priority = config.admission.engine_priority is not None or any(
+            m.admission is not None and m.admission.engine_priority is not None for m in config.models)
         for model in list(self._models):
             # read again now, not at the model's next request: a scrape before it must re-base its
             # endpoints (``on_endpoint``) with the gateway's load at that scrape

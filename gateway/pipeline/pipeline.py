@@ -310,8 +310,8 @@ class Pipeline:
         checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
         self._objectives(ireq, rec, slo)
         candidates = await self.admission.admit(ctx, candidates, router.chooses_pairs)
-        value = self.admission.engine_priority(ctx)     # the class, in the engine's queue order
-        if value is not None:
+        value = self.admission.engine_priority(ctx) if self.admission.writes_priority else None
+        if value is not None:                   # the class, in the engine's queue order
             ireq.priority_header = False        # vLLM would read a client's header over the value
             if ireq.data.get("priority") != value:
                 data = {**ireq.data, "priority": value}
