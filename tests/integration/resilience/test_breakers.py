@@ -197,8 +197,11 @@ async def test_pd_pair_choice_skips_an_open_endpoint_on_either_side(sims, gatewa
     rs[side] = [sick.url, good[side].url]
     gw = await gateway([{"name": "m", "engine": "vllm", "rolesets": [rs]}], health={"interval_s": 60},
                        breaker={"consecutive_faults": 2, "max_ejection_percent": 50})
-    for _ in range(8):
-        await post(gw.url, body())
+    ep = next(e for e in gw.gw.pool.endpoints("m") if e.url == sick.url)
+    for _ in range(40):     # two 500s in a row open the sick one's breaker: pd picks at random between
+        await post(gw.url, body())      # equal endpoints, so how many tries that takes is chance
+        if not ep.ready:
+            break
     assert state_of(await gw.metrics_text(), sick.url) == 1
     started = (await sim_state(sick.url))["counts"]["started"]
     for _ in range(6):
