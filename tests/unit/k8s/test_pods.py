@@ -60,6 +60,11 @@ def test_ipv6_pod_ip_is_bracketed():
     (pod(labels={}), "no model.aibrix.ai/name"),
     (pod(labels={**M, "model.aibrix.ai/port": "http"}), "must be a port number"),
     (pod(labels={**M, "model.aibrix.ai/port": "70000"}), "must be a port number"),
+    # Python's int() reads these as 8000; the API's other readers (Go's strconv) refuse them
+    (pod(labels={**M, "model.aibrix.ai/port": "8_000"}), "must be a port number"),
+    (pod(labels={**M, "model.aibrix.ai/port": "+8000"}), "must be a port number"),
+    (pod(labels={**M, "model.aibrix.ai/metric-port": "\u0668\u0660\u0660\u0660"}), "must be a port number"),
+    (pod(labels=M, annotations={"model.aibrix.ai/sglang-bootstrap-port": "8_998"}), "must be a port number"),
     (pod(labels={**M, "model.aibrix.ai/engine": "trtllm"}), "not supported"),
     (pod(labels={**M, "stormservice.orchestration.aibrix.ai/pod-group-index": "1"}), "pod-group-index"),
     (pod(labels={**M, "ray.io/node-type": "worker"}), "Ray worker"),
