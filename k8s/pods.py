@@ -112,10 +112,14 @@ def _is_address(value: Any) -> bool:
 
 
 def _port(value: Any, what: str) -> int:
-    try:
-        port = int(str(value).strip())
-    except ValueError:
-        raise ValueError(f"{what} must be a port number, got {value!r}") from None
+    """A port written in ASCII digits only: Python's ``int()`` also takes ``8_000``, ``+8000`` and
+    other scripts' digits, which the cluster's other readers of the same label (Go's ``strconv``)
+    refuse, so a pod would be served here on a port nothing else agrees it has."""
+    text = value if isinstance(value, str) else str(value) if isinstance(value, int) else ""
+    text = text.strip()
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(f"{what} must be a port number, got {value!r}")
+    port = int(text)
     if not 0 < port < 65536:
         raise ValueError(f"{what} must be a port number, got {value!r}")
     return port
