@@ -336,3 +336,30 @@ async def test_a_batch_line_reaches_the_engine_with_its_integers_and_nesting(sim
     got = sorted(sent, key=len)
     assert json.loads(got[0])["vllm_xargs"] == json.loads(XARGS)
     assert deep.encode() in got[1]
+
+
+async def test_a_batch_lines_integers_are_its_bodys_not_those_around_it(sims, gateway, tmp_path):
+    """The digits a batch line's body reaches the engine with are its body's own: an integer past
+    64 bits elsewhere in the line (a key of its own beside ``body``, or the ``stream_options`` the
+    line's body loses), read as the same double as one of the body's, does not take that one's
+    place."""
+    sim = await sims("vllm", "m")
+    sent: list[bytes] = []
+    xargs = f'"vllm_xargs": {{"big": {BIG}}}'
+    streamed = f', "stream": true, "stream_options": {{"include_usage": true, "n": {BIG + 2}}}'
+    line = '"custom_id": "c{}", "method": "POST", "url": "/v1/chat/completions", "body": '
+    rows = [f'{{"row": {BIG + 1}, {line.format(0)}{raw_body(xargs).decode()}}}',
+            f'{{{line.format(1)}{raw_body(xargs, stream=streamed).decode()}}}']
+    async with fake_engine(recording_relay(sim.url, sent)) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], scrape={"enabled": False},
+                           batch={"enabled": True, "dir": str(tmp_path / "batch"), "poll_interval_s": 0.05,
+                                  "retry_backoff_s": 0.05})
+        c = openai_client(gw)
+        f = await c.files.create(file=("in.jsonl", "\n".join(rows).encode() + b"\n"), purpose="batch")
+        b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        b = await run_to_end(c, b.id)
+        assert b.status == "completed" and b.request_counts.completed == 2, b
+    assert len(sent) == 2
+    for raw in sent:
+        body = json.loads(raw)
+        assert body["vllm_xargs"] == {"big": BIG} and "stream" not in body and "stream_options" not in body, raw
