@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import json
 import math
 import os
 import secrets
@@ -71,6 +72,7 @@ log = structlog.get_logger("switchyard.batch")
 Submit = Callable[[LineRequest], Awaitable[Any]]
 RETRY_STATUSES = frozenset({408, 500, 502, 503, 504})
 MAX_BACKOFF_S = 30.0
+DROPPED = ("stream", "stream_options")     # a batch line's body loses them: its answer is one body
 FLUSH_LINES = 256
 HELD_BACK = 1024       # lines of models without room a dispatch steps over to reach other models
 IDLE_MODELS = 4096     # models remembered as unable to run a line (for the log at the wait's end)
@@ -761,15 +763,15 @@ class BatchRunner:
 
     async def _run_line(self, job: _Job, line: Line, attempts: int, model: str, rid: str) -> None:
         body = dict(line.body)
-        body.pop("stream", None)            # a batch line's answer is one body
-        body.pop("stream_options", None)
+        for key in DROPPED:                 # a batch line's answer is one body
+            body.pop(key, None)
         headers = {"content-type": "application/json", "x-priority": "sheddable", "x-request-id": rid}
         if job.owner:
             headers["user"] = job.owner
         retry_after: float | None = None
         unreached = unready = False
         try:        # the body made in here too: a line whose request cannot be made is answered, never lost
-            req = LineRequest(line.url, body_bytes(body, line.raw), headers, {},
+            req = LineRequest(line.url, body_bytes(body, _digits_of(line.raw)), headers, {},
                               log_fields={"batch_id": job.id, "custom_id": line.custom_id},
                               acting_for=job.owner or None)
             self._requests[rid] = req
@@ -860,6 +862,23 @@ class BatchRunner:
                 doc = await self.db.run(BatchStore.record, job.id, results)
                 if doc is not None:
                     job.doc["request_counts"] = doc["request_counts"]
+
+
+def _digits_of(raw: bytes) -> bytes:
+    """What a line's re-encoded body takes its integers past 64 bits from (``body_bytes``): its
+    body alone, less the keys a line's body loses, as Python's json writes it (an integer with its
+    digits), so that no integer elsewhere in the line (a key of the line's own beside ``body``, a
+    dropped ``stream_options``) read as the same double takes the place of one of the body's.
+    Empty for a line that holds no such integer (``raw`` empty)."""
+    if not raw:
+        return b""
+    try:
+        body = json.loads(raw)["body"]
+        for key in DROPPED:
+            body.pop(key, None)
+        return json.dumps(body, ensure_ascii=False).encode()
+    except (RecursionError, ValueError):     # nested deeper than Python's json goes: the whole line, as before
+        return raw
 
 
 def _body_of(resp: Any) -> bytes:
