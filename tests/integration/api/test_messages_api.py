@@ -263,6 +263,31 @@ async def test_stop_sequences_that_are_not_a_list_of_strings_are_refused_before_
     assert msg.stop_reason == "max_tokens"
 
 
+async def test_a_boolean_for_a_number_is_refused_before_routing(fleet):
+    """Anthropic refuses a boolean where its API takes an integer (``max_tokens``, ``top_k``,
+    ``thinking.budget_tokens``) or a number (``temperature``, ``top_p``) with a 400; the engine's
+    lax reading takes ``true`` as 1, so the gateway refuses it first, on either engine."""
+    gw, (v1, v2, s1) = fleet
+    c = anthropic_client(gw)
+    thinking = {"type": "enabled", "budget_tokens": True}
+    for model in ("llama", "qwen"):
+        for kw, message in (({"max_tokens": True}, "max_tokens: Input should be a valid integer"),
+                            ({"max_tokens": 4, "extra_body": {"top_k": False}}, "top_k: Input should be a valid integer"),
+                            ({"max_tokens": 2048, "thinking": thinking},
+                             "thinking.budget_tokens: Input should be a valid integer"),
+                            ({"max_tokens": 4, "extra_body": {"temperature": True}},
+                             "temperature: Input should be a valid number"),
+                            ({"max_tokens": 4, "extra_body": {"top_p": True}}, "top_p: Input should be a valid number")):
+            with pytest.raises(anthropic.BadRequestError) as ei:
+                await c.messages.create(model=model, messages=MSGS, **kw)
+            assert ei.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+    for sim in (v1, v2, s1):
+        assert not [r for r in (await sim_state(sim.url))["received"] if r["path"] == "/v1/messages"]
+    msg = await c.messages.create(model="llama", max_tokens=4, messages=MSGS,
+                                  extra_body={"top_k": 5, "temperature": 1, "top_p": 0.9})
+    assert msg.stop_reason == "max_tokens"
+
+
 async def test_a_system_block_that_is_not_text_is_refused_before_routing(fleet):
     """Anthropic's ``system`` is a string or a list of text blocks; an image or a document there is
     a 400 naming the block, as Anthropic answers, not a prompt the engine renders without it."""
