@@ -288,6 +288,25 @@ async def test_a_boolean_for_a_number_is_refused_before_routing(fleet):
     assert msg.stop_reason == "max_tokens"
 
 
+async def test_a_system_role_in_messages_is_refused_before_routing(fleet):
+    """Anthropic's messages are the user's and the assistant's; the system prompt is the top-level
+    ``system``. A message of role ``system`` (or any other) is Anthropic's 400, on both paths and
+    either engine, not a request one engine takes and the other refuses."""
+    gw, (v1, v2, s1) = fleet
+    c = anthropic_client(gw)
+    for model in ("llama", "qwen"):
+        for role in ("system", "tool"):
+            messages = [{"role": role, "content": "Be brief."}, *MSGS]
+            for call in (c.messages.create, c.messages.count_tokens):
+                kw = {"max_tokens": 4} if call == c.messages.create else {}
+                with pytest.raises(anthropic.BadRequestError) as ei:
+                    await call(model=model, messages=messages, **kw)
+                assert ei.value.body == {"type": "error", "error": {
+                    "type": "invalid_request_error", "message": "messages.0.role: Input should be 'user' or 'assistant'"}}
+    for sim in (v1, v2, s1):
+        assert not [r for r in (await sim_state(sim.url))["received"] if r["path"].startswith("/v1/messages")]
+
+
 async def test_a_system_block_that_is_not_text_is_refused_before_routing(fleet):
     """Anthropic's ``system`` is a string or a list of text blocks; an image or a document there is
     a 400 naming the block, as Anthropic answers, not a prompt the engine renders without it."""
