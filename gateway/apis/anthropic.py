@@ -8,7 +8,7 @@ says which engine serves which path), through the same pipeline as chat. What di
   The prefix the router hashes is the system prompt followed by the messages, as the engine's
   chat template renders them in that order. ``metadata.user_id`` names the user when no ``user``
   header does. What Anthropic's API refuses and the engine would take is refused here too: a
-  ``temperature`` outside 0.0 to 1.0, ``stop_sequences`` that are not a list of strings, a custom tool without a ``name`` or an ``input_schema`` object. The body is forwarded unchanged: the usage of a stream always arrives (in
+  ``temperature`` outside 0.0 to 1.0, ``stop_sequences`` that are not a list of strings, a custom tool without a ``name`` or an ``input_schema`` object, a boolean for an integer or a number (``max_tokens``, ``top_k``, ``temperature``, ``top_p``, ``thinking.budget_tokens``). The body is forwarded unchanged: the usage of a stream always arrives (in
   ``message_start`` and ``message_delta``), so nothing has to be asked for.
 - **Errors.** Before headers: ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's
   error types for the status (``invalid_request_error``, ``not_found_error``,
@@ -201,6 +201,15 @@ def _tool_result_text(content: Any, media: list[bool]) -> str:
     return "\n".join(texts)
 
 
+def _check_not_bool(data: dict[str, Any], keys: tuple[str, ...], kind: str, where: str = "") -> None:
+    """Anthropic refuses a boolean for an integer or a number field; the engine reads its request
+    in pydantic's lax mode, which takes ``true`` as 1, so the gateway refuses it first."""
+    for key in keys:
+        v = data.get(key)
+        if v is True or v is False:
+            raise _bad(f"{where}{key}: Input should be a valid {kind}")
+
+
 def _check_temperature(v: Any) -> None:
     """``temperature``: a number, not negative. Anthropic documents 0.0 to 1.0, but the engine
     behind this API samples at any temperature that is not negative (vLLM's Messages request takes
@@ -280,6 +289,8 @@ class AnthropicApi(EngineSpecificApi):
             mt = data.get("max_tokens")
             if mt is None:
                 raise _bad("max_tokens: Field required")
+            _check_not_bool(data, ("max_tokens", "top_k"), "integer")
+            _check_not_bool(data, ("temperature", "top_p"), "number")
             if type(mt) is not int:
                 try:
                     mt = data["max_tokens"] = lax_int(mt)
@@ -293,6 +304,9 @@ class AnthropicApi(EngineSpecificApi):
             stops = data.get("stop_sequences")
             if stops is not None:
                 _check_stop_sequences(stops)
+        thinking = data.get("thinking")
+        if isinstance(thinking, dict):
+            _check_not_bool(thinking, ("budget_tokens",), "integer", "thinking.")
         tools = data.get("tools")
         if tools is not None:
             _check_tools(tools)
