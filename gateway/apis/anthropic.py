@@ -8,7 +8,8 @@ says which engine serves which path), through the same pipeline as chat. What di
   The prefix the router hashes is the system prompt followed by the messages, as the engine's
   chat template renders them in that order. ``metadata.user_id`` names the user when no ``user``
   header does. What Anthropic's API refuses and the engine would take is refused here too: a
-  ``temperature`` outside 0.0 to 1.0, ``stop_sequences`` that are not a list of strings, a custom tool without a ``name`` or an ``input_schema`` object, a boolean for an integer or a number (``max_tokens``, ``top_k``, ``temperature``, ``top_p``, ``thinking.budget_tokens``). The body is forwarded unchanged: the usage of a stream always arrives (in
+  ``temperature`` outside 0.0 to 1.0, ``stop_sequences`` that are not a list of strings, a custom tool without a ``name`` or an ``input_schema`` object, a message whose role is
+  not user or assistant (Claude Code's ``ctx`` and ``msg`` go on: vLLM reads them as user), a boolean for an integer or a number (``max_tokens``, ``top_k``, ``temperature``, ``top_p``, ``thinking.budget_tokens``). The body is forwarded unchanged: the usage of a stream always arrives (in
   ``message_start`` and ``message_delta``), so nothing has to be asked for.
 - **Errors.** Before headers: ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's
   error types for the status (``invalid_request_error``, ``not_found_error``,
@@ -201,6 +202,11 @@ def _tool_result_text(content: Any, media: list[bool]) -> str:
     return "\n".join(texts)
 
 
+# a message's roles: Anthropic's user and assistant, and Claude Code's ``ctx`` and ``msg``, which
+# vLLM reads as user (SGLang refuses them: its answer)
+_ROLES = frozenset(("user", "assistant", "ctx", "msg"))
+
+
 def _check_not_bool(data: dict[str, Any], keys: tuple[str, ...], kind: str, where: str = "") -> None:
     """Anthropic refuses a boolean for an integer or a number field; the engine reads its request
     in pydantic's lax mode, which takes ``true`` as 1, so the gateway refuses it first."""
@@ -324,12 +330,16 @@ class AnthropicApi(EngineSpecificApi):
             if not isinstance(msg, dict):
                 raise _bad(f"messages.{i}: Input should be a valid dictionary")
             role = msg.get("role")
-            if not isinstance(role, str):
-                raise _bad(f"messages.{i}.role: " + ("Field required" if role is None else "Input should be a valid string"))
+            if role is None:
+                raise _bad(f"messages.{i}.role: Field required")
+            if not isinstance(role, str) or role not in _ROLES:
+                # the system prompt is the top-level ``system``: Anthropic refuses a message of another
+                # role, where vLLM renders a ``system`` one into its system prompt and SGLang refuses it
+                raise _bad(f"messages.{i}.role: Input should be 'user' or 'assistant'")
             if "content" not in msg:
                 raise _bad(f"messages.{i}.content: Field required")
             parts.append(role)
-            parts.append(_blocks_text(msg["content"], f"messages.{i}.content", media, system=role == "system"))
+            parts.append(_blocks_text(msg["content"], f"messages.{i}.content", media))
         prompt_text = "\n".join(parts)
         user, session_id, session_key = caller_headers(headers)
         meta = data.get("metadata")

@@ -305,6 +305,9 @@ async def test_a_system_role_in_messages_is_refused_before_routing(fleet):
                     "type": "invalid_request_error", "message": "messages.0.role: Input should be 'user' or 'assistant'"}}
     for sim in (v1, v2, s1):
         assert not [r for r in (await sim_state(sim.url))["received"] if r["path"].startswith("/v1/messages")]
+    # Claude Code's ctx and msg roles go on: vLLM reads them as user
+    msg = await c.messages.create(model="llama", max_tokens=4, messages=[{"role": "ctx", "content": "Be brief."}, *MSGS])
+    assert msg.stop_reason == "max_tokens"
 
 
 async def test_a_system_block_that_is_not_text_is_refused_before_routing(fleet):
