@@ -206,6 +206,25 @@ async def test_an_engines_busy_answer_is_anthropics_529_overloaded_error(fleet):
     assert not metric(text, "switchyard_upstream_errors_total", error_class="status_529")
 
 
+async def test_an_engines_529_without_retry_after_gets_the_gateways_wait(fleet):
+    """An engine (or an Anthropic-compatible server) answering 529, overload, with no Retry-After
+    gets the one its 503 gets, as every overload answer of the gateway names a wait: 5 seconds, so
+    an SDK's retry waits as long as after the gateway's own 529, not its shortest backoff."""
+    gw, _ = fleet
+    c = anthropic_client(gw)
+    for model in ("llama", "qwen"):
+        for stream in (False, True):
+            with pytest.raises(anthropic.OverloadedError) as ei:
+                await c.messages.create(model=model, max_tokens=4, messages=MSGS, stream=stream,
+                                        extra_headers={"x-sim-fault": "status=529"})
+            assert ei.value.status_code == 529 and ei.value.body["error"]["type"] == "overloaded_error"
+            assert ei.value.response.headers.get("Retry-After") == "5"
+    chat = {"model": "llama", "max_tokens": 4, "messages": MSGS}
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=chat,
+                                                    headers={"x-sim-fault": "status=529"}) as r:
+        assert r.status == 529 and r.headers.get("Retry-After") == "5"
+
+
 async def test_the_gateways_own_sheds_are_anthropics_529_overloaded_error(fleet):
     """Anthropic answers overload with 529 ``overloaded_error`` (the SDK's ``OverloadedError``, which
     it retries): a model with no ready endpoint (every breaker open) and a gateway draining are
