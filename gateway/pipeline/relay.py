@@ -39,9 +39,10 @@ from gateway.upstream.upstream import engine_key_refused, key_refused_error, too
 from handlers.base import EngineAdapter
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-# the Retry-After of an engine's 429 or 503 relayed without one, in seconds: a full queue drains in
-# about a second; an engine unavailable waits as long as the gateway's own 503s say
-ENGINE_RETRY_AFTER = {429: "1", 503: "5"}
+# the Retry-After of an engine's 429, 503 or 529 relayed without one, in seconds: a full queue drains
+# in about a second; an engine unavailable or overloaded (529, Anthropic's overload, which an
+# Anthropic-compatible server may answer) waits as long as the gateway's own 503s and 529s say
+ENGINE_RETRY_AFTER = {429: "1", 503: "5", 529: "5"}
 SSE_TYPE = "text/event-stream; charset=utf-8"
 
 
@@ -584,7 +585,7 @@ class Relay:
         self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, f"status_{resp.status}").inc()
         if "Retry-After" in resp.headers:
             headers["Retry-After"] = resp.headers["Retry-After"]
-        elif resp.status in (429, 503):     # the engine named no wait: every 429 and 503 names one
+        elif resp.status in ENGINE_RETRY_AFTER:     # the engine named no wait: every 429, 503 and 529 names one
             headers["Retry-After"] = ENGINE_RETRY_AFTER[resp.status]
         if ctx.pd_plan is not None:     # a P/D decode leg's answer: which leg failed, as a prefill's says
             headers["x-error-pd-decode"] = "http_status"
