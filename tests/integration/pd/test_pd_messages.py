@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import aiohttp.web
 import anthropic
 import orjson
 import pytest
 
 from tests.support.factories import pd_model, pd_pair, roleset
+from tests.support.fake_engine import fake_engine
 from tests.support.http import anthropic_client, post, sim_state, sse_frames
 from tests.support.waiting import wait_for
 
@@ -219,8 +221,18 @@ async def test_a_prefill_failure_reaches_the_sdk_as_its_error_class(sims, gatewa
         else:
             await c.messages.create(**kw)
 
+    # the prefill engine overloaded (503, or 529): Anthropic's overload, a 529 the SDK retries, with
+    # the wait an unsplit engine's 503 gets when the engine named none
+    for status in (503, 529):
+        with pytest.raises(anthropic.OverloadedError) as ei:
+            await ask(f"prefill.status={status}")
+        e = ei.value
+        assert e.status_code == 529 and e.response.headers["x-error-pd-prefill"] == "http_status"
+        assert e.body["type"] == "error" and e.body["error"]["type"] == "overloaded_error", e.body
+        assert f"Simulated fault: HTTP {status}" in e.body["error"]["message"]
+        assert e.response.headers["Retry-After"] == "5"
     with pytest.raises(anthropic.InternalServerError) as ei:
-        await ask("prefill.status=503")
+        await ask("prefill.status=500")
     e = ei.value
     assert e.status_code == 502 and e.response.headers["x-error-pd-prefill"] == "http_status"
     assert e.body["type"] == "error" and e.body["error"]["type"] == "api_error", e.body
@@ -228,9 +240,34 @@ async def test_a_prefill_failure_reaches_the_sdk_as_its_error_class(sims, gatewa
         await ask("prefill.status=400")
     assert ei.value.body["error"]["type"] == "invalid_request_error", ei.value.body
     assert ei.value.response.headers["x-error-pd-prefill"] == "http_status"
+    # on chat the prefill's 503 stays the pair's 502 (docs/pd.md)
+    chat = {"model": "m", "max_tokens": 4, "messages": MSGS}
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=chat,
+                                                    headers={"x-sim-fault": "prefill.status=503"}) as r:
+        assert r.status == 502 and r.headers["x-error-pd-prefill"] == "http_status"
     assert (await sim_state(d.url))["counts"]["started"] == 0          # no decode leg at all
-    assert 'switchyard_pd_prefill_failures_total{failure_class="http_status",model="m",stage="before_response"} 2.0' \
-        in await gw.metrics_text()
+    text = await gw.metrics_text()
+    assert 'switchyard_pd_prefill_failures_total{failure_class="http_status",model="m",stage="before_response"} 5.0' \
+        in text
+    assert 'switchyard_path_requests_total{path="/v1/messages",status="529"} 2.0' in text
+
+
+async def test_a_prefills_retry_after_reaches_the_sdk_with_its_overload(sims, gateway):
+    """A prefill engine that answers 503 with its own Retry-After: the Messages client's 529 carries it."""
+    async def busy(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        await request.read()
+        return aiohttp.web.json_response({"error": {"message": "the queue is full", "type": "overloaded_error"}},
+                                         status=503, headers={"Retry-After": "7"})
+
+    d = await sims("vllm", "m", role="decode")
+    async with fake_engine(busy, paths=(MESSAGES,)) as prefill:
+        gw = await gateway([pd_model("vllm", [{"name": "rs-1", "prefill": [prefill], "decode": [d.url]}])])
+        c = anthropic_client(gw)
+        with pytest.raises(anthropic.OverloadedError) as ei:
+            await c.messages.create(model="m", max_tokens=4, messages=MSGS)
+    e = ei.value
+    assert e.status_code == 529 and e.response.headers["Retry-After"] == "7"
+    assert e.body["error"]["type"] == "overloaded_error" and "the queue is full" in e.body["error"]["message"]
 
 
 async def test_a_decode_failure_after_headers_is_one_anthropic_error_event(sims, gateway):
