@@ -214,6 +214,10 @@ class GatewayError(Exception):
     log line names it)."""
 
     model: str | None = None
+    # an engine's overload the gateway answers with a status of its own (a P/D prefill's 503, the
+    # pair's 502): the wait to name (its Retry-After, else the gateway's) on an API that answers
+    # overload with a status of its own (Anthropic's 529)
+    overload_retry_after: str | None = None
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: Any = None,
                  type_: str | None = None, header: tuple[str, str] | None = None,

@@ -39,7 +39,14 @@ from gateway.errors import ErrorClass, GatewayError, normalize_upstream_error
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import Leg
 from gateway.pipeline.context import RequestContext
-from gateway.pipeline.relay import FirstBytesFailed, HeadAhead, Relay, read_error_body, watchdog_fired
+from gateway.pipeline.relay import (
+    ENGINE_RETRY_AFTER,
+    FirstBytesFailed,
+    HeadAhead,
+    Relay,
+    read_error_body,
+    watchdog_fired,
+)
 from gateway.resilience.outcome import Outcome, event_status, key_refused, of_status, unsupported_event
 from gateway.resilience.retry import Retries
 from gateway.upstream.h1client import Exchange, SendState, UpstreamError, UpstreamResponse
@@ -64,7 +71,8 @@ class PrefillFailed(Exception):
     (``connect`` for a refused connection) when there was one."""
 
     def __init__(self, failure_class: str, message: str, status: int | None = None, kind: str = "",
-                 retryable: bool = False, refusal: dict[str, Any] | None = None) -> None:
+                 retryable: bool = False, refusal: dict[str, Any] | None = None,
+                 retry_after: str | None = None) -> None:
         super().__init__(message)
         self.failure_class = failure_class
         self.message = message
@@ -74,6 +82,7 @@ class PrefillFailed(Exception):
         # the engine's client error (``status`` a 4xx other than backpressure, or 501), normalized:
         # the request's own fault, answered as the engine answered it
         self.refusal = refusal
+        self.retry_after = retry_after  # the engine's Retry-After, on its answer of ``status``
 
     def client_error(self, prefill: Endpoint) -> GatewayError:
         if self.refusal is not None and self.status is not None:
@@ -91,7 +100,16 @@ class PrefillFailed(Exception):
             kw["headers"] = {"Retry-After": "5"}
         if self.retryable:
             return PairFailed(status, message, endpoint=prefill, cause=f"prefill_{self.kind}", **kw)
-        return GatewayError(status, message, **kw)
+        e = GatewayError(status, message, **kw)
+        if self.failure_class == "http_status" and self.status in _OVERLOAD_STATUSES:
+            # the prefill's engine overloaded: the pair's 502 here, overload where an API answers it
+            # with its own status (Anthropic's 529), with the wait an aggregated engine's 503 names
+            e.overload_retry_after = self.retry_after or ENGINE_RETRY_AFTER[self.status]
+        return e
+
+
+# an engine's statuses of overload (its 503, Anthropic's 529)
+_OVERLOAD_STATUSES = frozenset((503, 529))
 
 
 class PairFailed(GatewayError):
@@ -200,7 +218,7 @@ class PDOrchestrator:
                     else:
                         leg = ctx.trace.leg("decode", decode)
                         decode_x = self.upstream.begin(decode, ireq.path, body, leg.inject(headers), once=True)
-                self._prefill_answered(ctx, pleg, status, raw, prefill_start, prefill_end)
+                self._prefill_answered(ctx, pleg, x, status, raw, prefill_start, prefill_end)
             if bad is not None:
                 raise PrefillFailed("bad_response", str(bad))
         except PrefillFailed as f:
@@ -331,7 +349,7 @@ class PDOrchestrator:
             try:
                 with pleg:
                     status, raw, end = await self._prefill_answer(ctx, prefill_x, prefill_start)
-                    self._prefill_answered(ctx, pleg, status, raw, prefill_start, end)
+                    self._prefill_answered(ctx, pleg, prefill_x, status, raw, prefill_start, end)
                 prefill_end.append(end)
             finally:
                 ctx.charges.prefill_done()
@@ -457,10 +475,10 @@ class PDOrchestrator:
                                 retryable=f.retryable) from None
         return status, raw, time.perf_counter()
 
-    def _prefill_answered(self, ctx: RequestContext, leg: Leg, status: int, raw: bytes, start: float,
+    def _prefill_answered(self, ctx: RequestContext, leg: Leg, x: Exchange, status: int, raw: bytes, start: float,
                           end: float) -> None:
         """Account a prefill's answer (breaker, trace, metrics, log fields); ``PrefillFailed``
-        unless it is a 200."""
+        unless it is a 200 (with the Retry-After of ``x``'s answer)."""
         assert ctx.decision is not None and ctx.decision.prefill is not None
         rec = ctx.rec
         rec.extra["prefill_ms"] = round((end - start) * 1000, 3)
@@ -478,7 +496,8 @@ class PDOrchestrator:
         if status != 200:
             _, err = normalize_upstream_error(status, raw)
             raise PrefillFailed("http_status", f"status {status}: {err['error']['message']}", status,
-                                refusal=err["error"] if outcome is Outcome.CLIENT_ERROR else None)
+                                refusal=err["error"] if outcome is Outcome.CLIENT_ERROR else None,
+                                retry_after=x.resp.headers.get("Retry-After") if x.resp is not None else None)
 
     def _decode_error(self, ctx: RequestContext, f: UpstreamFailure, limit: float | None) -> GatewayError:
         if f.kind == "timeout":     # the watchdog: no answer from the decode in time
