@@ -8,8 +8,12 @@ says which engine serves which path), through the same pipeline as chat. What di
   The prefix the router hashes is the system prompt followed by the messages, as the engine's
   chat template renders them in that order. ``metadata.user_id`` names the user when no ``user``
   header does. What Anthropic's API refuses and the engine would take is refused here too: a
-  ``temperature`` outside 0.0 to 1.0, ``stop_sequences`` that are not a list of strings, a custom tool without a ``name`` or an ``input_schema`` object, a message whose role is
-  not user or assistant (Claude Code's ``ctx`` and ``msg`` go on: vLLM reads them as user), a boolean for an integer or a number (``max_tokens``, ``top_k``, ``temperature``, ``top_p``, ``thinking.budget_tokens``). The body is forwarded unchanged: the usage of a stream always arrives (in
+  negative ``temperature`` (one above 1.0 goes on, as vLLM samples at it), ``stop_sequences`` that
+  are not a list of strings, a custom tool without a ``name`` or an ``input_schema`` object, a
+  message whose role is not user or assistant (Claude Code's ``ctx`` and ``msg`` go on: vLLM
+  reads them as user), a boolean for an integer or a number (``max_tokens``, ``top_k``,
+  ``temperature``, ``top_p``, ``thinking.budget_tokens``). The body is forwarded unchanged: the
+  usage of a stream always arrives (in
   ``message_start`` and ``message_delta``), so nothing has to be asked for.
 - **Errors.** Before headers: ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's
   error types for the status (``invalid_request_error``, ``not_found_error``,
