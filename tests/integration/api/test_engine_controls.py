@@ -188,3 +188,44 @@ async def test_engine_priority_wins_over_a_client_priority_the_operator_lets_thr
     assert r.status == 200, r.body
     got = [x for x in (await sim_state(v.url))["received"] if x["path"] == CHAT]
     assert len(got) == 1 and got[0]["body"]["priority"] == 0 and "vllm_priority" not in got[0], got
+
+
+async def test_a_clients_logits_processors_do_not_reach_the_engine_unless_allowed(sims, gateway):
+    """SGLang started with ``--enable-custom-logit-processor`` runs a request's
+    ``custom_logit_processor``, a serialized Python callable: code of the client's choosing on the
+    GPU host. vLLM loads the classes a request's ``logits_processors`` names when its
+    ``--logits-processor-pattern`` matches them. Both are dropped, counted and logged; a tenant's
+    request cannot run code in an engine other tenants share. ``upstream.client_logits_processors:
+    true`` passes them."""
+    v = await sims("vllm", "m")
+    s = await sims("sglang", "qwen")
+    gw = await gateway([model_block("m", "vllm", [v.url]), model_block("qwen", "sglang", [s.url])])
+    with gw.gw.request_log.capture() as logs:
+        r = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2, "logits_processors": ["os.system"]})
+        assert r.status == 200, r.body
+        r = await post(gw, {"model": "m", "prompt": "hi", "max_tokens": 2, "stream": True,
+                            "logits_processors": [{"qualname": "m.P", "args": [1]}]}, path=COMPLETIONS)
+        assert r.status == 200, r.body
+        for path, body in ((CHAT, {"messages": MSG}), (COMPLETIONS, {"prompt": "hi"})):
+            r = await post(gw, {"model": "qwen", **body, "max_tokens": 2, "custom_logit_processor": '{"callable": "x"}',
+                                "custom_params": {"k": 1}}, path=path)
+            assert r.status == 200, r.body
+    sent = await _received(v.url, CHAT) + await _received(v.url, COMPLETIONS)
+    assert len(sent) == 2 and not [b for b in sent if "logits_processors" in b], sent
+    sent = await _received(s.url, CHAT) + await _received(s.url, COMPLETIONS)
+    assert len(sent) == 2 and not [b for b in sent if "custom_logit_processor" in b], sent
+    assert [b["custom_params"] for b in sent] == [{"k": 1}] * 2       # a processor's arguments are no code
+    lines = [x for x in logs if x["event"] == "request"]
+    assert [x.get("dropped_fields") for x in lines] == [["logits_processors"]] * 2 + [["custom_logit_processor"]] * 2
+    page = await _metrics(gw)
+    assert metric(page, "switchyard_request_fields_dropped_total", model="m", field="logits_processors") == 2
+    assert metric(page, "switchyard_request_fields_dropped_total", model="qwen", field="custom_logit_processor") == 2
+
+    gw2 = await gateway([model_block("m", "vllm", [v.url]), model_block("qwen", "sglang", [s.url])],
+                        upstream={"client_logits_processors": True})
+    assert (await post(gw2, {"model": "m", "messages": MSG, "max_tokens": 2, "logits_processors": ["a.B"]})).status == 200
+    assert (await _received(v.url, CHAT))[-1]["logits_processors"] == ["a.B"]
+    r = await post(gw2, {"model": "qwen", "messages": MSG, "max_tokens": 2, "custom_logit_processor": "{}"})
+    assert r.status == 200, r.body
+    assert (await _received(s.url, CHAT))[-1]["custom_logit_processor"] == "{}"
+
