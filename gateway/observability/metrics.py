@@ -244,7 +244,8 @@ class GatewayMetrics:
                                       registry=r)
         self.fields_dropped = Counter("switchyard_request_fields_dropped",
                                       "Request body fields dropped before the engine because they would steer it "
-                                      "past the gateway's controls (priority, kv_transfer_params, a data-parallel rank)",
+                                      "past the gateway's controls (priority, kv_transfer_params, a data-parallel rank, "
+                                      "a logits processor)",
                                       ["model", "field"], registry=r)
         self.routing_fallbacks = Counter("switchyard_routing_fallbacks",
                                          "Strategy decisions made without the strategy's signal",

@@ -61,7 +61,9 @@ log = structlog.get_logger("switchyard.request")
 
 # body fields that steer the engine past the gateway's own controls (``Pipeline._engine_controls``)
 DP_RANK_FIELDS = ("routed_dp_rank", "data_parallel_rank")
-ENGINE_CONTROLS = frozenset({"priority", "kv_transfer_params", *DP_RANK_FIELDS})
+# vLLM's classes to load by name, SGLang's serialized callable: code run in the engine
+LOGITS_PROCESSOR_FIELDS = ("logits_processors", "custom_logit_processor")
+ENGINE_CONTROLS = frozenset({"priority", "kv_transfer_params", *DP_RANK_FIELDS, *LOGITS_PROCESSOR_FIELDS})
 
 
 class ModelLegs(NamedTuple):
@@ -230,8 +232,10 @@ class Pipeline:
         host the client chose (``pd.client_kv_transfer_params``; P/D legs carry the gateway's own
         whatever it says); SGLang's ``routed_dp_rank`` (and its older ``data_parallel_rank``) would
         pin the engine's data-parallel rank, which the gateway keeps to itself as it strips a
-        client's ``X-data-parallel-rank`` (``kv_events.client_rank``). Each is counted and named in
-        the log line."""
+        client's ``X-data-parallel-rank`` (``kv_events.client_rank``); vLLM's ``logits_processors``
+        (classes it loads by name) and SGLang's ``custom_logit_processor`` (a serialized callable it
+        runs) would run code of the client's choosing in an engine other tenants share
+        (``upstream.client_logits_processors``). Each is counted and named in the log line."""
         ireq = ctx.ireq
         assert ireq is not None
         data = ireq.data
@@ -243,6 +247,8 @@ class Pipeline:
             dropped.append("kv_transfer_params")
         if ("routed_dp_rank" in data or "data_parallel_rank" in data) and not self._client_rank(ireq.model):
             dropped += [name for name in DP_RANK_FIELDS if name in data]
+        if not self.config.upstream.client_logits_processors:
+            dropped += [name for name in LOGITS_PROCESSOR_FIELDS if name in data]
         if dropped:
             data = {k: v for k, v in data.items() if k not in dropped}
             ireq.data, ireq.body = data, body_bytes(data, ireq.body)
