@@ -229,3 +229,24 @@ async def test_a_clients_logits_processors_do_not_reach_the_engine_unless_allowe
     assert r.status == 200, r.body
     assert (await _received(s.url, CHAT))[-1]["custom_logit_processor"] == "{}"
 
+
+
+async def test_a_clients_rid_does_not_reach_an_sglang_engine(sims, gateway):
+    """SGLang names a request by its body's ``rid`` and, when the client's connection closes, aborts
+    it by that rid, matching every request whose rid starts with it: a client's short rid (``"a"``,
+    or ``""``) would abort other tenants' requests on the engine as it hung up. The gateway keeps
+    the engine's request ids to itself (its P/D legs carry its own rid): a client's is dropped,
+    counted and logged."""
+    s = await sims("sglang", "qwen")
+    gw = await gateway([model_block("qwen", "sglang", [s.url])])
+    with gw.gw.request_log.capture() as logs:
+        r = await post(gw, {"model": "qwen", "messages": MSG, "max_tokens": 2, "rid": "a"})
+        assert r.status == 200, r.body
+        r = await post(gw, {"model": "qwen", "prompt": "hi", "max_tokens": 2, "rid": ""}, path=COMPLETIONS)
+        assert r.status == 200, r.body
+    sent = await _received(s.url, CHAT) + await _received(s.url, COMPLETIONS)
+    assert len(sent) == 2 and not [b for b in sent if "rid" in b], sent
+    lines = [x for x in logs if x["event"] == "request"]
+    assert [x.get("dropped_fields") for x in lines] == [["rid"]] * 2, lines
+    page = await _metrics(gw)
+    assert metric(page, "switchyard_request_fields_dropped_total", model="qwen", field="rid") == 2
