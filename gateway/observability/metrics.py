@@ -245,7 +245,7 @@ class GatewayMetrics:
         self.fields_dropped = Counter("switchyard_request_fields_dropped",
                                       "Request body fields dropped before the engine because they would steer it "
                                       "past the gateway's controls (priority, kv_transfer_params, a data-parallel rank, "
-                                      "a logits processor)",
+                                      "a logits processor, SGLang's rid)",
                                       ["model", "field"], registry=r)
         self.routing_fallbacks = Counter("switchyard_routing_fallbacks",
                                          "Strategy decisions made without the strategy's signal",

@@ -63,7 +63,7 @@ log = structlog.get_logger("switchyard.request")
 DP_RANK_FIELDS = ("routed_dp_rank", "data_parallel_rank")
 # vLLM's classes to load by name, SGLang's serialized callable: code run in the engine
 LOGITS_PROCESSOR_FIELDS = ("logits_processors", "custom_logit_processor")
-ENGINE_CONTROLS = frozenset({"priority", "kv_transfer_params", *DP_RANK_FIELDS, *LOGITS_PROCESSOR_FIELDS})
+ENGINE_CONTROLS = frozenset({"priority", "kv_transfer_params", *DP_RANK_FIELDS, *LOGITS_PROCESSOR_FIELDS, "rid"})
 
 
 class ModelLegs(NamedTuple):
@@ -235,7 +235,10 @@ class Pipeline:
         client's ``X-data-parallel-rank`` (``kv_events.client_rank``); vLLM's ``logits_processors``
         (classes it loads by name) and SGLang's ``custom_logit_processor`` (a serialized callable it
         runs) would run code of the client's choosing in an engine other tenants share
-        (``upstream.client_logits_processors``). Each is counted and named in the log line."""
+        (``upstream.client_logits_processors``). SGLang's ``rid`` names the request in the engine,
+        which aborts, as the request's connection closes, every request whose rid starts with it:
+        a client's own would reach other tenants' requests (dropped whatever the config: the
+        gateway's P/D legs carry its own). Each is counted and named in the log line."""
         ireq = ctx.ireq
         assert ireq is not None
         data = ireq.data
@@ -249,6 +252,8 @@ class Pipeline:
             dropped += [name for name in DP_RANK_FIELDS if name in data]
         if not self.config.upstream.client_logits_processors:
             dropped += [name for name in LOGITS_PROCESSOR_FIELDS if name in data]
+        if "rid" in data:
+            dropped.append("rid")
         if dropped:
             data = {k: v for k, v in data.items() if k not in dropped}
             ireq.data, ireq.body = data, body_bytes(data, ireq.body)
