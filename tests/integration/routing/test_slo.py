@@ -334,3 +334,28 @@ async def test_a_stream_no_other_engine_would_continue_teaches_as_its_engine_cut
     await until(lambda: model.samples(ep_a) != (0, 0), timeout=5)
     assert model.samples(ep_a) == (1, 1) and model.samples(ep_b) == (0, 0)
     assert 'switchyard_migrations_total{model="m",outcome="failed",reason="broken"} 1.0' in await gw.metrics_text()
+
+
+async def test_two_requests_giving_one_x_request_id_are_each_counted_by_their_own_objectives(sims, gateway):
+    """A request id is the client's to give (``x-request-id``), and two clients may give the same
+    one: each request is still counted, and learnt from, as itself. Here a held stream and a short
+    one share an id; the short one ends first, the held one when its client leaves."""
+    sim = await sims("vllm", "m", ttft_base_ms=5, itl_ms=2)
+    gw = await gateway([model_block("m", "vllm", [sim.url], strategy="slo")])
+    same = {"x-request-id": "dup-1", "x-slo-ttft-ms": "5000"}
+    body = {"model": "m", "messages": [{"role": "user", "content": "held"}], "max_tokens": 50, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        held = await s.post(gw.url + "/v1/chat/completions", data=orjson.dumps(body),
+                            headers={"Content-Type": "application/json", "x-sim-fault": "stall_after=1:inf", **same})
+        assert held.status == 200
+        assert await held.content.readany()                         # decided, its first token relayed
+        assert (await _stream(s, gw.url, "short", same))[0] == 200  # decided after it, ended before it
+        held.close()                                                # its client leaves
+
+    async def counted() -> str | None:
+        text = await gw.metrics_text()
+        return text if 'result="cancelled"' in text else None
+
+    text = await until(counted, timeout=10)
+    assert 'switchyard_slo_routing_requests_total{model="m",result="met",strategy="slo"} 1.0' in text
+    assert 'switchyard_slo_routing_requests_total{model="m",result="cancelled",strategy="slo"} 1.0' in text
