@@ -182,6 +182,9 @@ class InferenceRequest:
     # the client's X-Vllm-Priority header goes to the engine (``upstream.client_priority``; the
     # gateway's own ``admission.engine_priority`` takes it back): kept from the legs otherwise
     priority_header: bool = False
+    # its request's ``RequestRecord.serial``: a request id is the client's to give, and two requests
+    # in flight may give the same one
+    serial: int = 0
 
     @property
     def is_embeddings(self) -> bool:

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from functools import lru_cache
-from itertools import repeat
+from itertools import count, repeat
 from operator import attrgetter
 from typing import Any, Literal
 
@@ -113,6 +113,8 @@ class RequestRecord:
     alias: str | None = None                  # the alias the client named; ``model`` is its target
     rate_headers: dict[str, str] | None = None   # the tenant's x-ratelimit-* (gateway/tenants), once admitted
     extra: dict[str, Any] = field(default_factory=dict)   # leg details for the log line only
+    # this request among the process's (``RequestContext.start``), where two may give one request id
+    serial: int = 0
 
     def __init__(self, request_id: str, path: str, started: float, **given: Any) -> None:
         """The dataclass's initialiser, but the defaults (and any field given by name, after them)
@@ -160,6 +162,7 @@ class RequestRecord:
 
 
 _RECORD_DEFAULTS = _plain_defaults(RequestRecord)
+_SERIALS = count(1)
 
 
 @dataclass(slots=True)
@@ -207,6 +210,7 @@ class RequestContext:
         # from the moment its head came whole: its handler's start, or, for a request the fast lane
         # held until its body was in (gateway/server/lane.py), the time the lane took then
         rec = RequestRecord(rid, request.path, getattr(request, "head_read", None) or time.perf_counter())
+        rec.serial = next(_SERIALS)
         if given is not None and given != rid:
             rec.request_id_replaced = True
         # a request made in-process (a batch line, gateway/batch/line_request.py) adds fields to its

@@ -217,6 +217,7 @@ class Pipeline:
             self._refused_named(ctx, ctx.ireq.lora or ctx.ireq.model, user)
             raise
         ireq = ctx.ireq
+        ireq.serial = ctx.rec.serial
         ctx.rec.model, ctx.rec.stream = ireq.model, ireq.stream
         if ctx.rec.user is None:            # without auth, who the request says it is (with auth, the key's)
             ctx.rec.user = ireq.user

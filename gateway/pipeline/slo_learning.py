@@ -100,7 +100,7 @@ class SloLearning:
     def __init__(self, metrics: GatewayMetrics, clock: Callable[[], float] = time.perf_counter) -> None:
         self.metrics = SloMetrics(metrics)
         self.clock = clock
-        self.pending: OrderedDict[str, _Pending] = OrderedDict()
+        self.pending: OrderedDict[tuple[str, int], _Pending] = OrderedDict()
 
     @staticmethod
     def wants(ireq: InferenceRequest, decision: Decision) -> bool:
@@ -134,12 +134,13 @@ class SloLearning:
             ttft, tpot = latency.predict(ep, f)
             reobserved = latency.reobserved(ep) if decision.reason == "slo_reobserve" else None
         pending = self.pending
-        before = pending.get(ireq.request_id)
+        key = (ireq.request_id, ireq.serial)
+        before = pending.get(key)
         if before is not None:      # a retry's decision (the leg before answered nothing), or a restart's
             self._unobserved(before)
-        pending[ireq.request_id] = _Pending(latency, ep, f, ttft, tpot, at, ireq.stream,
-                                            ireq.slo_ttft_ms, ireq.slo_tpot_ms, ireq.choices, reobserved)
-        pending.move_to_end(ireq.request_id)
+        pending[key] = _Pending(latency, ep, f, ttft, tpot, at, ireq.stream,
+                                ireq.slo_ttft_ms, ireq.slo_tpot_ms, ireq.choices, reobserved)
+        pending.move_to_end(key)
         if len(pending) > MAX_PENDING:
             self._unobserved(pending.popitem(last=False)[1])
         self._count_decision(ireq, decision)
@@ -151,7 +152,7 @@ class SloLearning:
         continuation's own first token is not the answer's: its endpoint learns nothing (had its
         TTFT been timed from this decision, it would come out negative), and one the ``slo``
         strategy sent to observe that endpoint observes nothing there."""
-        p = self.pending.get(ireq.request_id)
+        p = self.pending.get((ireq.request_id, ireq.serial))
         if p is not None:
             p.continued = True
         if decision.reason == "slo_reobserve" and decision.prefill is None:
@@ -167,7 +168,7 @@ class SloLearning:
 
     def on_request(self, rec: RequestRecord, duration: float) -> None:
         """A request finished (a ``RecordObserver``)."""
-        p = self.pending.pop(rec.request_id, None)
+        p = self.pending.pop((rec.request_id, rec.serial), None)
         if p is None:
             return
         ok = rec.status == 200 and rec.error_class is None
