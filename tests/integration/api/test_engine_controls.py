@@ -250,3 +250,26 @@ async def test_a_clients_rid_does_not_reach_an_sglang_engine(sims, gateway):
     assert [x.get("dropped_fields") for x in lines] == [["rid"]] * 2, lines
     page = await _metrics(gw)
     assert metric(page, "switchyard_request_fields_dropped_total", model="qwen", field="rid") == 2
+
+
+async def test_kv_transfer_params_in_vllm_xargs_do_not_reach_an_aggregated_engine_unless_allowed(sims, gateway):
+    """vLLM hands a request's ``vllm_xargs`` to the engine as its sampling params' extra args, the
+    very dict its top-level ``kv_transfer_params`` is put in and its KV connector reads them from:
+    a client's ``vllm_xargs.kv_transfer_params`` would reach the connector the top-level field is
+    dropped to keep it from. That member is dropped (the other extra args pass), counted and
+    logged; ``pd.client_kv_transfer_params: true`` passes it."""
+    v = await sims("vllm", "m")
+    w = await sims("vllm", "own")
+    gw = await gateway([model_block("m", "vllm", [v.url]),
+                        {**model_block("own", "vllm", [w.url]), "pd": {"client_kv_transfer_params": True}}])
+    xargs = {"kv_transfer_params": "do_remote_decode", "target_token": 7}
+    with gw.gw.request_log.capture() as logs:
+        for model in ("m", "own"):
+            r = await post(gw, {"model": model, "messages": MSG, "max_tokens": 2, "vllm_xargs": xargs})
+            assert r.status == 200, r.body
+    assert [b["vllm_xargs"] for b in await _received(v.url, CHAT)] == [{"target_token": 7}]
+    assert [b["vllm_xargs"] for b in await _received(w.url, CHAT)] == [xargs]
+    lines = [x for x in logs if x["event"] == "request"]
+    assert [x.get("dropped_fields") for x in lines] == [["vllm_xargs.kv_transfer_params"], None], lines
+    page = await _metrics(gw)
+    assert metric(page, "switchyard_request_fields_dropped_total", model="m", field="vllm_xargs.kv_transfer_params") == 1
