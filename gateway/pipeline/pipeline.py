@@ -63,7 +63,10 @@ log = structlog.get_logger("switchyard.request")
 DP_RANK_FIELDS = ("routed_dp_rank", "data_parallel_rank")
 # vLLM's classes to load by name, SGLang's serialized callable: code run in the engine
 LOGITS_PROCESSOR_FIELDS = ("logits_processors", "custom_logit_processor")
-ENGINE_CONTROLS = frozenset({"priority", "kv_transfer_params", *DP_RANK_FIELDS, *LOGITS_PROCESSOR_FIELDS, "rid"})
+# vLLM's extra args (its sampling params' extra_args, where its KV connector reads kv_transfer_params)
+XARGS_KV = "vllm_xargs.kv_transfer_params"
+ENGINE_CONTROLS = frozenset({"priority", "kv_transfer_params", *DP_RANK_FIELDS, *LOGITS_PROCESSOR_FIELDS, "rid",
+                             "vllm_xargs"})
 
 
 class ModelLegs(NamedTuple):
@@ -231,7 +234,8 @@ class Pipeline:
         (``upstream.client_priority``); a client's ``kv_transfer_params`` would have a vLLM engine
         with a NIXL connector pin the request's KV blocks for a remote decode or pull KV from a
         host the client chose (``pd.client_kv_transfer_params``; P/D legs carry the gateway's own
-        whatever it says); SGLang's ``routed_dp_rank`` (and its older ``data_parallel_rank``) would
+        whatever it says), and so would the ``kv_transfer_params`` member of vLLM's ``vllm_xargs``
+        (the extra args vLLM puts its top-level field in, and its connector reads it from); SGLang's ``routed_dp_rank`` (and its older ``data_parallel_rank``) would
         pin the engine's data-parallel rank, which the gateway keeps to itself as it strips a
         client's ``X-data-parallel-rank`` (``kv_events.client_rank``); vLLM's ``logits_processors``
         (classes it loads by name) and SGLang's ``custom_logit_processor`` (a serialized callable it
@@ -247,16 +251,24 @@ class Pipeline:
         dropped = []
         if "priority" in data and not allowed:
             dropped.append("priority")
-        if "kv_transfer_params" in data and not self.config.pd_for(ireq.model).client_kv_transfer_params:
-            dropped.append("kv_transfer_params")
+        xargs = None        # vLLM's vllm_xargs without a kv_transfer_params member
+        if ("kv_transfer_params" in data or "vllm_xargs" in data) \
+                and not self.config.pd_for(ireq.model).client_kv_transfer_params:
+            if "kv_transfer_params" in data:
+                dropped.append("kv_transfer_params")
+            if (given := data.get("vllm_xargs")).__class__ is dict and "kv_transfer_params" in given:
+                xargs = {k: v for k, v in given.items() if k != "kv_transfer_params"}
         if ("routed_dp_rank" in data or "data_parallel_rank" in data) and not self._client_rank(ireq.model):
             dropped += [name for name in DP_RANK_FIELDS if name in data]
         if not self.config.upstream.client_logits_processors:
             dropped += [name for name in LOGITS_PROCESSOR_FIELDS if name in data]
         if "rid" in data:
             dropped.append("rid")
-        if dropped:
+        if dropped or xargs is not None:
             data = {k: v for k, v in data.items() if k not in dropped}
+            if xargs is not None:
+                data["vllm_xargs"] = xargs
+                dropped.append(XARGS_KV)
             ireq.data, ireq.body = data, body_bytes(data, ireq.body)
         if PRIORITY_HEADER in ireq.headers:     # kept from every leg (upstream_headers) unless allowed
             if allowed:
