@@ -11,7 +11,7 @@ import aiohttp
 
 from gateway.apis.paths import MESSAGES
 from gateway.request import CHAT, COMPLETIONS
-from tests.support.factories import model_block
+from tests.support.factories import model_block, pd_model, pd_pair, roleset
 from tests.support.http import post, sim_state
 from tests.support.metrics import metric
 
@@ -273,3 +273,21 @@ async def test_kv_transfer_params_in_vllm_xargs_do_not_reach_an_aggregated_engin
     assert [x.get("dropped_fields") for x in lines] == [["vllm_xargs.kv_transfer_params"], None], lines
     page = await _metrics(gw)
     assert metric(page, "switchyard_request_fields_dropped_total", model="m", field="vllm_xargs.kv_transfer_params") == 1
+
+
+async def test_a_clients_prefill_rank_does_not_reach_an_sglang_pd_pair(sims, gateway):
+    """SGLang's decode reads a body's ``disagg_prefill_dp_rank`` to learn which data-parallel rank
+    of the prefill holds the request's KV: a client's would send the decode to a rank the gateway
+    did not choose, where no KV waits, while the prefill holds the blocks it computed until its
+    bootstrap timeout. It is dropped with the other rank fields, counted and logged."""
+    p, d = await pd_pair(sims, "sglang")
+    gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])])
+    with gw.gw.request_log.capture() as logs:
+        r = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2, "disagg_prefill_dp_rank": 3})
+        assert r.status == 200, r.body
+    sent = await _received(p.url, CHAT) + await _received(d.url, CHAT)
+    assert len(sent) == 2 and not [b for b in sent if "disagg_prefill_dp_rank" in b], sent
+    lines = [x for x in logs if x["event"] == "request"]
+    assert [x.get("dropped_fields") for x in lines] == [["disagg_prefill_dp_rank"]], lines
+    page = await _metrics(gw)
+    assert metric(page, "switchyard_request_fields_dropped_total", model="m", field="disagg_prefill_dp_rank") == 1
