@@ -32,7 +32,7 @@ class KVEventsConfig(Block):
     # data_parallel_size > 1; None (the default) means true there; false leaves the rank to the engine
     route_ranks: Annotated[bool | None, Meta(description="Pin each request to the rank holding its prefix (X-data-parallel-rank header) when data_parallel_size > 1; null: true there.")] = None
     # forward a client's own X-data-parallel-rank header (stripped by default: clients do not pin ranks)
-    client_rank: Annotated[bool, Meta(description="Pass on a client's own X-data-parallel-rank header, and SGLang's routed_dp_rank (or data_parallel_rank) body field (by default they are removed, counted in switchyard_request_fields_dropped_total and logged in dropped_fields).")] = False
+    client_rank: Annotated[bool, Meta(description="Pass on a client's own X-data-parallel-rank header, and SGLang's routed_dp_rank (or data_parallel_rank) and disagg_prefill_dp_rank body fields (by default they are removed, counted in switchyard_request_fields_dropped_total and logged in dropped_fields).")] = False
     # threads tokenizing requests off the event loop (one pool per gateway: the largest over the
     # models); 0 tokenizes on the loop. Segments shorter than tokenize_inline_chars stay on the loop:
     # a hop costs the request two handovers of the GIL, each up to the interpreter's switch interval

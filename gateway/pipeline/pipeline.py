@@ -60,7 +60,8 @@ log = structlog.get_logger("switchyard.request")
 
 
 # body fields that steer the engine past the gateway's own controls (``Pipeline._engine_controls``)
-DP_RANK_FIELDS = ("routed_dp_rank", "data_parallel_rank")
+DP_RANK_FIELDS = ("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank")
+DP_RANK_SET = frozenset(DP_RANK_FIELDS)
 # vLLM's classes to load by name, SGLang's serialized callable: code run in the engine
 LOGITS_PROCESSOR_FIELDS = ("logits_processors", "custom_logit_processor")
 # vLLM's extra args (its sampling params' extra_args, where its KV connector reads kv_transfer_params)
@@ -235,9 +236,11 @@ class Pipeline:
         with a NIXL connector pin the request's KV blocks for a remote decode or pull KV from a
         host the client chose (``pd.client_kv_transfer_params``; P/D legs carry the gateway's own
         whatever it says), and so would the ``kv_transfer_params`` member of vLLM's ``vllm_xargs``
-        (the extra args vLLM puts its top-level field in, and its connector reads it from); SGLang's ``routed_dp_rank`` (and its older ``data_parallel_rank``) would
-        pin the engine's data-parallel rank, which the gateway keeps to itself as it strips a
-        client's ``X-data-parallel-rank`` (``kv_events.client_rank``); vLLM's ``logits_processors``
+        (the extra args vLLM puts its top-level field in, and its connector reads it from);
+        SGLang's ``routed_dp_rank`` (and its older ``data_parallel_rank``) would pin the engine's
+        data-parallel rank, and its ``disagg_prefill_dp_rank`` name the prefill rank a P/D decode
+        fetches the KV from, ranks the gateway keeps to itself as it strips a client's
+        ``X-data-parallel-rank`` (``kv_events.client_rank``); vLLM's ``logits_processors``
         (classes it loads by name) and SGLang's ``custom_logit_processor`` (a serialized callable it
         runs) would run code of the client's choosing in an engine other tenants share
         (``upstream.client_logits_processors``). SGLang's ``rid`` names the request in the engine,
@@ -258,7 +261,7 @@ class Pipeline:
                 dropped.append("kv_transfer_params")
             if (given := data.get("vllm_xargs")).__class__ is dict and "kv_transfer_params" in given:
                 xargs = {k: v for k, v in given.items() if k != "kv_transfer_params"}
-        if ("routed_dp_rank" in data or "data_parallel_rank" in data) and not self._client_rank(ireq.model):
+        if not DP_RANK_SET.isdisjoint(data) and not self._client_rank(ireq.model):
             dropped += [name for name in DP_RANK_FIELDS if name in data]
         if not self.config.upstream.client_logits_processors:
             dropped += [name for name in LOGITS_PROCESSOR_FIELDS if name in data]
