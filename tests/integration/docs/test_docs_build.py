@@ -158,6 +158,45 @@ def test_the_snippet_check_sees_a_deprecated_key_and_a_wrong_value():
     assert any(e.startswith("server.workers: ") for e in errors), errors
 
 
+# --- tables ----------------------------------------------------------------------------------------
+
+def _stray_rows(markdown: str) -> list[tuple[int, str]]:
+    """Lines outside code blocks that look like a table's rows but belong to no table: a run of
+    ``|`` lines that does not start after a blank line with a header row and its delimiter row. A
+    paragraph written between two rows of a table ends it, and Markdown (MkDocs, GitHub) renders the
+    rows after it as that paragraph's text, pipes and all, without a warning."""
+    out = []
+    lines = markdown.splitlines()
+    fenced = in_table = False
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            fenced, in_table = not fenced, False
+        elif fenced or not line.startswith("|"):
+            in_table = False
+        elif not in_table:
+            in_table = True
+            after_blank = i == 0 or not lines[i - 1].strip()
+            delimited = i + 1 < len(lines) and re.match(r"^\|?\s*:?-+:?\s*(\||$)", lines[i + 1])
+            if not (after_blank and delimited):
+                out.append((i + 1, line))
+    return out
+
+
+def test_every_table_row_of_the_manual_is_in_a_table():
+    """A row a reader should see in a table (a header of docs/apis.md, a metric) is in one."""
+    wrong = [f"{page.relative_to(ROOT)}:{line}: {row[:80]}"
+             for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+                          ROOT / "enginesim" / "README.md", ROOT / "bench" / "README.md"]
+             for line, row in _stray_rows(page.read_text(encoding="utf-8"))]
+    assert not wrong, "table rows that render as a paragraph's text:\n" + "\n".join(wrong)
+
+
+def test_the_table_check_sees_rows_a_paragraph_cut_off():
+    md = ("| a | b |\n|---|---|\n| 1 | 2 |\nA note.\n| 3 | 4 |\n\n| c |\n|:--|\n| 5 |\n"
+          "```\n| not | a row |\n```\ntext\n| x | y |\n")
+    assert _stray_rows(md) == [(5, "| 3 | 4 |"), (14, "| x | y |")]
+
+
 # --- the architecture page's file map --------------------------------------------------------------
 
 def _file_map() -> dict[str, str]:
