@@ -720,6 +720,46 @@ def test_the_index_says_where_every_config_block_is_described():
     assert not blocks - shown - named, f"config blocks docs/index.md does not place: {sorted(blocks - shown - named)}"
 
 
+
+def test_the_index_shows_every_key_at_its_default():
+    """docs/index.md's config section shows the blocks most deployments touch "with their
+    defaults": each key it sets outside ``models`` and ``aliases`` (examples, not defaults) is at
+    the default the schema gives it, so a default changed in the code is changed there too."""
+    import yaml
+
+    from gateway.config.json_schema import config_schema
+
+    defs = config_schema()["$defs"]
+
+    def block(node: dict) -> dict:
+        while True:
+            if "$ref" in node:
+                node = defs[node["$ref"].rsplit("/", 1)[-1]]
+            elif "anyOf" in node and len(kinds := [n for n in node["anyOf"] if n.get("type") != "null"]) == 1:
+                node = kinds[0]
+            else:
+                return node
+
+    def differences(shown: dict, node: dict, path: str) -> list[str]:
+        out = []
+        props = block(node).get("properties", {})
+        for key, value in shown.items():
+            if key not in props:
+                out.append(f"{path}{key}: no such key")
+            elif isinstance(value, dict):
+                out += differences(value, props[key], f"{path}{key}.")
+            elif (default := props[key].get("default", block(props[key]).get("default"))) != value:
+                out.append(f"{path}{key}: shown {value!r}, default {default!r}")
+        return out
+
+    page = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    section = page[page.index("\n## The config file"):]
+    wrong = []
+    for _, text in _yaml_blocks(section):
+        shown = {k: v for k, v in yaml.safe_load(text).items() if k not in ("models", "aliases")}
+        wrong += differences(shown, defs["Config"], "")
+    assert not wrong, "docs/index.md's config shows values that are not the defaults:\n" + "\n".join(wrong)
+
 # --- what the Python snippets need -----------------------------------------------------------------
 
 def _python_imports(markdown: str) -> set[str]:
