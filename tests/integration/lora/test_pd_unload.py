@@ -221,8 +221,12 @@ async def test_engine_full_sends_the_load_to_an_endpoint_with_room(sims, gateway
     free = await sims("vllm", "m", max_loaded_loras=1, **LORA_SIM)
     gw = await gateway([model_block("m", "vllm", [full.url, free.url], adapters={"a": "org/a"})],
                        lora={**FAST_LORA, "discovery_interval_s": 0})
-    # the gateway does not know of "other" (no discovery): the full engine is as good a target as the free one
+    # the gateway does not know of "other" (no discovery): the full engine is as good a target as the
+    # free one, and of equals the first listed is kept (the tie is otherwise broken at random, and the
+    # free one, asked first, would leave the full one's refusal untried)
+    gw.gw.lora.random = lambda: 0.99
     for _ in range(4):
         assert (await chat(gw, "a"))[0] == 200
+    assert len(load_calls(await sim_state(full.url))) == 1        # asked first, it refused the load
     assert (await sim_state(free.url))["lora"]["registered"] == {"a": "org/a"}
     assert (await sim_state(full.url))["lora"]["registered"] == {"other": "org/other"}
