@@ -658,6 +658,7 @@ async def test_a_batch_cancelled_once_its_input_cannot_be_read_fails_and_the_run
 async def test_no_line_starts_once_a_drain_begins(sims, gateway, tmp_path):
     """From the SIGTERM's drain on, through its delay (the listener still open): the line in flight
     finishes, no other starts; the rest is for the next start (or another worker)."""
+    from gateway.server.app import BATCH_KEY, NOT_READY_KEY
     from gateway.server.run import drain_and_stop
 
     sim = await sims("vllm", "m", itl_ms=20.0)
@@ -670,7 +671,11 @@ async def test_no_line_starts_once_a_drain_begins(sims, gateway, tmp_path):
 
     await until(started, timeout=20)
     drain = asyncio.create_task(drain_and_stop(gw.runner, gw.runner.app, 5.0, delay=1.5))
-    await asyncio.sleep(0.3)                    # the line running at the drain's start is let finish
+    app = gw.runner.app
+    # the line running at the drain's start is let finish: the drain has begun and no line is in
+    # flight (a line the runner started is counted in flight before it reaches the engine)
+    await until(lambda: app[NOT_READY_KEY].is_set() and not any(app[BATCH_KEY].runner.in_flight.values()),
+                timeout=10)
     at_drain = (await sim_state(sim.url))["counts"]["started"]
     await asyncio.sleep(0.9)                    # still within the delay: the listener is open
     assert (await sim_state(sim.url))["counts"]["started"] == at_drain
