@@ -39,6 +39,15 @@ def calls(sim, path: str) -> int:
     return sum(r["path"] == path for r in sim.app[RECEIVED_KEY])
 
 
+async def on_engine_for_both(port: int, ready: dict[str, int]) -> bool:
+    """Whether both workers list each adapter of ``ready`` with that many ready endpoints."""
+    for answer in (await per_worker(port, 2, "/v1/models")).values():
+        listed = {m["id"]: m.get("ready_endpoints") for m in json.loads(answer)["data"]}
+        if any(listed.get(name) != n for name, n in ready.items()):
+            return False
+    return True
+
+
 @pytest.mark.timeout(120)
 async def test_an_adapter_one_worker_loaded_is_not_loaded_again_by_its_sibling(sims, tmp_path):
     sim = await sims("vllm", "m", **LORA_SIM)
@@ -47,7 +56,9 @@ async def test_an_adapter_one_worker_loaded_is_not_loaded_again_by_its_sibling(s
     path.write_text(config(port, sim.url, "max_adapters_per_endpoint: 0"))
     async with gateway_process(path, port, "--workers", "2", ready_workers=2):
         assert await spread(port, "a", 1) == [(200, "")]
-        await asyncio.sleep(0.2)                 # the load's news on the bus (it leaves at once)
+        # the load's news on the bus (it leaves at once) reached the sibling: a loaded machine may
+        # keep it on its way longer than any fixed pause
+        assert await wait_for(lambda: on_engine_for_both(port, {"a": 1}), timeout=20)
         assert await spread(port, "a") == [(200, "")] * 12
         listed = await per_worker(port, 2, "/v1/models")
     assert calls(sim, "/v1/load_lora_adapter") == 1
@@ -65,7 +76,8 @@ async def test_an_adapter_one_worker_unloaded_is_loaded_again_by_its_sibling_not
     async with gateway_process(path, port, "--workers", "2", ready_workers=2):
         for model in ("a", "b", "a", "b"):       # each unloads the other for room (capacity)
             assert await spread(port, model) == [(200, "")] * 12, model
-            await asyncio.sleep(0.2)
+            other = "b" if model == "a" else "a"     # the news of both reached the sibling
+            assert await wait_for(lambda m=model, o=other: on_engine_for_both(port, {m: 1, o: 0}), timeout=20)
     assert calls(sim, "/v1/load_lora_adapter") == 4
     assert calls(sim, "/v1/unload_lora_adapter") == 3
 
