@@ -92,9 +92,14 @@ async def test_two_replicas_send_each_turn_to_the_engine_of_the_conversation(sim
         await until(lambda: redis_up(pa), timeout=20)
         await until(lambda: redis_up(pb), timeout=20)
         same = total = 0
+        workers = (await get_new(pa, "/status.json"))[1]["gateway"]["workers"]["count"]
         for c in range(4):
             messages = opening(f"after {c}")
+            heard = await inserts_from_replicas(pa)
             first = await turn(pb, messages, "turn 0: where to?")
+            # every worker of a has b's insertion of the first turn before a routes the next: sent the
+            # moment b answered, that turn could reach a before the fact did and go to any engine
+            await until(lambda h=heard: _at_least(inserts_from_replicas(pa), h + workers), timeout=20)
             for t in range(1, 4):
                 total += 1
                 same += await turn((pb, pa)[t % 2], messages, f"turn {t}: and then? " * 3) == first
@@ -566,6 +571,12 @@ async def test_a_session_whose_engine_another_replica_loaded_moves_counted_overl
 
 async def _equals(value, expected) -> bool:
     return await value == expected
+
+
+async def inserts_from_replicas(port: int) -> float:
+    """The prefix insertions the gateway on ``port`` applied from other replicas, its workers summed."""
+    return metric_total((await get_new(port, "/metrics"))[1], "switchyard_view_facts_applied_total",
+                        source="replica", kind="insert")
 
 
 async def _at_least(value, least: float) -> bool:
