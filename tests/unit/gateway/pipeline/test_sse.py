@@ -159,6 +159,19 @@ def test_strip_drops_the_lf_of_a_usage_chunk_split_after_its_crlfs_cr_when_a_bla
         assert usage_tokens(s.usage) == (12, 2, 0) and s.done
 
 
+def test_strip_drops_the_lf_of_a_usage_chunk_split_after_its_crlfs_cr_when_an_empty_read_comes_between():
+    """As above, with an empty read between the one that ends at the dropped usage chunk's last CR
+    and the one that brings its LF: the empty read does not take the LF's place (found by the
+    property test below: the client got a stray LF before the next event)."""
+    usage = VLLM_USAGE.replace(b"\n", b"\r\n")
+    reads = [usage[:-1], b"", b"\n" + VLLM_HEL + DONE]
+    s = SSEScanner(strip_usage=True)
+    out = [s.feed(c, float(t)) for t, c in enumerate(reads)]
+    out.append(s.finish())
+    assert b"".join(out) == VLLM_HEL + DONE
+    assert usage_tokens(s.usage) == (12, 2, 0) and s.done
+
+
 def test_data_without_space_and_multiline_data():
     data = b'data:{"choices":[{"delta":{"content":"a"}}]}\n\ndata: {"choices":[{"delta":\ndata: {"content":"b"}}]}\n\n'
     s, _ = scan(data)
