@@ -407,8 +407,8 @@ class SSEScanner:
     # -- internals ----------------------------------------------------------------------------
 
     def _feed_held(self, chunk: bytes, now: float) -> bytes:
-        if self._lf_owed:           # the LF of the CRLF that ended the usage chunk dropped: dropped with it
-            self._lf_owed = False
+        if self._lf_owed and chunk:     # the LF of the CRLF that ended the usage chunk dropped: dropped with it
+            self._lf_owed = False           # (an empty read between them leaves it owed)
             if chunk[:1] == b"\n":
                 chunk = chunk[1:]
         buf = self._buf
