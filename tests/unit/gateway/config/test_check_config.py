@@ -430,3 +430,19 @@ def test_grpc_without_its_extra_is_refused_naming_the_variable(tmp_path, capsys,
     assert rc == 2
     assert err == ("switchyard: config error: OTEL_EXPORTER_OTLP_PROTOCOL: grpc needs the OTLP gRPC exporter: "
                    "pip install 'switchyard[grpc]'\n")
+
+
+def test_a_users_model_list_naming_no_model_is_a_warning_at_check(tmp_path, capsys):
+    """``limits.users.<name>.models`` (and ``default_user``'s) is checked against the name a
+    request asks for: a model, an alias or a LoRA adapter; a name that is none of them allows
+    nothing, which a typo makes easy to miss. A warning, as for ``limits.models``."""
+    text = GOOD + ("aliases: [{name: chat, targets: [{model: llama}]}]\n"
+                   "limits: {users: {alice: {models: [llama, chat, lama]}}, default_user: {models: [qwen, qwn]}}\n")
+    rc, out, err = check(tmp_path, text, capsys)
+    assert rc == 0 and "OK (2 models)" in out
+    assert err.splitlines() == [
+        "switchyard: warning: limits.users.alice.models: 'lama' names no model, alias or LoRA adapter: it allows no request",
+        "switchyard: warning: limits.default_user.models: 'qwn' names no model, alias or LoRA adapter: it allows no request",
+    ], err
+    rc, out, err = check(tmp_path, text + "kubernetes: {enabled: true}\n", capsys)
+    assert rc == 0 and err == ""

@@ -5,7 +5,7 @@ import hashlib
 import pytest
 
 from gateway.config.schema import ApiKey, AuthConfig, LimitsConfig, UserLimits
-from gateway.tenants.directory import Directory, bearer_token, key_digest, new_key
+from gateway.tenants.directory import Directory, bearer_token, key_digest, limits_from_stored, limits_stored, new_key
 
 
 @pytest.mark.parametrize("header,token", [("Bearer sk-1", "sk-1"), ("bearer  sk-1 ", "sk-1"), ("BEARER sk-1", "sk-1"),
@@ -34,3 +34,22 @@ def test_directory_precedence_store_then_config_then_default():
     assert d.limits_for("alice").rpm == 2
     assert d.user_view("alice") == {"name": "alice", "rpm": 2, "tpm": 0, "max_concurrent": 0, "source": "store",
                                     "overrides_config": True}
+
+
+def test_a_users_model_list_is_looked_up_as_its_limits_and_kept_in_its_stored_record():
+    """``models``: the names a user may ask for, from the record that gives the user's limits
+    (store, config, default_user); null is every model. A record stored by an older release,
+    without the field, reads as no list."""
+    d = Directory(AuthConfig(), LimitsConfig(users={"alice": UserLimits(models=("m", "chat")), "bob": UserLimits(rpm=1)},
+                                             default_user=UserLimits(models=("small",))))
+    assert d.models_for("alice") == ("m", "chat")
+    assert d.models_for("bob") is None
+    assert d.models_for("stranger") == ("small",)
+    assert d.models_for(None) is None
+    assert d.limits_for("alice") is None                 # a list alone limits no rate
+    d.replace_store({"alice": UserLimits(rpm=2)}, {})
+    assert d.models_for("alice") is None                 # the store's record replaces the config's
+    stored = limits_stored(UserLimits(rpm=2, models=("m",)))
+    assert stored == {"rpm": 2, "tpm": 0, "max_concurrent": 0, "models": ["m"]}
+    assert limits_from_stored(stored) == UserLimits(rpm=2, models=("m",))
+    assert limits_from_stored({"rpm": 2, "tpm": 0, "max_concurrent": 0}) == UserLimits(rpm=2)

@@ -1,0 +1,117 @@
+"""A user's model allowlist (``limits.users.<name>.models``): a model not on it is answered as a
+model that does not exist, on every path, and is not listed by ``/v1/models``."""
+
+from __future__ import annotations
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+
+from tests.support.factories import model_block
+from tests.support.http import anthropic_client, openai_client
+from tests.support.metrics import metric
+from tests.support.tenancy import ALICE, BOB, CHAT
+
+TOKEN = "admin-secret-token"
+CAROL = "sk-carol-0123456789"
+CONFIG = {
+    "auth": {"api_keys": [{"key": ALICE, "user": "alice"}, {"key": BOB, "user": "bob"},
+                          {"key": CAROL, "user": "carol"}], "admin_token": TOKEN},
+    "limits": {"users": {"alice": {"rpm": 3, "models": ["m", "chat"]}, "bob": {"rpm": 100}},
+               "default_user": {"models": ["other"]}},
+    "aliases": [{"name": "chat", "targets": [{"model": "m"}]}],
+}
+
+
+@pytest.fixture
+async def gw(sims, gateway):
+    m, other = await sims("vllm", "m"), await sims("vllm", "other")
+    return await gateway([model_block("m", "vllm", [m.url]), model_block("other", "vllm", [other.url])], **CONFIG)
+
+
+async def _post(gw, path: str, key: str, body: dict, **headers) -> tuple[int, dict, dict]:
+    async with aiohttp.ClientSession() as s, s.post(gw.url + path, json=body,
+                                                    headers={"Authorization": f"Bearer {key}", **headers}) as r:
+        return r.status, await r.json(), dict(r.headers)
+
+
+async def _admin(gw, method: str, path: str, body=None) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as s, s.request(
+            method, gw.url + path, json=body, headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+        return r.status, await r.json()
+
+
+async def test_a_model_not_allowed_is_answered_as_one_that_does_not_exist(gw):
+    alice = openai_client(gw, ALICE)
+    for name in ("m", "chat"):                    # the model and the alias alice's list names
+        got = await alice.chat.completions.create(model=name, messages=CHAT, max_tokens=1)
+        assert got.choices[0].message.content is not None
+    with pytest.raises(openai.NotFoundError) as ei:
+        await alice.chat.completions.create(model="other", messages=CHAT, max_tokens=1)
+    assert ei.value.code == "model_not_found"
+    # the same answer as a name that is no model: nothing tells a client the model exists
+    for path, body in (("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}),
+                       ("/tokenize", {"prompt": "hi"}),                      # a pass-through path
+                       ("/v1/responses", {"input": "hi", "previous_response_id": "resp_x"})):
+        s1, denied, h1 = await _post(gw, path, ALICE, {**body, "model": "other"})
+        s2, unknown, h2 = await _post(gw, path, ALICE, {**body, "model": "nope"})
+        assert (s1, s2) == (404, 404), (path, denied, unknown)
+        assert denied["error"]["message"] == "The model `other` does not exist or you do not have access to it."
+        assert denied == {"error": {**unknown["error"], "message": unknown["error"]["message"].replace("nope", "other")}}
+        assert h1.get("x-error-no-model-backends") == "other" and h2.get("x-error-no-model-backends") == "nope"
+    # Anthropic's shape on /v1/messages, as for an unknown model
+    claude = anthropic_client(gw, ALICE)
+    with pytest.raises(anthropic.NotFoundError) as ea:
+        await claude.messages.create(model="other", max_tokens=1, messages=CHAT)
+    assert ea.value.body["error"]["type"] == "not_found_error", ea.value.body
+    # refused before the limits: alice's rpm of 3 was charged only by her two served requests
+    got = await alice.chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=1)
+    assert got.headers["x-ratelimit-remaining-requests"] == "0"
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+        page = await r.text()
+    assert metric(page, "switchyard_auth_failures_total", reason="model_not_allowed") == 5
+    # bob has no list; carol, with no entry, has default_user's
+    bob = openai_client(gw, BOB)
+    assert (await bob.chat.completions.create(model="other", messages=CHAT, max_tokens=1)).choices
+    carol = openai_client(gw, CAROL)
+    assert (await carol.chat.completions.create(model="other", messages=CHAT, max_tokens=1)).choices
+    with pytest.raises(openai.NotFoundError):
+        await carol.chat.completions.create(model="m", messages=CHAT, max_tokens=1)
+
+
+async def test_models_lists_only_the_allowed_ones(gw):
+    alice, bob = openai_client(gw, ALICE), openai_client(gw, BOB)
+    assert [m.id async for m in alice.models.list()] == ["m", "chat"]
+    assert [m.id async for m in bob.models.list()] == ["m", "other", "chat"]
+    assert (await alice.models.retrieve("chat")).id == "chat"
+    with pytest.raises(openai.NotFoundError) as ei:
+        await alice.models.retrieve("other")
+    with pytest.raises(openai.NotFoundError) as eu:
+        await alice.models.retrieve("nope")
+    assert ei.value.body == {**eu.value.body, "message": eu.value.body["message"].replace("nope", "other")}
+    assert (await bob.models.retrieve("other")).id == "other"
+
+
+async def test_the_admin_api_reads_sets_and_clears_the_list(gw):
+    alice = openai_client(gw, ALICE)
+    status, user = await _admin(gw, "GET", "/admin/users/alice")
+    assert status == 200 and user["models"] == ["m", "chat"]
+    status, body = await _admin(gw, "GET", "/admin/users")
+    assert body["default_user"]["models"] == ["other"]
+    status, user = await _admin(gw, "PATCH", "/admin/users/alice", {"models": ["other"]})
+    assert status == 200 and user["models"] == ["other"] and user["rpm"] == 3
+    assert (await alice.chat.completions.create(model="other", messages=CHAT, max_tokens=1)).choices
+    with pytest.raises(openai.NotFoundError):
+        await alice.chat.completions.create(model="m", messages=CHAT, max_tokens=1)
+    assert [m.id async for m in alice.models.list()] == ["other"]
+    status, user = await _admin(gw, "PATCH", "/admin/users/alice", {"models": None})
+    assert status == 200 and user["models"] is None and user["rpm"] == 3
+    assert [m.id async for m in alice.models.list()] == ["m", "other", "chat"]
+    status, dave = await _admin(gw, "POST", "/admin/users", {"name": "dave", "models": ["m"]})
+    assert status == 201 and dave["models"] == ["m"]
+    status, dave = await _admin(gw, "PUT", "/admin/users/dave", {"rpm": 1})
+    assert status == 200 and dave["models"] is None             # a whole record: no list, every model
+    for bad in ([], [""], "m", [1], ["m", None]):
+        status, err = await _admin(gw, "PATCH", "/admin/users/alice", {"models": bad})
+        assert status == 400 and err["error"]["param"] == "models", (bad, err)
