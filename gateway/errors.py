@@ -36,6 +36,7 @@ class ErrorClass(enum.StrEnum):
     HTTP = "http"                                   # aiohttp's own 404/405/413
     ROUTING = "routing"                             # an unknown strategy, a path P/D cannot serve
     MODEL_NOT_FOUND = "model_not_found"
+    MODEL_NOT_ALLOWED = "model_not_allowed"         # a model not on the user's list (answered as not found)
     UNSUPPORTED_PATH = "unsupported_path"
     AUTH = "auth"
     ADMIN = "admin"

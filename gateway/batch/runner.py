@@ -325,7 +325,7 @@ class BatchRunner:
             # every request names one model, which the gateway does not serve (nor expects back): the
             # batch fails whole, as at OpenAI, rather than each line being answered 404
             shown = model if len(model) <= 256 else model[:256] + "…"
-            errors = [{"code": "model_not_found", "message": f"The model `{shown}` does not exist.",
+            errors = [{"code": "model_not_found", "message": f"The model `{shown}` does not exist or you do not have access to it.",
                        "param": "body.model", "line": None}]
         now = now_s()
 

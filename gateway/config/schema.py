@@ -415,6 +415,7 @@ class UserLimits(Block):
     tpm: Annotated[Count, Meta(description="Tokens per minute, prompt and completion together (0: unlimited).")] = 0
     max_concurrent: Annotated[Count, Meta(description="Requests in flight at once (0: unlimited).")] = 0
     priority: Annotated[Priority | None, Meta(description="Admission class of this user's requests: critical, standard or sheddable; null: admission.default_priority.")] = None
+    models: Annotated[Annotated[tuple[Name, ...], Meta(min_length=1)] | None, Meta(description="The models this user may ask for, by the name the request gives: a model's, an alias's (it allows the alias, not its targets by their own names) or a LoRA adapter's (a base model listed does not allow its adapters); null: every model. A request for any other is answered as one for a model that does not exist (404 model_not_found), before the user's limits count it, and /v1/models lists only these.")] = None
 
     @property
     def any(self) -> bool:
@@ -827,13 +828,23 @@ def no_effect(config: Config) -> list[str]:
 
     - ``limits.models.<name>`` naming no model: the limit is looked up by the model a request is
       routed to, so an alias's or an adapter's requests count under their model's name, and a
-      name that is none limits nothing. (With Kubernetes discovery the pods may bring it.)"""
+      name that is none limits nothing. (With Kubernetes discovery the pods may bring it.)
+    - a name in ``limits.users.<name>.models`` (or ``limits.default_user.models``) that is no
+      model, alias or LoRA adapter: the list is checked against the name a request gives, so that
+      name allows no request."""
     out: list[str] = []
     if config.kubernetes.enabled:
         return out
     models = {m.name for m in config.models}
     aliases = {a.name for a in config.aliases}
     adapters = {a: m.name for m in config.models for a in m.adapters}
+    lists = [(f"limits.users.{u}.models", lim.models) for u, lim in config.limits.users.items()]
+    if config.limits.default_user is not None:
+        lists.append(("limits.default_user.models", config.limits.default_user.models))
+    for key, allowed in lists:
+        for name in allowed or ():
+            if name not in models and name not in aliases and name not in adapters:
+                out.append(f"{key}: {name!r} names no model, alias or LoRA adapter: it allows no request")
     for name in config.limits.models:
         if name in models:
             continue

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from gateway.apis.base import ApiShape
 from gateway.endpoints import Endpoint
-from gateway.errors import ErrorClass
+from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.logs import RequestLog
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import NO_TRACE, Trace
@@ -53,6 +53,15 @@ def safe_header_value(value: str) -> str:
     if _UNSAFE.search(value) is None:
         return value
     return _UNSAFE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode("utf-8", "surrogatepass")), value)
+
+
+def model_not_found(name: str, error_class: ErrorClass = ErrorClass.MODEL_NOT_FOUND) -> GatewayError:
+    """The 404 for a model a request names that the gateway does not serve, in OpenAI's words;
+    also the answer for a model the user may not use (``limits.users.<name>.models``), which only
+    the request's log line tells apart: a client cannot learn which models exist by asking."""
+    return GatewayError(404, f"The model `{name}` does not exist or you do not have access to it.", param="model",
+                        code="model_not_found", header=("x-error-no-model-backends", safe_header_value(name)),
+                        error_class=error_class)
 
 
 def _set_fields(obj: object, names: Iterable[str], values: Iterable[Any]) -> None:

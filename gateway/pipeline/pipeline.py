@@ -30,7 +30,7 @@ from gateway.errors import ErrorClass, GatewayError, parser_message
 from gateway.kv import dp_rank
 from gateway.pd.decide import WHOLE_ROLES
 from gateway.pd.orchestrator import PairFailed
-from gateway.pipeline.context import RequestContext, record_request, safe_header_value, take_edge_answer
+from gateway.pipeline.context import RequestContext, model_not_found, record_request, take_edge_answer
 from gateway.pipeline.generation import Generation
 from gateway.pipeline.ledger import NO_CHARGES, charge
 from gateway.pipeline.migration import Migration
@@ -123,7 +123,7 @@ class Pipeline:
             ctx.api = self.apis.get(request.path)   # first: every error is in its shape
             self.lifecycle.check_open()
             ticket = await self.tenancy.authenticate(request, rec)   # API key → user (401), before the body
-            ireq = await self._parse(ctx, ticket.user)              # an alias or an adapter names its model
+            ireq = await self._parse(ctx, ticket)   # an alias or an adapter names its model; 404 if not the user's
             model = self._enter(ireq.model)         # 404 unless known; counted in flight
             rec.model_known = True                  # metric labels name known models only
             legs = self.legs(model)                 # what its stages read of the model's config
@@ -187,9 +187,12 @@ class Pipeline:
 
     # -- stages ---------------------------------------------------------------------------------
 
-    async def _parse(self, ctx: RequestContext, user: str | None) -> InferenceRequest:
-        """Body bytes → the parsed request (in its API's format); an alias names one of its
-        models (gateway/aliases.py), an adapter is a request for its base model (gateway/lora)."""
+    async def _parse(self, ctx: RequestContext, ticket: Ticket) -> InferenceRequest:
+        """Body bytes → the parsed request (in its API's format); a name the user may not ask for
+        is answered as a model that does not exist (``limits.users.<name>.models``, checked on the
+        name the request gives, before any limit counts it); an alias names one of its models
+        (gateway/aliases.py), an adapter is a request for its base model (gateway/lora)."""
+        user = ticket.user
         request, api = ctx.http, ctx.api
         limit = self.config.server.max_body_bytes
         body = await api.read_body(request, limit) if api is not None else None
@@ -214,6 +217,11 @@ class Pipeline:
             if e.model is not None:         # refused after the body named its model: the log line says which
                 self._refused_named(ctx, e.model, user)
             raise
+        if not self.tenancy.allows(ticket, ctx.ireq):
+            if ctx.rec.user is None:
+                ctx.rec.user = ctx.ireq.user
+            self._refused_named(ctx, ctx.ireq.model, user)
+            raise model_not_found(ctx.ireq.model, ErrorClass.MODEL_NOT_ALLOWED)
         self.aliases.resolve(ctx, user)
         try:
             self.lora.resolve(ctx)
@@ -306,9 +314,7 @@ class Pipeline:
         if not self.pool.has_model(model) and self.config.model(model) is None:
             if not self.pool.listed or self.pool.awaited(model):
                 raise not_listed_yet(model, self.pool.listed)
-            raise GatewayError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found",
-                               header=("x-error-no-model-backends", safe_header_value(model)),
-                               error_class=ErrorClass.MODEL_NOT_FOUND)
+            raise model_not_found(model)
         self.model_in_flight[model] = self.model_in_flight.get(model, 0) + 1
         return model
 

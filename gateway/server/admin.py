@@ -50,7 +50,8 @@ from gateway.tenants.directory import (
     bearer_token,
     header_field,
     key_digest,
-    limits_stored,
+    limits_from_stored,
+    limits_view,
     new_key,
     now,
 )
@@ -67,6 +68,10 @@ KEY_TEXT = re.compile(rf"[\x21-\x7e]{{{MIN_KEY_LENGTH},{MAX_KEY_LENGTH}}}")
 # the largest limit: past 2**53 a number is not exact in the store's scripts (Lua's doubles) nor
 # in JSON readers that use doubles, so a larger one would be kept as another number
 MAX_LIMIT = 2**53 - 1
+# a user's model list: what a store record may hold (each name as long as a model name may be)
+MAX_MODELS = 1000
+MAX_MODEL_NAME = 1024
+USER_FIELDS = (*LIMIT_FIELDS, "models")
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -205,12 +210,20 @@ def _conflict(message: str) -> GatewayError:
     return GatewayError(409, message, code="conflict", type_="invalid_request_error", error_class=ErrorClass.ADMIN)
 
 
-def _changes(data: dict[str, Any]) -> dict[str, int]:
-    """The limits a body sets, checked: a 400 naming the first field that is not one or not valid."""
-    out = {}
+def _changes(data: dict[str, Any]) -> dict[str, Any]:
+    """The limits a body sets, checked: a 400 naming the first field that is not one or not valid.
+    ``models``: a non-empty list of names, or null (every model)."""
+    out: dict[str, Any] = {}
     for key, v in data.items():
+        if key == "models":
+            if v is not None and (not isinstance(v, list) or not v or len(v) > MAX_MODELS or not all(
+                    isinstance(m, str) and 0 < len(m) <= MAX_MODEL_NAME for m in v)):
+                raise _bad(f"'models' must be null (every model) or a list of 1 to {MAX_MODELS} model names "
+                           f"(each a non-empty string of at most {MAX_MODEL_NAME} characters)", key)
+            out[key] = list(dict.fromkeys(v)) if v is not None else None
+            continue
         if key not in LIMIT_FIELDS:
-            raise _bad(f"unknown field '{key}' (known: {', '.join(LIMIT_FIELDS)})", key)
+            raise _bad(f"unknown field '{key}' (known: {', '.join(USER_FIELDS)})", key)
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LIMIT:
             raise _bad(f"'{key}' must be an integer from 0 (unlimited) to {MAX_LIMIT}", key)
         out[key] = v
@@ -227,8 +240,8 @@ def _path_user(data: dict[str, Any], name: str) -> None:
 
 
 def _limits(data: dict[str, Any]) -> UserLimits:
-    """A whole record: the fields a body gives, 0 (unlimited) for the others."""
-    return UserLimits(**_changes(data))
+    """A whole record: the fields a body gives, 0 (unlimited) for the others, no model list."""
+    return limits_from_stored(_changes(data))
 
 
 def _user_name(v: Any, param: str = "name") -> str:
@@ -293,7 +306,7 @@ class AdminAPI:
     async def list_users(self, request: web.Request) -> web.Response:
         d = self.dir.default_user
         return _json(200, {"object": "list", "data": self.dir.users(),
-                           "default_user": limits_stored(d) if d is not None else None})
+                           "default_user": limits_view(d) if d is not None else None})
 
     async def _user_answer(self, name: str, status: int = 200) -> web.Response:
         view = self.dir.user_view(name)

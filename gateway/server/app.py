@@ -41,7 +41,7 @@ from gateway.observability.metrics import GatewayMetrics, RetiredSeries
 from gateway.observability.status import StatusBoard, StatusSources
 from gateway.observability.status_http import StatusPage, add_status
 from gateway.observability.tracing import Tracing
-from gateway.pipeline.context import safe_header_value
+from gateway.pipeline.context import model_not_found
 from gateway.pipeline.generation import Generation, Services, build_generation, build_services
 from gateway.pipeline.pipeline import Pipeline, not_listed_yet
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, given_request_id, request_id_from
@@ -487,25 +487,36 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
                 data.append({"id": a.pop("id"), "object": "model", "created": started_at, "owned_by": "switchyard", **a})
         return data
 
+    async def allowed_models(request: web.Request) -> tuple[str, ...] | None:
+        """The names the caller may ask for (None: every model): with auth on a key is needed to
+        list models too (401), and its user's list decides; without, the ``user`` header's."""
+        t = await s.tenancy.authenticate(request, None)
+        return s.tenancy.models_for(t, request.headers.get("user"))
+
+    def entries_for(allowed: tuple[str, ...] | None) -> list[dict]:
+        entries = model_entries()
+        return entries if allowed is None else [e for e in entries if e["id"] in allowed]
+
     async def models(request: web.Request) -> web.Response:
-        await s.tenancy.authenticate(request, None)   # with auth on, listing models needs a key too
+        entries = entries_for(await allowed_models(request))     # only those the user may ask for
         if ANTHROPIC_VERSION in request.headers:      # Anthropic's SDK: a page in its Models API shape
-            return _json(200, models_page(model_entries(), request.query), _VARY)
-        return _json(200, {"object": "list", "data": model_entries()}, _VARY)
+            return _json(200, models_page(entries, request.query), _VARY)
+        return _json(200, {"object": "list", "data": entries}, _VARY)
 
     async def model(request: web.Request) -> web.Response:
         """One entry of the list (OpenAI's retrieve; SGLang serves it too): the id is the rest of
         the path, so a name with slashes (``org/model``, or ``org%2Fmodel``) is one id."""
-        await s.tenancy.authenticate(request, None)
+        allowed = await allowed_models(request)
         name = request.match_info["model_id"]
+        if allowed is not None and name not in allowed:     # answered as a name that is no model
+            s.tenancy.refused_model()
+            raise model_not_found(name, ErrorClass.MODEL_NOT_ALLOWED)
         for entry in model_entries():
             if entry["id"] == name:
                 return _json(200, model_info(entry) if ANTHROPIC_VERSION in request.headers else entry, _VARY)
         if not pool.listed or pool.awaited(name):   # it may be one of the pods', as for a request
             raise not_listed_yet(name, pool.listed)
-        raise GatewayError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found",
-                           header=("x-error-no-model-backends", safe_header_value(name)),
-                           error_class=ErrorClass.MODEL_NOT_FOUND)
+        raise model_not_found(name)
 
     async def health(_request: web.Request) -> web.Response:
         return _json(200, {"status": "ok"})

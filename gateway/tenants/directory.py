@@ -111,11 +111,24 @@ class KeyRecord:
 
 
 def limits_from_stored(data: dict[str, Any]) -> UserLimits:
-    return UserLimits(**{f: int(data.get(f) or 0) for f in LIMIT_FIELDS})
+    """A stored record (memory, Redis); one written before ``models`` existed has no list: every model."""
+    models = data.get("models")
+    return UserLimits(**{f: int(data.get(f) or 0) for f in LIMIT_FIELDS},
+                      models=tuple(str(m) for m in models) if isinstance(models, list) and models else None)
 
 
-def limits_stored(limits: UserLimits) -> dict[str, int]:
-    return {f: getattr(limits, f) for f in LIMIT_FIELDS}
+def limits_stored(limits: UserLimits) -> dict[str, Any]:
+    """A user's record as stored: the limits, and ``models`` when the user has a list (a record
+    without one is read alike by a replica of an older release)."""
+    out: dict[str, Any] = {f: getattr(limits, f) for f in LIMIT_FIELDS}
+    if limits.models is not None:
+        out["models"] = list(limits.models)
+    return out
+
+
+def limits_view(limits: UserLimits) -> dict[str, Any]:
+    """A user's record as the admin API shows it: ``models`` always (null: every model)."""
+    return {**limits_stored(limits), "models": list(limits.models) if limits.models is not None else None}
 
 
 class Directory:
@@ -149,6 +162,14 @@ class Directory:
             return None
         lim = self.store_users.get(user) or self.config_users.get(user) or self.default_user
         return lim if lim is not None and lim.any else None
+
+    def models_for(self, user: str | None) -> tuple[str, ...] | None:
+        """The names ``user`` may ask for (from the record that gives their limits), or None: every
+        model. A request naming no user has no list."""
+        if user is None:
+            return None
+        lim = self.store_users.get(user) or self.config_users.get(user) or self.default_user
+        return lim.models if lim is not None else None
 
     # -- store mirror ------------------------------------------------------------------------
 
@@ -184,7 +205,7 @@ class Directory:
         if src is None:
             return None
         lim = self.store_users[name] if src == "store" else self.config_users[name]
-        return {"name": name, **limits_stored(lim), "source": src,
+        return {"name": name, **limits_view(lim), "source": src,
                 "overrides_config": src == "store" and name in self.config_users}
 
     def users(self) -> list[dict[str, Any]]:

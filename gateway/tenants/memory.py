@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from gateway.config.schema import UserLimits
-from gateway.tenants.directory import KeyRecord, limits_stored
+from gateway.tenants.directory import KeyRecord, limits_from_stored, limits_stored
 from gateway.tenants.limits import MODEL_WINDOW_MS, USER_WINDOW_MS, AdmitQuery, AdmitResult
 
 SWEEP_S = 10.0
@@ -158,12 +159,12 @@ class MemoryState:
         self.version += 1
         return True
 
-    async def patch_user(self, name: str, changes: dict[str, int], base: UserLimits | None) -> bool:
+    async def patch_user(self, name: str, changes: dict[str, Any], base: UserLimits | None) -> bool:
         """As the Redis backend's: read and written with no await between."""
         cur = self.users.get(name, base)
         if cur is None:
             return False
-        self.users[name] = UserLimits(**{**limits_stored(cur), **changes})
+        self.users[name] = limits_from_stored({**limits_stored(cur), **changes})     # models: None clears it
         self.version += 1
         return True
 

@@ -60,6 +60,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 import orjson
 import structlog
@@ -292,11 +293,17 @@ local function merged(key, field, value)
   local cur = redis.call('HGET', key, field)
   local rec
   if cur then rec = cjson.decode(cur) elseif type(patch.base) == 'table' then rec = patch.base else return nil end
-  for k, v in pairs(patch.set) do rec[k] = v end
+  for k, v in pairs(patch.set) do
+    if v == cjson.null then rec[k] = nil else rec[k] = v end
+  end
   local names, parts = {}, {}
   for k in pairs(rec) do names[#names + 1] = k end
   table.sort(names)
-  for _, k in ipairs(names) do parts[#parts + 1] = string.format('"%s":%d', k, rec[k]) end
+  for _, k in ipairs(names) do
+    local v = rec[k]
+    if type(v) == 'number' then parts[#parts + 1] = string.format('"%s":%d', k, v)
+    else parts[#parts + 1] = string.format('"%s":%s', k, cjson.encode(v)) end
+  end
   return '{' .. table.concat(parts, ',') .. '}'
 end
 
@@ -1076,10 +1083,10 @@ class RedisState:
         conditional on the store's current state, atomically: False when that does not hold."""
         return await self._write((_OP[only], 1, name, orjson.dumps(limits_stored(limits)))) is not None
 
-    async def patch_user(self, name: str, changes: dict[str, int], base: UserLimits | None) -> bool:
-        """Set some of the user's limits in its record as the store has it when the change runs
-        (``base``: the record to start from if it has none, a configured user's); False, and
-        nothing written, when there is neither."""
+    async def patch_user(self, name: str, changes: dict[str, Any], base: UserLimits | None) -> bool:
+        """Set some of the user's limits (``models``: None removes the list) in its record as the
+        store has it when the change runs (``base``: the record to start from if it has none, a
+        configured user's); False, and nothing written, when there is neither."""
         patch = {"set": changes, **({"base": limits_stored(base)} if base is not None else {})}
         return await self._write(("P", 1, name, orjson.dumps(patch))) is not None
 

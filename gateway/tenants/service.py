@@ -468,6 +468,28 @@ class Tenancy:
             self.directory.store_keys[digest] = key
         return key
 
+    # -- the user's models -------------------------------------------------------------------
+
+    def models_for(self, t: Ticket, named: str | None) -> tuple[str, ...] | None:
+        """The names the user may ask for (``limits.users.<name>.models``, an admin-API record's,
+        ``default_user``'s), or None: every model. With auth on the key's user, else ``named``,
+        the user the request names."""
+        return self.directory.models_for(t.user if self.auth_on else named)
+
+    def refused_model(self) -> None:
+        """A name the user may not ask for was asked for: counted."""
+        self.m.auth_failures.labels("model_not_allowed").inc()
+
+    def allows(self, t: Ticket, ireq: InferenceRequest) -> bool:
+        """Whether the request's user may ask for the model it names, as it names it (an alias,
+        an adapter: before either is resolved). With auth on, the key's user; without, the user
+        the request names. A refusal counts in ``switchyard_auth_failures_total{reason="model_not_allowed"}``."""
+        allowed = self.models_for(t, ireq.user)
+        if allowed is None or ireq.model in allowed:
+            return True
+        self.refused_model()
+        return False
+
     # -- hook 2: admit -----------------------------------------------------------------------
 
     async def admit(self, t: Ticket, ireq: InferenceRequest, rec: RequestRecord) -> None:
@@ -623,6 +645,15 @@ class NoTenancy:
 
     async def admit(self, t: Ticket, ireq: InferenceRequest, rec: RequestRecord) -> None:
         pass
+
+    def models_for(self, t: Ticket, named: str | None) -> None:
+        return None
+
+    def refused_model(self) -> None:
+        pass
+
+    def allows(self, t: Ticket, ireq: InferenceRequest) -> bool:
+        return True
 
     def settle(self, t: Ticket, rec: RequestRecord) -> None:
         pass

@@ -66,7 +66,7 @@ async def test_the_anthropic_sdk_lists_and_retrieves_the_openai_listings_models_
     with pytest.raises(anthropic.NotFoundError) as ei:
         await c.models.retrieve("org/nope")
     assert ei.value.body == {"type": "error", "error": {"type": "not_found_error",
-                                                        "message": "The model `org/nope` does not exist."}}
+                                                        "message": "The model `org/nope` does not exist or you do not have access to it."}}
     assert ei.value.request_id and ei.value.request_id == ei.value.response.headers["request-id"]
 
     # the raw answer: only Anthropic's fields, created_at an RFC 3339 string

@@ -363,7 +363,7 @@ async def test_a_forms_model_is_read_as_the_engines_form_reader_reads_it(sims, g
             async with s.post(gw.url + "/v1/audio/transcriptions", data=body, headers=headers) as r:
                 got = await r.json()
                 assert r.status == 404, (padded, got)
-                assert got["error"] == {"message": f"The model `{padded}` does not exist.", "type": "invalid_request_error",
+                assert got["error"] == {"message": f"The model `{padded}` does not exist or you do not have access to it.", "type": "invalid_request_error",
                                         "param": "model", "code": "model_not_found"}, got
         assert [r for r in (await sim_state(v.url))["received"] if r["method"] == "POST"] == []
         body = _form((b'form-data; name="model"', "whisper-ü".encode("latin-1")), audio)
@@ -433,7 +433,7 @@ async def test_a_forms_charset_decodes_its_model_as_the_engines_form_reader_deco
                               headers={"Content-Type": ctype + charset}) as r:
                 got = await r.json()
                 assert r.status == 404 and got["error"]["code"] == "model_not_found", (charset, got)
-                assert got["error"]["message"] == f"The model `{raw.decode('latin-1')}` does not exist.", got
+                assert got["error"]["message"] == f"The model `{raw.decode('latin-1')}` does not exist or you do not have access to it.", got
         assert [r for r in (await sim_state(v.url))["received"] if r["method"] == "POST"] == []
         body = _form((b'form-data; name="model"', "whisper-ü".encode("latin-1")), audio)
         async with s.post(gw.url + "/v1/audio/transcriptions", data=body,

@@ -376,7 +376,7 @@ async def test_a_reload_that_turns_adapter_discovery_on_starts_it_in_every_worke
         async with aiohttp.ClientSession() as s, s.post(sim.url + "/v1/load_lora_adapter",
                                                         json={"lora_name": "ext", "lora_path": "org/ext"}) as r:
             assert r.status == 200
-        assert await spread(port, "ext", 2) == [(404, "The model `ext` does not exist.")] * 2
+        assert await spread(port, "ext", 2) == [(404, "The model `ext` does not exist or you do not have access to it.")] * 2
 
         path.write_text(discovery_config(port, sim.url, 0.1))
         await reloaded(proc, port, 2)

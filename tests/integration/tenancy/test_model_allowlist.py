@@ -50,12 +50,13 @@ async def test_a_model_not_allowed_is_answered_as_one_that_does_not_exist(gw):
     with pytest.raises(openai.NotFoundError) as ei:
         await alice.chat.completions.create(model="other", messages=CHAT, max_tokens=1)
     assert ei.value.code == "model_not_found"
-    # the same answer as a name that is no model: nothing tells a client the model exists
+    # the same answer as a name that is no model (to a user without a list): nothing tells a
+    # client the model exists
     for path, body in (("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}),
                        ("/tokenize", {"prompt": "hi"}),                      # a pass-through path
                        ("/v1/responses", {"input": "hi", "previous_response_id": "resp_x"})):
         s1, denied, h1 = await _post(gw, path, ALICE, {**body, "model": "other"})
-        s2, unknown, h2 = await _post(gw, path, ALICE, {**body, "model": "nope"})
+        s2, unknown, h2 = await _post(gw, path, BOB, {**body, "model": "nope"})     # bob has no list
         assert (s1, s2) == (404, 404), (path, denied, unknown)
         assert denied["error"]["message"] == "The model `other` does not exist or you do not have access to it."
         assert denied == {"error": {**unknown["error"], "message": unknown["error"]["message"].replace("nope", "other")}}
@@ -88,7 +89,7 @@ async def test_models_lists_only_the_allowed_ones(gw):
     with pytest.raises(openai.NotFoundError) as ei:
         await alice.models.retrieve("other")
     with pytest.raises(openai.NotFoundError) as eu:
-        await alice.models.retrieve("nope")
+        await bob.models.retrieve("nope")
     assert ei.value.body == {**eu.value.body, "message": eu.value.body["message"].replace("nope", "other")}
     assert (await bob.models.retrieve("other")).id == "other"
 

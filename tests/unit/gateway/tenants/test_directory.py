@@ -5,7 +5,14 @@ import hashlib
 import pytest
 
 from gateway.config.schema import ApiKey, AuthConfig, LimitsConfig, UserLimits
-from gateway.tenants.directory import Directory, bearer_token, key_digest, limits_from_stored, limits_stored, new_key
+from gateway.tenants.directory import (
+    Directory,
+    bearer_token,
+    key_digest,
+    limits_from_stored,
+    limits_stored,
+    new_key,
+)
 
 
 @pytest.mark.parametrize("header,token", [("Bearer sk-1", "sk-1"), ("bearer  sk-1 ", "sk-1"), ("BEARER sk-1", "sk-1"),
@@ -32,7 +39,7 @@ def test_directory_precedence_store_then_config_then_default():
     assert d.limits_for(None) is None
     d.replace_store({"alice": UserLimits(rpm=2)}, {})
     assert d.limits_for("alice").rpm == 2
-    assert d.user_view("alice") == {"name": "alice", "rpm": 2, "tpm": 0, "max_concurrent": 0, "source": "store",
+    assert d.user_view("alice") == {"name": "alice", "rpm": 2, "tpm": 0, "max_concurrent": 0, "models": None, "source": "store",
                                     "overrides_config": True}
 
 
