@@ -6,12 +6,15 @@ from __future__ import annotations
 import aiohttp
 import anthropic
 import openai
+import orjson
 import pytest
+import redis.asyncio as aioredis
 
 from tests.support.factories import model_block
 from tests.support.http import anthropic_client, openai_client
 from tests.support.metrics import metric
 from tests.support.tenancy import ALICE, BOB, CHAT
+from tests.support.waiting import wait_for
 
 TOKEN = "admin-secret-token"
 CAROL = "sk-carol-0123456789"
@@ -116,3 +119,36 @@ async def test_the_admin_api_reads_sets_and_clears_the_list(gw):
     for bad in ([], [""], "m", [1], ["m", None]):
         status, err = await _admin(gw, "PATCH", "/admin/users/alice", {"models": bad})
         assert status == 400 and err["error"]["param"] == "models", (bad, err)
+
+
+async def test_a_list_set_on_one_replica_applies_on_another_through_redis(sims, gateway, redis_server):
+    """The list is kept in the store's record: a PATCH of another limit keeps it (the store's
+    script merges the record), a PATCH of ``models: null`` removes it, and another replica applies
+    each change as it applies any limit's. A record without the field (an older release's) is a
+    user with every model."""
+    m, other = await sims("vllm", "m"), await sims("vllm", "other")
+    blocks = {"auth": {**CONFIG["auth"]},
+              "state": {"redis_url": redis_server.url, "sync_interval_s": 0.05, "replica_ttl_s": 0.5, "timeout_s": 2.0}}
+    models = [model_block("m", "vllm", [m.url]), model_block("other", "vllm", [other.url])]
+    a, b = await gateway(models, **blocks), await gateway(models, **blocks)
+    status, user = await _admin(a, "PUT", "/admin/users/alice", {"rpm": 100, "models": ["m"]})
+    assert status == 201 and user["models"] == ["m"]
+    status, user = await _admin(a, "PATCH", "/admin/users/alice", {"tpm": 5000})
+    assert status == 200 and (user["models"], user["rpm"], user["tpm"]) == (["m"], 100, 5000)
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        assert orjson.loads(await r.hget("switchyard:users", "alice")) == {
+            "rpm": 100, "tpm": 5000, "max_concurrent": 0, "models": ["m"]}
+        assert await wait_for(lambda: b.gw.tenancy.directory.models_for("alice") == ("m",), timeout=10)
+        alice_b = openai_client(b, ALICE)
+        with pytest.raises(openai.NotFoundError):
+            await alice_b.chat.completions.create(model="other", messages=CHAT, max_tokens=1)
+        assert [x.id async for x in alice_b.models.list()] == ["m"]
+        status, user = await _admin(b, "PATCH", "/admin/users/alice", {"models": None})
+        assert status == 200 and user["models"] is None and user["tpm"] == 5000
+        assert orjson.loads(await r.hget("switchyard:users", "alice")) == {"rpm": 100, "tpm": 5000, "max_concurrent": 0}
+        assert await wait_for(lambda: a.gw.tenancy.directory.models_for("alice") is None, timeout=10)
+        alice_a = openai_client(a, ALICE)
+        assert (await alice_a.chat.completions.create(model="other", messages=CHAT, max_tokens=1)).choices
+    finally:
+        await r.aclose()
