@@ -10,8 +10,9 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
+from tests.support.batch import jsonl, run_to_end
 from tests.support.factories import model_block
-from tests.support.http import anthropic_client, openai_client
+from tests.support.http import anthropic_client, openai_client, sim_state
 from tests.support.metrics import metric
 from tests.support.tenancy import ALICE, BOB, CHAT
 from tests.support.waiting import wait_for
@@ -152,3 +153,36 @@ async def test_a_list_set_on_one_replica_applies_on_another_through_redis(sims, 
         assert (await alice_a.chat.completions.create(model="other", messages=CHAT, max_tokens=1)).choices
     finally:
         await r.aclose()
+
+
+async def test_a_batchs_lines_for_a_model_not_allowed_fail_as_for_one_that_does_not_exist(sims, gateway, tmp_path):
+    """A batch runs as its creator: a line naming a model not on their list fails in the error
+    file as a line naming no model does, and a batch whose lines all name one such model fails
+    whole at validation, as one naming a model that does not exist."""
+    m, other = await sims("vllm", "m"), await sims("vllm", "other")
+    gw = await gateway([model_block("m", "vllm", [m.url]), model_block("other", "vllm", [other.url])],
+                       auth=CONFIG["auth"], limits={"users": {"alice": {"models": ["m"]}}},
+                       batch={"enabled": True, "dir": str(tmp_path / "batch"), "poll_interval_s": 0.05,
+                              "retry_backoff_s": 0.05})
+    c = openai_client(gw, ALICE)
+
+    async def batch(models: list[str]):
+        rows = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"model": name, "messages": CHAT, "max_tokens": 1}} for i, name in enumerate(models)]
+        f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+        return await run_to_end(c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                           completion_window="24h")).id)
+
+    b = await batch(["m", "other", "nope"])
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (1, 2), b
+    err = {e["custom_id"]: e["response"] for e in (orjson.loads(x) for x in
+                                                    (await c.files.content(b.error_file_id)).content.splitlines())}
+    assert err["req-1"]["status_code"] == err["req-2"]["status_code"] == 404
+    assert err["req-1"]["body"]["error"] == {**err["req-2"]["body"]["error"],
+                                             "message": err["req-2"]["body"]["error"]["message"].replace("nope", "other")}
+    denied, unknown = await batch(["other", "other"]), await batch(["nope", "nope"])
+    assert denied.status == unknown.status == "failed", (denied, unknown)
+    assert [(e.code, e.param, e.message) for e in denied.errors.data] == [
+        (e.code, e.param, e.message.replace("nope", "other")) for e in unknown.errors.data]
+    assert (await sim_state(other.url))["received"] == [] or all(
+        r["path"] != "/v1/chat/completions" for r in (await sim_state(other.url))["received"])
