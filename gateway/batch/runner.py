@@ -118,7 +118,8 @@ class BatchRunner:
                  admission_waiting: Callable[[str], int], draining: Callable[[], bool] = lambda: False,
                  clock: Callable[[], float] = time.monotonic,
                  targets: Callable[[str], tuple[str, ...] | None] | None = None,
-                 pairs: Callable[[str], bool] = lambda model: False) -> None:
+                 pairs: Callable[[str], bool] = lambda model: False,
+                 allowed: Callable[[str, str], bool] = lambda owner, model: True) -> None:
         self.cfg, self.db, self.submit, self.pool, self.m = cfg, db, submit, pool, metrics
         self.engine_signals, self.max_age, self.admission_waiting = engine_signals, metrics_max_age, admission_waiting
         self.clock, self.draining = clock, draining
@@ -127,6 +128,8 @@ class BatchRunner:
         self.targets = targets or (lambda name: (name,) if self.pool.has_model(name) else None)
         # whether a model routes as prefill/decode pairs (its strategy chooses pairs: ``pd``)
         self.pairs = pairs
+        # whether a batch's creator may ask for a model (their ``limits.users.<name>.models``)
+        self.allowed = allowed
         # models whose lines wait as they cannot run one (no ready endpoint, or no ready pair)
         self.idle: set[str] = set()
         # models the gateway was seen to know (by name: a model, an alias, an adapter): one it no
@@ -321,9 +324,11 @@ class BatchRunner:
         except OSError as e:
             total, errors = 0, [{"code": "file_unreadable", "message": f"the input file cannot be read: {e.strerror}",
                                  "param": "input_file_id", "line": None}]
-        if not errors and model is not None and self.targets(model) is None and self._awaited(model) is None:
-            # every request names one model, which the gateway does not serve (nor expects back): the
-            # batch fails whole, as at OpenAI, rather than each line being answered 404
+        if not errors and model is not None and (self.targets(model) is None and self._awaited(model) is None
+                                                 or not self.allowed(job.owner, model)):
+            # every request names one model, which the gateway does not serve (nor expects back), or
+            # which the batch's creator may not use (answered alike): the batch fails whole, as at
+            # OpenAI, rather than each line being answered 404
             shown = model if len(model) <= 256 else model[:256] + "…"
             errors = [{"code": "model_not_found", "message": f"The model `{shown}` does not exist or you do not have access to it.",
                        "param": "body.model", "line": None}]

@@ -29,7 +29,7 @@ from gateway.batch.metrics import BatchMetrics
 from gateway.batch.runner import BatchRunner, Submit
 from gateway.batch.store import GONE_KEPT_S, BatchDb, BatchStore, FileInUse, now_s
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.tenants.service import NoTenancy, Tenancy
+from gateway.tenants.service import NoTenancy, Tenancy, Ticket
 
 log = structlog.get_logger("switchyard.batch")
 
@@ -79,13 +79,18 @@ class BatchService:
                  targets: Callable[[str], tuple[str, ...] | None] | None = None,
                  pairs: Callable[[str], bool] = lambda model: False) -> None:
         self.cfg = cfg
+
+        def allowed(owner: str, model: str) -> bool:
+            """Whether the batch's creator may ask for ``model`` (their ``models`` list)."""
+            names = tenancy.models_for(Ticket(user=owner or None), owner or None)
+            return names is None or model in names
         self.db = BatchDb(os.path.abspath(cfg.dir))
         self.metrics = BatchMetrics(registry, pool.models)
         self.api = BatchApi(cfg, self.db, tenancy, self._changed)
         self.pool = pool
         self._signals = dict(engine_signals=engine_signals, metrics_max_age=metrics_max_age,
                              admission_waiting=admission_waiting, draining=draining, targets=targets,
-                             pairs=pairs)
+                             pairs=pairs, allowed=allowed)
         self.runner: BatchRunner | None = None
         self.lock = DirLock(os.path.join(self.db.dir, "runner.lock"))
         self._task: asyncio.Task | None = None
