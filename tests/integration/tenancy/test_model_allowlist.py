@@ -3,6 +3,10 @@ model that does not exist, on every path, and is not listed by ``/v1/models``.""
 
 from __future__ import annotations
 
+import asyncio
+import io
+import json
+
 import aiohttp
 import anthropic
 import openai
@@ -10,6 +14,7 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
+from gateway.admin_cli import main as cli
 from tests.support.batch import jsonl, run_to_end
 from tests.support.factories import model_block
 from tests.support.http import anthropic_client, openai_client, sim_state
@@ -186,3 +191,21 @@ async def test_a_batchs_lines_for_a_model_not_allowed_fail_as_for_one_that_does_
         (e.code, e.param, e.message.replace("nope", "other")) for e in unknown.errors.data]
     assert (await sim_state(other.url))["received"] == [] or all(
         r["path"] != "/v1/chat/completions" for r in (await sim_state(other.url))["received"])
+
+
+async def test_the_cli_sets_and_clears_the_list(gw, monkeypatch):
+    monkeypatch.delenv("SWITCHYARD_ADMIN_TOKEN", raising=False)
+
+    async def run(*argv) -> tuple[int, dict]:
+        out, err = io.StringIO(), io.StringIO()
+        code = await asyncio.to_thread(cli, ["--url", gw.url, "--token", TOKEN, *argv], out, err)
+        return code, (json.loads(out.getvalue()) if code == 0 else {"err": err.getvalue()})
+
+    code, fred = await run("users", "create", "fred", "--rpm", "3", "--models", "m", "chat")
+    assert code == 0 and fred["models"] == ["m", "chat"] and fred["rpm"] == 3, fred
+    code, fred = await run("users", "update", "fred", "--models", "other")
+    assert code == 0 and fred["models"] == ["other"] and fred["rpm"] == 3, fred
+    code, fred = await run("users", "update", "fred", "--all-models")
+    assert code == 0 and fred["models"] is None and fred["rpm"] == 3, fred
+    code, fred = await run("users", "set", "fred", "--tpm", "5", "--models", "m")
+    assert code == 0 and (fred["models"], fred["rpm"], fred["tpm"]) == (["m"], 0, 5), fred
