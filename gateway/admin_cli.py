@@ -4,6 +4,8 @@
     python -m gateway.admin_cli users create alice --rpm 60 --tpm 100000 [--max-concurrent 4]
     python -m gateway.admin_cli users get alice
     python -m gateway.admin_cli users update alice --tpm 50000      # change some limits (PATCH)
+    python -m gateway.admin_cli users update alice --models llama-8b chat   # the models alice may use
+    python -m gateway.admin_cli users update alice --all-models    # every model again
     python -m gateway.admin_cli users set alice --rpm 10            # replace all limits (PUT)
     python -m gateway.admin_cli users delete alice
     python -m gateway.admin_cli keys create --user alice [--name laptop] [--key TEXT]
@@ -42,9 +44,14 @@ def _request(url: str, token: str, method: str, path: str, body: dict[str, Any] 
             return e.code, {"error": {"message": raw.decode("utf-8", "replace") or e.reason}}
 
 
-def _limits(args: argparse.Namespace) -> dict[str, int]:
-    return {k: v for k, v in (("rpm", args.rpm), ("tpm", args.tpm), ("max_concurrent", args.max_concurrent))
-            if v is not None}
+def _limits(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {k: v for k, v in (("rpm", args.rpm), ("tpm", args.tpm),
+                                             ("max_concurrent", args.max_concurrent)) if v is not None}
+    if args.models is not None:
+        out["models"] = args.models
+    elif args.all_models:
+        out["models"] = None
+    return out
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,6 +73,10 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--rpm", type=int, help="requests per minute (0: unlimited)")
         sp.add_argument("--tpm", type=int, help="tokens per minute (0: unlimited)")
         sp.add_argument("--max-concurrent", type=int, help="requests in flight at once (0: unlimited)")
+        models = sp.add_mutually_exclusive_group()
+        models.add_argument("--models", nargs="+", metavar="NAME",
+                            help="the models (or aliases, LoRA adapters) the user may ask for, by name")
+        models.add_argument("--all-models", action="store_true", help="the user may ask for every model (no list)")
 
     keys = what.add_parser("keys", help="API keys").add_subparsers(dest="op", required=True)
     keys.add_parser("list").add_argument("--user")
