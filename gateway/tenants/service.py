@@ -94,7 +94,9 @@ class TenancyMetrics:
 
     def __init__(self, registry) -> None:
         r = registry
-        self.auth_failures = Counter("switchyard_auth_failures", "Requests refused by API-key auth",
+        self.auth_failures = Counter("switchyard_auth_failures",
+                                     "Requests refused by API-key auth, or for a model not on their user's list "
+                                     "(model_not_allowed)",
                                      ["reason"], registry=r)
         self.rate_limited = Counter("switchyard_rate_limited", "Requests refused with 429 by a limit",
                                     ["model", "limit", "user"], registry=r)
