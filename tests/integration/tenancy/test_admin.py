@@ -16,7 +16,7 @@ from gateway.admin_cli import main as cli
 from gateway.config.schema import config_from_dict
 from gateway.server.app import RELOAD_KEY
 from tests.support.factories import model_block
-from tests.support.http import openai_client
+from tests.support.http import openai_client, sim_state
 from tests.support.metrics import metric
 from tests.support.tenancy import ALICE, CHAT
 
@@ -321,3 +321,42 @@ async def test_an_admin_call_after_a_reload_removed_the_token_keeps_one_line_wit
         [(404, "get_key", "abc", "http")], lines
     async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
         assert metric(await r.text(), "switchyard_admin_requests_total", action="get_key", result="not_found") == 1
+
+
+async def test_a_users_admission_class_is_kept_by_a_patch_and_set_by_the_api(sims, gateway):
+    """A configured user's ``priority`` (its admission class) survives a PATCH of another limit
+    (the store's record starts from the configured one), shows in the user's view, and is set or
+    cleared (null: ``admission.default_priority``) by POST, PUT and PATCH like the other fields.
+    The class a request was admitted in is read from the engine priority it was sent with."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       admission={"enabled": True, "engine_priority": {"critical": -1, "standard": 0, "sheddable": 1}},
+                       auth={"api_keys": [{"key": ALICE, "user": "alice"}], "admin_token": TOKEN},
+                       limits={"users": {"alice": {"rpm": 100, "priority": "critical"}}})
+    admin = Admin(gw)
+    classes = {-1: "critical", 0: "standard", 1: "sheddable"}
+
+    async def served_class() -> str:
+        assert (await openai_client(gw, ALICE).chat.completions.create(model="m", messages=CHAT,
+                                                                         max_tokens=1)).choices
+        received = [x["body"] for x in (await sim_state(sim.url))["received"] if x["path"] == "/v1/chat/completions"]
+        return classes[received[-1]["priority"]]
+
+    assert await served_class() == "critical"
+    status, user = await admin("PATCH", "/admin/users/alice", {"rpm": 120})
+    assert status == 200 and user["rpm"] == 120
+    assert await served_class() == "critical"
+    assert user["priority"] == "critical", user
+    status, user = await admin("PATCH", "/admin/users/alice", {"priority": "sheddable"})
+    assert status == 200 and user["priority"] == "sheddable" and user["rpm"] == 120, user
+    assert await served_class() == "sheddable"
+    status, user = await admin("PATCH", "/admin/users/alice", {"priority": None})
+    assert status == 200 and user["priority"] is None
+    assert await served_class() == "standard"             # admission.default_priority
+    status, dora = await admin("POST", "/admin/users", {"name": "dora", "priority": "critical"})
+    assert status == 201 and dora["priority"] == "critical"
+    status, dora = await admin("PUT", "/admin/users/dora", {"rpm": 1})
+    assert status == 200 and dora["priority"] is None       # a whole record: no class given
+    for bad in ("urgent", 1, True, ["critical"]):
+        status, err = await admin("PATCH", "/admin/users/alice", {"priority": bad})
+        assert status == 400 and err["error"]["param"] == "priority", (bad, err)
