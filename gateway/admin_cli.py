@@ -6,6 +6,7 @@
     python -m gateway.admin_cli users update alice --tpm 50000      # change some limits (PATCH)
     python -m gateway.admin_cli users update alice --models llama-8b chat   # the models alice may use
     python -m gateway.admin_cli users update alice --all-models    # every model again
+    python -m gateway.admin_cli users update alice --priority critical     # her admission class
     python -m gateway.admin_cli users set alice --rpm 10            # replace all limits (PUT)
     python -m gateway.admin_cli users delete alice
     python -m gateway.admin_cli keys create --user alice [--name laptop] [--key TEXT]
@@ -51,6 +52,8 @@ def _limits(args: argparse.Namespace) -> dict[str, Any]:
         out["models"] = args.models
     elif args.all_models:
         out["models"] = None
+    if args.priority is not None:
+        out["priority"] = None if args.priority == "default" else args.priority
     return out
 
 
@@ -77,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
         models.add_argument("--models", nargs="+", metavar="NAME",
                             help="the models (or aliases, LoRA adapters) the user may ask for, by name")
         models.add_argument("--all-models", action="store_true", help="the user may ask for every model (no list)")
+        sp.add_argument("--priority", choices=("critical", "standard", "sheddable", "default"),
+                        help="the admission class of the user's requests (default: no class of its own, the "
+                             "default user's or admission.default_priority)")
 
     keys = what.add_parser("keys", help="API keys").add_subparsers(dest="op", required=True)
     keys.add_parser("list").add_argument("--user")

@@ -112,6 +112,9 @@ class Admission:
         # told when a model's queue fills or empties (``queued``: which hold requests now); the shared
         # view tells the siblings, whose batch runner leaves the model's engines to them meanwhile
         self.on_queue_change: Callable[[], None] | None = None
+        # a user's class from the tenants' directory (the admin API's records over the config's),
+        # where tenancy runs; None: the config's alone
+        self.user_classes: Callable[[str | None], str | None] | None = None
         self.reconfigure(config)
         metrics.registry.register(_AdmissionState(self))
 
@@ -183,6 +186,8 @@ class Admission:
     # -- priority ------------------------------------------------------------------------------
 
     def user_priority(self, user: str | None) -> str | None:
+        if self.user_classes is not None:
+            return self.user_classes(user)
         lim = self.config.limits
         entry = lim.users.get(user) if user is not None else None
         if entry is not None and entry.priority is not None:

@@ -44,6 +44,7 @@ from gateway.request import given_request_id, request_id_from
 from gateway.tenants import Tenancy
 from gateway.tenants.directory import (
     LIMIT_FIELDS,
+    PRIORITIES,
     USER_NAME,
     KeyRecord,
     admin_token_valid,
@@ -71,7 +72,7 @@ MAX_LIMIT = 2**53 - 1
 # a user's model list: what a store record may hold (each name as long as a model name may be)
 MAX_MODELS = 1000
 MAX_MODEL_NAME = 1024
-USER_FIELDS = (*LIMIT_FIELDS, "models")
+USER_FIELDS = (*LIMIT_FIELDS, "models", "priority")
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -212,7 +213,8 @@ def _conflict(message: str) -> GatewayError:
 
 def _changes(data: dict[str, Any]) -> dict[str, Any]:
     """The limits a body sets, checked: a 400 naming the first field that is not one or not valid.
-    ``models``: a non-empty list of names, or null (every model)."""
+    ``models``: a non-empty list of names, or null (every model); ``priority``: an admission class,
+    or null (the default user's, else ``admission.default_priority``)."""
     out: dict[str, Any] = {}
     for key, v in data.items():
         if key == "models":
@@ -221,6 +223,11 @@ def _changes(data: dict[str, Any]) -> dict[str, Any]:
                 raise _bad(f"'models' must be null (every model) or a list of 1 to {MAX_MODELS} model names "
                            f"(each a non-empty string of at most {MAX_MODEL_NAME} characters)", key)
             out[key] = list(dict.fromkeys(v)) if v is not None else None
+            continue
+        if key == "priority":
+            if v is not None and v not in PRIORITIES:
+                raise _bad(f"'priority' must be null (the default's class) or one of {', '.join(PRIORITIES)}", key)
+            out[key] = v
             continue
         if key not in LIMIT_FIELDS:
             raise _bad(f"unknown field '{key}' (known: {', '.join(USER_FIELDS)})", key)
@@ -240,7 +247,7 @@ def _path_user(data: dict[str, Any], name: str) -> None:
 
 
 def _limits(data: dict[str, Any]) -> UserLimits:
-    """A whole record: the fields a body gives, 0 (unlimited) for the others, no model list."""
+    """A whole record: the fields a body gives, 0 (unlimited) for the others, no model list, no class."""
     return limits_from_stored(_changes(data))
 
 

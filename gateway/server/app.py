@@ -334,6 +334,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     if tenancy is not None:      # x-ratelimit-* on every answer, state lifecycle, /admin API
         audit = AdminAudit(metrics.registry, s.request_log)     # a line and a count per admin call
         add_tenancy(app, tenancy, audit)
+        s.admission.user_classes = tenancy.directory.priority_for     # the admin API's records too
         if tenancy.admin_digest is not None:
             reloader.register(app.router, audit)        # POST /admin/reload
     batch = _add_batch(app, config, s, reloader) if config.batch.enabled else None

@@ -18,13 +18,15 @@ import re
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
+from gateway.admission.config import Priority
 from gateway.config.schema import AuthConfig, LimitsConfig, UserLimits
 
 KEY_PREFIX = "sk-sy-"
 USER_NAME = re.compile(r"[A-Za-z0-9._@:+\-]{1,128}")
 LIMIT_FIELDS = ("rpm", "tpm", "max_concurrent")
+PRIORITIES = get_args(Priority)        # the admission classes a record may give its user
 
 
 def key_digest(key: str) -> str:
@@ -111,24 +113,32 @@ class KeyRecord:
 
 
 def limits_from_stored(data: dict[str, Any]) -> UserLimits:
-    """A stored record (memory, Redis); one written before ``models`` existed has no list: every model."""
+    """A stored record (memory, Redis); one written before ``models`` existed has no list: every
+    model; one written before ``priority`` existed (or naming no class this release knows) has no
+    class: the default user's, else ``admission.default_priority``."""
     models = data.get("models")
+    priority = data.get("priority")
     return UserLimits(**{f: int(data.get(f) or 0) for f in LIMIT_FIELDS},
-                      models=tuple(str(m) for m in models) if isinstance(models, list) and models else None)
+                      models=tuple(str(m) for m in models) if isinstance(models, list) and models else None,
+                      priority=priority if priority in PRIORITIES else None)
 
 
 def limits_stored(limits: UserLimits) -> dict[str, Any]:
-    """A user's record as stored: the limits, and ``models`` when the user has a list (a record
-    without one is read alike by a replica of an older release)."""
+    """A user's record as stored: the limits, ``models`` when the user has a list and ``priority``
+    when it has a class (a record without them is read alike by a replica of an older release)."""
     out: dict[str, Any] = {f: getattr(limits, f) for f in LIMIT_FIELDS}
     if limits.models is not None:
         out["models"] = list(limits.models)
+    if limits.priority is not None:
+        out["priority"] = limits.priority
     return out
 
 
 def limits_view(limits: UserLimits) -> dict[str, Any]:
-    """A user's record as the admin API shows it: ``models`` always (null: every model)."""
-    return {**limits_stored(limits), "models": list(limits.models) if limits.models is not None else None}
+    """A user's record as the admin API shows it: ``models`` (null: every model) and ``priority``
+    (null: the default's class) always."""
+    return {**limits_stored(limits), "models": list(limits.models) if limits.models is not None else None,
+            "priority": limits.priority}
 
 
 class Directory:
@@ -170,6 +180,15 @@ class Directory:
             return None
         lim = self.store_users.get(user) or self.config_users.get(user) or self.default_user
         return lim.models if lim is not None else None
+
+    def priority_for(self, user: str | None) -> str | None:
+        """The admission class of ``user``'s requests: that of the record that gives their limits
+        (a store record over the configured one), else the default user's; None: admission's
+        ``default_priority``."""
+        lim = (self.store_users.get(user) or self.config_users.get(user)) if user is not None else None
+        if lim is not None and lim.priority is not None:
+            return lim.priority
+        return self.default_user.priority if self.default_user is not None else None
 
     # -- store mirror ------------------------------------------------------------------------
 

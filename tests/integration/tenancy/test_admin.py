@@ -74,9 +74,10 @@ async def test_no_admin_token_no_admin_api(sims, gateway):
 async def test_users_crud(gw):
     admin = Admin(gw)
     status, body = await admin("GET", "/admin/users")
-    assert status == 200 and body["default_user"] == {"rpm": 50, "tpm": 0, "max_concurrent": 0, "models": None}
-    assert body["data"] == [{"name": "alice", "rpm": 100, "tpm": 0, "max_concurrent": 0, "models": None, "source": "config",
-                             "overrides_config": False}]
+    assert status == 200 and body["default_user"] == {"rpm": 50, "tpm": 0, "max_concurrent": 0, "models": None,
+                                                     "priority": None}
+    assert body["data"] == [{"name": "alice", "rpm": 100, "tpm": 0, "max_concurrent": 0, "models": None,
+                             "priority": None, "source": "config", "overrides_config": False}]
 
     status, bob = await admin("POST", "/admin/users", {"name": "bob", "rpm": 2, "tpm": 1000})
     assert status == 201 and (bob["rpm"], bob["tpm"], bob["max_concurrent"], bob["source"]) == (2, 1000, 0, "store")

@@ -156,6 +156,15 @@ async def test_a_list_set_on_one_replica_applies_on_another_through_redis(sims, 
         assert await wait_for(lambda: a.gw.tenancy.directory.models_for("alice") is None, timeout=10)
         alice_a = openai_client(a, ALICE)
         assert (await alice_a.chat.completions.create(model="other", messages=CHAT, max_tokens=1)).choices
+        # the admission class is kept the same way: a string the script writes as JSON, null removes it
+        status, user = await _admin(a, "PATCH", "/admin/users/alice", {"priority": "critical"})
+        assert status == 200 and user["priority"] == "critical" and user["tpm"] == 5000
+        assert orjson.loads(await r.hget("switchyard:users", "alice")) == {
+            "rpm": 100, "tpm": 5000, "max_concurrent": 0, "priority": "critical"}
+        assert await wait_for(lambda: b.gw.tenancy.directory.priority_for("alice") == "critical", timeout=10)
+        status, user = await _admin(b, "PATCH", "/admin/users/alice", {"priority": None})
+        assert status == 200 and user["priority"] is None
+        assert orjson.loads(await r.hget("switchyard:users", "alice")) == {"rpm": 100, "tpm": 5000, "max_concurrent": 0}
     finally:
         await r.aclose()
 

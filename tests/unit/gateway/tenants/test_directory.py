@@ -39,8 +39,8 @@ def test_directory_precedence_store_then_config_then_default():
     assert d.limits_for(None) is None
     d.replace_store({"alice": UserLimits(rpm=2)}, {})
     assert d.limits_for("alice").rpm == 2
-    assert d.user_view("alice") == {"name": "alice", "rpm": 2, "tpm": 0, "max_concurrent": 0, "models": None, "source": "store",
-                                    "overrides_config": True}
+    assert d.user_view("alice") == {"name": "alice", "rpm": 2, "tpm": 0, "max_concurrent": 0, "models": None,
+                                    "priority": None, "source": "store", "overrides_config": True}
 
 
 def test_a_users_model_list_is_looked_up_as_its_limits_and_kept_in_its_stored_record():
@@ -60,3 +60,23 @@ def test_a_users_model_list_is_looked_up_as_its_limits_and_kept_in_its_stored_re
     assert stored == {"rpm": 2, "tpm": 0, "max_concurrent": 0, "models": ["m"]}
     assert limits_from_stored(stored) == UserLimits(rpm=2, models=("m",))
     assert limits_from_stored({"rpm": 2, "tpm": 0, "max_concurrent": 0}) == UserLimits(rpm=2)
+
+
+def test_a_users_class_is_looked_up_as_its_limits_and_kept_in_its_stored_record():
+    """``priority``: the admission class from the record that gives the user's limits (a store
+    record over the configured one), else the default user's; a record stored without one (an
+    older release's, or naming a class this release does not know) has none."""
+    d = Directory(AuthConfig(), LimitsConfig(users={"alice": UserLimits(priority="critical"), "bob": UserLimits(rpm=1)},
+                                             default_user=UserLimits(priority="sheddable")))
+    assert d.priority_for("alice") == "critical"
+    assert d.priority_for("bob") == "sheddable"          # no class of its own: the default user's
+    assert d.priority_for("stranger") == "sheddable"
+    assert d.priority_for(None) == "sheddable"
+    d.replace_store({"alice": UserLimits(rpm=2), "bob": UserLimits(priority="standard")}, {})
+    assert d.priority_for("alice") == "sheddable"        # the store's record replaces the config's
+    assert d.priority_for("bob") == "standard"
+    stored = limits_stored(UserLimits(rpm=2, priority="critical"))
+    assert stored == {"rpm": 2, "tpm": 0, "max_concurrent": 0, "priority": "critical"}
+    assert limits_from_stored(stored) == UserLimits(rpm=2, priority="critical")
+    assert limits_from_stored({"rpm": 2, "priority": "urgent"}) == UserLimits(rpm=2)
+    assert limits_from_stored({"rpm": 2, "priority": ["critical"]}) == UserLimits(rpm=2)
