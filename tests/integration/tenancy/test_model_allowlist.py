@@ -218,3 +218,7 @@ async def test_the_cli_sets_and_clears_the_list(gw, monkeypatch):
     assert code == 0 and fred["models"] is None and fred["rpm"] == 3, fred
     code, fred = await run("users", "set", "fred", "--tpm", "5", "--models", "m")
     assert code == 0 and (fred["models"], fred["rpm"], fred["tpm"]) == (["m"], 0, 5), fred
+    code, fred = await run("users", "update", "fred", "--priority", "critical")
+    assert code == 0 and fred["priority"] == "critical" and fred["models"] == ["m"], fred
+    code, fred = await run("users", "update", "fred", "--priority", "default")
+    assert code == 0 and fred["priority"] is None and fred["tpm"] == 5, fred
