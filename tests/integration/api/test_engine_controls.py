@@ -7,10 +7,13 @@ simulated engines, which list the bodies they received."""
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 
 from gateway.apis.paths import MESSAGES
 from gateway.request import CHAT, COMPLETIONS
+from tests.support.enginesim import wait_state
 from tests.support.factories import model_block, pd_model, pd_pair, roleset
 from tests.support.http import post, sim_state
 from tests.support.metrics import metric
@@ -291,3 +294,33 @@ async def test_a_clients_prefill_rank_does_not_reach_an_sglang_pd_pair(sims, gat
     assert [x.get("dropped_fields") for x in lines] == [["disagg_prefill_dp_rank"]], lines
     page = await _metrics(gw)
     assert metric(page, "switchyard_request_fields_dropped_total", model="m", field="disagg_prefill_dp_rank") == 1
+
+
+async def test_engine_priority_puts_a_critical_request_ahead_of_a_sheddable_flood_in_the_engines_queue(sims, gateway):
+    """An engine started with priority scheduling (``--scheduling-policy priority``) runs what
+    ``engine_priority`` wrote: a critical request sent after a flood of sheddable ones already waiting
+    in the engine's queue goes to its head, not its tail; each answers once the slot frees."""
+    v = await sims("vllm", "m", scheduling_policy="priority", max_num_seqs=1)
+    gw = await gateway([model_block("m", "vllm", [v.url])],
+                       admission={"enabled": True, "max_in_flight_per_endpoint": 16,
+                                  "engine_priority": {"critical": -1, "standard": 0, "sheddable": 1}},
+                       limits={"users": {"carol": {"priority": "critical"}}})
+    hold = asyncio.create_task(post(gw, {"model": "m", "messages": MSG, "max_tokens": 2, "user": "bob"},
+                                    {"x-sim-fault": "stall_before_first=inf"}))
+    await until_state(v.url, lambda s: len(s["running"]) == 1)
+    flood = [asyncio.create_task(post(gw, {"model": "m", "messages": MSG, "max_tokens": 2, "user": "bob"},
+                                     {"x-priority": "sheddable"}))
+             for _ in range(3)]
+    await until_state(v.url, lambda s: len(s["waiting"]) == 3)      # the flood waits in the engine
+    vip = asyncio.create_task(post(gw, {"model": "m", "messages": MSG, "max_tokens": 2, "user": "carol"}))
+    state = await until_state(v.url, lambda s: len(s["waiting"]) == 4)
+    assert [w["priority"] for w in state["waiting"]] == [-1, 1, 1, 1], state
+    hold.cancel()                                   # the client leaves: the engine's slot frees
+    await asyncio.gather(hold, return_exceptions=True)
+    for r in await asyncio.gather(vip, *flood):
+        assert r.status == 200, r.body
+
+
+async def until_state(url: str, pred) -> dict:
+    async with aiohttp.ClientSession() as http:
+        return await wait_state(http, url, pred)
