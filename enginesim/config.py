@@ -19,6 +19,7 @@ ENGINES = ("vllm", "sglang")
 IMPLEMENTED_ROLES = ("aggregated", "prefill", "decode")
 PLANNED_ROLES: tuple[str, ...] = ()
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 VLLM_VERSION = "0.33.0"
 SGLANG_VERSION = "0.5.23"
@@ -52,7 +53,15 @@ class SimConfig:
     itl_jitter_ms: float = _knob(0.0, "uniform jitter added to each inter-token gap (+/-)")
     itl_growth_per_running: float = _knob(
         0.0, "extra inter-token latency (ms) per other running request, so load slows decode")
-    max_num_seqs: int = _knob(64, "max running requests; the rest wait in a FIFO queue")
+    max_num_seqs: int = _knob(64, "max running requests; the rest wait in a queue (first come first served, "
+                                  "or by priority with priority scheduling)")
+    scheduling_policy: str = _knob(
+        "fcfs", "vLLM --scheduling-policy: 'priority' admits the waiting request of the lowest priority first "
+        "(the body's priority, or an X-Vllm-Priority header over it; 0 when neither), then the earliest; "
+        "'fcfs': in arrival order, whatever priority a request names", choices=SCHEDULING_POLICIES)
+    enable_priority_scheduling: bool = _knob(
+        False, "SGLang --enable-priority-scheduling: the waiting request of the highest body priority is "
+        "admitted first, then the earliest; one that names none goes after every one that does")
     kv_blocks: int = _knob(0, "KV pool size in blocks (0: 65536 tokens' worth)")
     block_size: int = _knob(0, "tokens per KV block (0: 16 for vLLM, 1 for SGLang's page size)")
     enable_prefix_caching: bool = _knob(True, "automatic prefix caching (vLLM) / radix cache (SGLang)")
@@ -163,6 +172,8 @@ class SimConfig:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
         if self.role not in IMPLEMENTED_ROLES:
             raise ValueError(f"unknown role {self.role!r}; expected one of aggregated, prefill, decode")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', not {self.scheduling_policy!r}")
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be 'fail' or 'recompute', "
                              f"not {self.kv_load_failure_policy!r}")
@@ -203,6 +214,12 @@ class SimConfig:
             object.__setattr__(self, "block_size", 16 if self.engine == "vllm" else 1)
         if self.kv_blocks == 0:
             object.__setattr__(self, "kv_blocks", max(1, _DEFAULT_KV_TOKENS // self.block_size))
+
+    @property
+    def priority_scheduling(self) -> bool:
+        """The waiting queue orders by priority (vLLM's ``--scheduling-policy priority``, SGLang's
+        ``--enable-priority-scheduling``; either turns it on, the engine sets the direction)."""
+        return self.scheduling_policy == "priority" or self.enable_priority_scheduling
 
     @property
     def served_name(self) -> str:

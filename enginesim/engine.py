@@ -1,4 +1,8 @@
-"""The engine core: a FIFO waiting queue, a bounded running set, the KV pool and the token loop.
+"""The engine core: a waiting queue, a bounded running set, the KV pool and the token loop.
+
+The waiting queue is first come first served, or with priority scheduling (vLLM's
+``--scheduling-policy priority``, SGLang's ``--enable-priority-scheduling``) ordered by each
+request's priority in its engine's direction, then by arrival.
 
 Each admitted request gets its own producer task that sleeps through prefill and decode and pushes
 ``StepOutput``s into the request's ``Channel``; the HTTP layer reads the channel and frames the
@@ -236,13 +240,36 @@ class Engine:
             seq.phase = Phase.STAGING
             self.staging[seq] = None
         else:
-            self.waiting.append(seq)
+            self._enqueue(seq)
         seq.task = self._spawn(self._run(seq))
         self._schedule()
         self.counts.waiting_peak = max(self.counts.waiting_peak, len(self.waiting))
 
+    def queue_rank(self, seq: Sequence) -> tuple[float, float]:
+        """Where a request stands in a priority-scheduled queue, lowest first: vLLM runs a lower
+        ``priority`` first (0 when it names none); SGLang a higher one, and one that names none after
+        every one that does (its default is the lowest priority); then the earliest arrival."""
+        if self.cfg.engine == "sglang":
+            rank = math.inf if seq.priority is None else -seq.priority
+        else:
+            rank = seq.priority or 0
+        return (rank, seq.arrival)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Put a request in the waiting queue: at its tail (first come first served), or with
+        priority scheduling after every request that goes before it or equal (a short walk from the
+        tail: a queue stays within what the engine holds)."""
+        if not self.cfg.priority_scheduling:
+            self.waiting.append(seq)
+            return
+        key = self.queue_rank(seq)
+        i = len(self.waiting)
+        while i > 0 and self.queue_rank(self.waiting[i - 1]) > key:
+            i -= 1
+        self.waiting.insert(i, seq)
+
     def _schedule(self) -> None:
-        """Admit waiting requests in FIFO order while a slot and KV blocks are free."""
+        """Admit waiting requests from the queue's head while a slot and KV blocks are free."""
         if not self.ready or self.closing:
             return
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
@@ -250,7 +277,7 @@ class Engine:
             pool = self.pools[seq.rank]
             alloc = pool.allocate(seq.hashes, seq.prompt_tokens)
             if alloc is None:
-                break  # head of line waits for KV; FCFS does not skip it
+                break  # head of line waits for KV; the queue's order is not skipped
             self.waiting.popleft()
             alloc.token_ids = seq.prompt_ids
             alloc.lora_name = seq.lora
@@ -277,7 +304,7 @@ class Engine:
                 if seq.finished:
                     return
                 seq.phase = Phase.WAITING
-                self.waiting.append(seq)
+                self._enqueue(seq)
                 self._schedule()
             await seq.admitted.wait()
             if seq.lora is not None and self.lora is not None:

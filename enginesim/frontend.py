@@ -32,6 +32,17 @@ def request_fault(engine: Engine, request: web.Request) -> FaultSpec:
         raise ApiError(400, f"invalid {FAULT_HEADER} header: {exc}", type_="BadRequestError") from None
 
 
+def request_priority(engine: Engine, request: web.Request, body: dict) -> int | None:
+    """The priority a request names, which a priority-scheduled queue orders by: the body's
+    ``priority``, or on vLLM an ``X-Vllm-Priority`` header, which it reads over the body's; None when
+    neither names an integer."""
+    if engine.cfg.engine == "vllm" and (raw := request.headers.get("X-Vllm-Priority")) is not None:
+        with contextlib.suppress(ValueError):
+            return int(raw)
+    value = body.get("priority")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 DP_RANK_HEADER = "x-data-parallel-rank"
 
 

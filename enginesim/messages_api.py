@@ -73,6 +73,7 @@ from enginesim.frontend import (
     outputs,
     request_dp_rank,
     request_fault,
+    request_priority,
     slow_headers,
 )
 from enginesim.protocol import lax_bool, lax_int, parse_stop
@@ -374,6 +375,7 @@ class MessagesApi:
                 stream=stream, fault=fault, cache_salt=None, lora=self._adapter(body.get("model")),
                 dp_rank=request_dp_rank(engine, request))
             seq.trace_headers = trace_headers(request.headers)
+            seq.priority = request_priority(engine, request, body)
             if self.cfg.tool_call_parser:
                 seq.tool_calls = messages_tool_calls(body, vllm_call_id)
             engine.role.accept(seq, body)
@@ -504,6 +506,7 @@ class SGLangMessagesApi(MessagesApi):
                 params=SamplingParams(max_tokens=max_tokens, min_tokens=0, stop=stop, ignore_eos=False),
                 stream=stream, fault=fault, cache_salt=None, dp_rank=request_dp_rank(engine, request))
             seq.trace_headers = trace_headers(request.headers)
+            seq.priority = request_priority(engine, request, body)
             if self.cfg.tool_call_parser:
                 seq.tool_calls = messages_tool_calls(body, sglang_call_id)
             engine.role.accept(seq, body)

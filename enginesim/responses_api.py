@@ -57,6 +57,7 @@ from enginesim.frontend import (
     check_fault_status,
     request_dp_rank,
     request_fault,
+    request_priority,
     slow_headers,
 )
 from enginesim.protocol import bool_field, lax_int
@@ -216,6 +217,7 @@ class ResponsesApi:
                                       fault=fault, cache_salt=salt if isinstance(salt, str) and salt else None,
                                       dp_rank=request_dp_rank(engine, request))
             seq.trace_headers = trace_headers(request.headers)
+            seq.priority = request_priority(engine, request, body)
             if self.cfg.tool_call_parser:
                 seq.tool_calls = responses_tool_calls(body, lambda: f"call_{uuid.uuid4().hex[:24]}")
             engine.role.accept(seq, body)

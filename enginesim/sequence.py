@@ -92,6 +92,7 @@ class Sequence:
     cache_salt: str | None = None           # folded into the first block's hash (KV events' extra_keys)
     alloc: Allocation | None = None
     rank: int = 0                           # the data-parallel rank (its cache pool) that runs it
+    priority: int | None = None             # the priority it named (body, or vLLM's X-Vllm-Priority header)
     cached_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
     text: str = ""  # generated text so far (truncated at a matched stop string)
@@ -146,4 +147,5 @@ class Sequence:
 
     def summary(self) -> dict[str, Any]:
         return {"id": self.id, "rid": self.rid, "prompt_tokens": self.prompt_tokens,
-                "cached_tokens": self.cached_tokens, "generated": self.completion_tokens}
+                "cached_tokens": self.cached_tokens, "generated": self.completion_tokens,
+                "priority": self.priority}

@@ -35,6 +35,7 @@ from enginesim.frontend import (
     outputs,
     request_dp_rank,
     request_fault,
+    request_priority,
     slow_headers,
 )
 from enginesim.logprobs import sglang_echo_logprobs, sglang_logprobs, sglang_requested
@@ -145,6 +146,7 @@ class SglangApi:
                                   lora=lora if isinstance(lora, str) else None,
                                   dp_rank=request_dp_rank(engine, request))
         seq.trace_headers = trace_headers(request.headers)
+        seq.priority = request_priority(engine, request, body)
         engine.role.accept(seq, body, 0, prompts)
         engine.submit(seq)
         return seq
@@ -225,6 +227,7 @@ class SglangApi:
                 if j:
                     child.output_key += f"\0choice {j}"     # each choice samples its own tokens
                 child.trace_headers = seq.trace_headers
+                child.priority = seq.priority
                 try:
                     # a P/D role's prompt i meets its counterpart on its own room
                     self.engine.role.accept(child, body, p, len(prompts))

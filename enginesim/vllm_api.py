@@ -37,6 +37,7 @@ from enginesim.frontend import (
     outputs,
     request_dp_rank,
     request_fault,
+    request_priority,
     slow_headers,
 )
 from enginesim.logprobs import (
@@ -182,6 +183,7 @@ class VllmApi:
                 stream=req.stream, fault=fault, cache_salt=req.cache_salt, lora=self._adapter(req.model),
                 dp_rank=(dp_rank := request_dp_rank(engine, request)))
             seq.trace_headers = trace_headers(request.headers)
+            seq.priority = request_priority(engine, request, body)
             if kind == "chat" and self.cfg.tool_call_parser and req.n == 1:
                 seq.tool_calls = chat_tool_calls(body, vllm_call_id)
             engine.role.accept(seq, body)
@@ -203,6 +205,7 @@ class VllmApi:
                         dp_rank=dp_rank)
                     if j:
                         child.output_key += f"\0choice {j}"     # each choice samples its own tokens
+                    child.priority = seq.priority
                     engine.role.accept(child, body)
                     seqs.append(child)
         except ApiError as exc:

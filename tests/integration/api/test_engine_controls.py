@@ -302,7 +302,8 @@ async def test_engine_priority_puts_a_critical_request_ahead_of_a_sheddable_floo
     in the engine's queue goes to its head, not its tail; each answers once the slot frees."""
     v = await sims("vllm", "m", scheduling_policy="priority", max_num_seqs=1)
     gw = await gateway([model_block("m", "vllm", [v.url])],
-                       admission={"enabled": True, "max_in_flight_per_endpoint": 16,
+                       admission={"enabled": True, "max_in_flight_per_endpoint": 16, "max_waiting_per_endpoint": 16,
+                                  "waiting_share": {"critical": 1.0, "standard": 1.0, "sheddable": 1.0},
                                   "engine_priority": {"critical": -1, "standard": 0, "sheddable": 1}},
                        limits={"users": {"carol": {"priority": "critical"}}})
     hold = asyncio.create_task(post(gw, {"model": "m", "messages": MSG, "max_tokens": 2, "user": "bob"},

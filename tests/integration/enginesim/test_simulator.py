@@ -1135,3 +1135,41 @@ async def test_vllm_chat_echo_sends_the_last_message_back_first(vllm: SimServer,
     _, plain, _ = await call(http, url, {"model": "llama", "messages": CHAT, "max_tokens": 4})
     _, echoed, _ = await call(http, url, {"model": "llama", "messages": CHAT, "max_tokens": 4, "echo": True})
     assert echoed["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+
+
+async def _queue_in_order(sim: SimServer, http: aiohttp.ClientSession, path: str,
+                          sends: list[tuple[dict[str, Any], dict[str, str]]]) -> list[dict[str, Any]]:
+    """Hold the engine's one slot, queue ``sends`` one after another, and return its waiting queue."""
+    tasks = [asyncio.create_task(call(http, sim.url + path, {"rid": "hold", "request_id": "hold", **sends[0][0]},
+                                      {"x-sim-fault": "stall_before_first=inf"}))]
+    await wait_state(http, sim.url, lambda s: len(s["running"]) == 1)
+    for i, (body, headers) in enumerate(sends, 1):
+        tasks.append(asyncio.create_task(call(http, sim.url + path, {**body, "rid": f"r{i}", "request_id": f"r{i}"},
+                                              headers)))
+        await wait_state(http, sim.url, lambda s, i=i: len(s["waiting"]) == i)
+    waiting = (await sim_state(sim.url, http))["waiting"]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return waiting
+
+
+async def test_priority_scheduling_orders_the_waiting_queue_in_each_engines_direction(
+        make_sim: MakeSim, http: aiohttp.ClientSession) -> None:
+    """vLLM ``--scheduling-policy priority`` admits the lowest ``priority`` first (0 when a request
+    names none; ``X-Vllm-Priority`` over the body's); SGLang ``--enable-priority-scheduling`` the
+    highest, one naming none last; then the earliest. Off (the default) the queue is FIFO."""
+    v = await make_sim(engine="vllm", scheduling_policy="priority", max_num_seqs=1)
+    body = {"model": "sim-model", "messages": CHAT, "max_tokens": 2}
+    waiting = await _queue_in_order(v, http, "/v1/chat/completions", [
+        (body, {}), ({**body, "priority": 3}, {}), ({**body, "priority": -2}, {}),
+        ({**body, "priority": 3}, {"X-Vllm-Priority": "-5"}), ({**body, "priority": 0}, {})])
+    assert [w["priority"] for w in waiting] == [-5, -2, None, 0, 3], waiting
+    assert [w["id"] for w in waiting] == ["chatcmpl-r4", "chatcmpl-r3", "chatcmpl-r1", "chatcmpl-r5", "chatcmpl-r2"]
+
+    gen = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+    sends = [(gen, {}), ({**gen, "priority": 1}, {}), ({**gen, "priority": 5}, {}), ({**gen, "priority": 1}, {})]
+    s = await make_sim(engine="sglang", enable_priority_scheduling=True, max_num_seqs=1)
+    assert [w["rid"] for w in await _queue_in_order(s, http, "/generate", sends)] == ["r3", "r2", "r4", "r1"]
+    off = await make_sim(engine="sglang", max_num_seqs=1)
+    assert [w["rid"] for w in await _queue_in_order(off, http, "/generate", sends)] == ["r1", "r2", "r3", "r4"]
