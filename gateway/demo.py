@@ -25,10 +25,14 @@ TOOL_CALL_PARSERS = {"vllm": "hermes", "sglang": "qwen25"}
 
 # (model, engine, role, port, simulator knobs, endpoint entry knobs): the P/D prefills' side ports
 # are the vLLM KV side channel and the SGLang bootstrap port, which the SGLang endpoint names too
+# demo-llama's engines queue by priority (vLLM --scheduling-policy priority), so the class admission
+# writes into each request (engine_priority) orders what waits in them
+DEMO_LLAMA_SCHEDULING = {"scheduling_policy": "priority"}
 DEMO_ENGINES = [
     ("demo-llama", "vllm", "aggregated", 8101,
-     {"enable_lora": True, "max_loras": 2, "lora_modules": ("sql-lora=adapters/sql-lora",)}, {}),
-    ("demo-llama", "vllm", "aggregated", 8102, {"enable_lora": True, "max_loras": 2}, {}),
+     {"enable_lora": True, "max_loras": 2, "lora_modules": ("sql-lora=adapters/sql-lora",), **DEMO_LLAMA_SCHEDULING},
+     {}),
+    ("demo-llama", "vllm", "aggregated", 8102, {"enable_lora": True, "max_loras": 2, **DEMO_LLAMA_SCHEDULING}, {}),
     ("demo-qwen", "sglang", "aggregated", 8111, {}, {}),
     ("demo-qwen", "sglang", "aggregated", 8112, {}, {}),
     ("demo-llama-pd", "vllm", "prefill", 8121, {"side_channel_port": 8125, "enable_lora": True, "max_loras": 2}, {}),
@@ -70,8 +74,11 @@ DEMO_ALIASES = [{"name": "demo-chat", "sticky": "user",
 
 
 # admission control on demo-llama: four requests at a time per replica, sixteen more may wait; a
-# burst of forty shows the queue and the 429s with their computed Retry-After
-DEMO_ADMISSION = {"enabled": True, "max_in_flight_per_endpoint": 4, "queue_max": 16, "queue_timeout_s": 10}
+# burst of forty shows the queue and the 429s with their computed Retry-After. Each request carries
+# its class to the engine (vLLM: lower runs first), so a more urgent one passes those already waiting
+# in an engine's queue
+DEMO_ADMISSION = {"enabled": True, "max_in_flight_per_endpoint": 4, "queue_max": 16, "queue_timeout_s": 10,
+                  "engine_priority": {"critical": -1, "standard": 0, "sheddable": 1}}
 
 
 def demo_config(host: str | None, port: int | None, log_format: str = "auto", batch_dir: str | None = None) -> dict:
@@ -120,7 +127,8 @@ Switchyard demo: gateway on http://{host}:{{port}} with simulated engines
   sql-lora, chat-lora   LoRA adapters of demo-llama (sql-lora loaded on :8101; chat-lora loaded
                  on demand by the first request that names it); pd-lora of demo-llama-pd, loaded
                  on its prefill and decode on demand; idle adapters the gateway loaded go after 10 min
-  admission control on demo-llama: 4 requests at a time per replica, 16 more may queue, then 429
+  admission control on demo-llama: 4 requests at a time per replica, 16 more may queue, then 429;
+                 the engines queue by the class the gateway writes in each request (engine_priority)
 
 Try:
   curl -s http://{host}:{{port}}/v1/models
