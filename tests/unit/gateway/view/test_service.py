@@ -1162,3 +1162,35 @@ async def test_a_worker_that_missed_its_siblings_close_and_next_ejection_takes_b
         assert (bbr.state(eb[0]), bbr.state(eb[1])) == (CLOSED, OPEN)
         assert eb[0].ready and not eb[1].ready and bbr.breaker(eb[1]).held
         assert not [s for fam in bbr.metrics.capped.collect() for s in fam.samples if s.name.endswith("_total")]
+
+
+async def test_the_sessions_of_an_endpoint_that_left_the_pool_go_with_it_a_part_a_loop_turn():
+    """Pods come and go: the sessions whose last turn went to one that left (a reload, a pod
+    deleted) are dropped with it, the endpoint object with them, not kept (counted ``gone``) until
+    ``session_ttl_s``; a walk of a large map is done a part a loop turn. Those of the others stay, and
+    a turn that ends on the gone one later (a Responses answer) records nothing of it."""
+    import time
+
+    from gateway.server.app import pool_from_config
+    cfg = _config()
+    pool = pool_from_config(cfg)
+    view = RoutingView(cfg, pool, GatewayMetrics())
+    ep, kept = pool.endpoints("m")[:2]
+    n = cfg.routing.session_max_entries - 2           # the map full, none evicted
+    sessions = view.sessions
+    for i in range(n):
+        sessions.put(f"m\0s:{i}", ep if i % 2 else kept)
+    sessions.put("r:resp_1", ep, "alice")               # the lineage of a response it answered
+    sessions.put("m\0s:last", ep)
+    started = time.perf_counter()
+    pool.remove(ep)
+    longest, turns = 0.0, 0
+    while any(sessions.get(k) is ep for k in ("m\0s:1", "r:resp_1", "m\0s:last")) and turns < 10_000:
+        t = time.perf_counter()
+        await asyncio.sleep(0)
+        longest, turns = max(longest, time.perf_counter() - t), turns + 1
+    print(f"{n} sessions: dropped in {turns} loop turns, {time.perf_counter() - started:.3f} s in all, "
+          f"the longest turn {longest * 1000:.1f} ms")
+    assert len(sessions) == n // 2 and all(sessions.get(f"m\0s:{i}") is kept for i in range(0, n, 2))
+    sessions.put("r:resp_2", ep, "alice")               # answered on it after it left
+    assert sessions.get("r:resp_2") is None
