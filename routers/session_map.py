@@ -134,7 +134,13 @@ class SessionMap:
         return e.ep
 
     def put(self, key: str, ep: Endpoint, tag: str | None = None) -> None:
-        """Record a decision of this process; ``on_put`` is told when the others need to know."""
+        """Record a decision of this process; ``on_put`` is told when the others need to know. An
+        endpoint that left the pool (a turn answered on it after it left) is recorded as the one a
+        reload declared in its place at its URL (``successor``), the same engine; else not at all."""
+        while ep.removed:
+            if ep.successor is None:
+                return
+            ep = ep.successor
         now = self.clock()
         e = self._d.get(key)
         self.recorded += 1
@@ -183,6 +189,26 @@ class SessionMap:
         for k in gone:
             del self._d[k]
         return len(gone)
+
+    def key_set(self) -> list[str]:
+        """The map's keys as they are now, a copy in no particular order: read from the dict's own
+        table, a hundred thousand in about a millisecond, where ``keys()`` follows the recency order's
+        links (tens of milliseconds a hundred thousand, one loop turn)."""
+        return list(dict.keys(self._d))
+
+    def drop_removed(self, keys: list[str]) -> int:
+        """Drop the entries of ``keys`` (a part of what ``key_set()`` gave, those still here) whose
+        endpoint left the pool (``Endpoint.removed``): no turn goes there again, and the entry would
+        keep the endpoint until ``ttl_s``. Returns how many. O(len(keys))."""
+        d = self._d
+        get = d.get
+        n = 0
+        for k in keys:
+            e = get(k)
+            if e is not None and e.ep.removed:
+                del d[k]
+                n += 1
+        return n
 
     def rebind(self, old: Endpoint, new: Endpoint) -> int:
         """The sessions (and lineage) of ``old`` are ``new``'s, unchanged otherwise (a reload declared

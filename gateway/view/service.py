@@ -242,6 +242,8 @@ class RoutingView:
         self._keys: dict[Endpoint, str] = {}              # endpoint → its key (identity map)
         self._by_key: dict[str, Endpoint] = {}
         self._left: list[Endpoint] = []                   # left the pool this loop turn (``_drop_left``)
+        self._session_walk = False                        # their sessions being dropped (``_drop_sessions``)
+        self._session_walk_again = False                  # more left meanwhile: walk again once it ends
         pool.removal_listeners.append(self._forget)       # pods come and go: nothing kept of a gone one
         pool.replacement_listeners.append(self._replaced)  # but an engine declared anew keeps its conversations
         self._resolved_at = -1e9
@@ -544,14 +546,43 @@ class RoutingView:
                 self._heard_watcher.pop((kind, k), None)
 
     def _drop_left(self) -> None:
-        """The prefix-index entries of the endpoints that left the pool, at the end of the loop turn
-        they left in: a reload that declared one again as another endpoint (``_replaced``, right after
-        its removal) gave them to that one first. Each worker and each replica drops an endpoint
-        that leaves its own pool (each reloads and discovers on its own), so nothing is sent. Not the
-        sessions: a session on a gone endpoint is counted ``gone`` and routed anew."""
+        """The prefix-index entries and the sessions of the endpoints that left the pool, from the
+        end of the loop turn they left in: a reload that declared one again as another endpoint
+        (``_replaced``, right after its removal) gave them to that one first. Each worker and each
+        replica drops an endpoint that leaves its own pool (each reloads and discovers on its own),
+        so nothing is sent. The sessions go a part (``VIEW_PART`` keys) a loop turn
+        (``_drop_sessions``): a full map is a hundred thousand of them."""
         left, self._left = self._left, []
+        gone = [ep for ep in left if ep.removed]            # not one added back meanwhile
         if self._index is not None:
-            self._index.drop([ep for ep in left if ep.removed])     # not one added back meanwhile
+            self._index.drop(gone)
+        if gone and len(self.sessions):
+            if self._session_walk:
+                self._session_walk_again = True             # the walk under way may have passed them
+            else:
+                self._session_walk = True
+                self._drop_sessions(self.sessions.key_set(), 0, 0)
+
+    def _drop_sessions(self, keys: list[str], at: int, dropped: int) -> None:
+        """One part of a walk of the session map (``keys``, as it was when the walk started; entries
+        made since are of endpoints in the pool) for the entries of endpoints that left it, the next
+        part in the next loop turn."""
+        dropped += self.sessions.drop_removed(keys[at:at + VIEW_PART])
+        at += VIEW_PART
+        if at < len(keys):
+            try:
+                asyncio.get_running_loop().call_soon(self._drop_sessions, keys, at, dropped)
+                return
+            except RuntimeError:            # no loop (a pool changed outside the server): at once
+                self._drop_sessions(keys, at, dropped)
+                return
+        if self._session_walk_again:
+            self._session_walk_again = False
+            self._drop_sessions(self.sessions.key_set(), 0, dropped)
+            return
+        self._session_walk = False
+        if dropped:
+            log.info("shared routing view: the sessions of endpoints that left the pool dropped", sessions=dropped)
 
     def _replaced(self, old: Endpoint, new: Endpoint) -> None:
         """A reload declared ``old``'s engine again at its URL with other settings, as ``new``: the
