@@ -1173,3 +1173,24 @@ async def test_priority_scheduling_orders_the_waiting_queue_in_each_engines_dire
     assert [w["rid"] for w in await _queue_in_order(s, http, "/generate", sends)] == ["r3", "r2", "r4", "r1"]
     off = await make_sim(engine="sglang", max_num_seqs=1)
     assert [w["rid"] for w in await _queue_in_order(off, http, "/generate", sends)] == ["r1", "r2", "r3", "r4"]
+
+
+async def test_vllm_without_priority_scheduling_refuses_a_non_zero_priority(
+        make_sim: MakeSim, http: aiohttp.ClientSession) -> None:
+    """vLLM refuses a request whose priority is not 0 unless started with ``--scheduling-policy
+    priority`` (400, "Got priority N but Priority scheduling is not enabled."), the body's or an
+    ``X-Vllm-Priority`` header's; 0 passes. SGLang without priority scheduling serves it."""
+    v = await make_sim(engine="vllm")
+    body = {"model": "sim-model", "messages": CHAT, "max_tokens": 2}
+    for extra, headers in (({"priority": -1}, {}), ({"priority": 0}, {"X-Vllm-Priority": "3"})):
+        status, err, _ = await call(http, v.url + "/v1/chat/completions", {**body, **extra}, headers)
+        assert status == 400 and err["error"]["type"] == "BadRequestError", err
+        assert err["error"]["message"].startswith("Got priority ") and "Priority scheduling is not enabled" in \
+            err["error"]["message"], err
+    status, _, _ = await call(http, v.url + "/v1/completions", {"model": "sim-model", "prompt": "hi",
+                                                                "max_tokens": 2, "priority": 0})
+    assert status == 200
+    s = await make_sim(engine="sglang")
+    status, _, _ = await call(http, s.url + "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2},
+                                                         "priority": 5})
+    assert status == 200
