@@ -58,7 +58,8 @@ class SimConfig:
     scheduling_policy: str = _knob(
         "fcfs", "vLLM --scheduling-policy: 'priority' admits the waiting request of the lowest priority first "
         "(the body's priority, or an X-Vllm-Priority header over it; 0 when neither), then the earliest; "
-        "'fcfs': in arrival order, whatever priority a request names", choices=SCHEDULING_POLICIES)
+        "'fcfs': in arrival order, and a priority other than 0 is refused (400), as vLLM does",
+        choices=SCHEDULING_POLICIES)
     enable_priority_scheduling: bool = _knob(
         False, "SGLang --enable-priority-scheduling: the waiting request of the highest body priority is "
         "admitted first, then the earliest; one that names none goes after every one that does")

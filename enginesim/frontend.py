@@ -35,12 +35,23 @@ def request_fault(engine: Engine, request: web.Request) -> FaultSpec:
 def request_priority(engine: Engine, request: web.Request, body: dict) -> int | None:
     """The priority a request names, which a priority-scheduled queue orders by: the body's
     ``priority``, or on vLLM an ``X-Vllm-Priority`` header, which it reads over the body's; None when
-    neither names an integer."""
+    neither names an integer. Raises ``ApiError`` (vLLM without priority scheduling, not 0); called
+    before the request is queued."""
     if engine.cfg.engine == "vllm" and (raw := request.headers.get("X-Vllm-Priority")) is not None:
         with contextlib.suppress(ValueError):
-            return int(raw)
+            return _vllm_priority(engine, int(raw))
     value = body.get("priority")
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    priority = value if isinstance(value, int) and not isinstance(value, bool) else None
+    return _vllm_priority(engine, priority) if engine.cfg.engine == "vllm" else priority
+
+
+def _vllm_priority(engine: Engine, priority: int | None) -> int | None:
+    """vLLM's input processor refuses a priority other than 0 without ``--scheduling-policy
+    priority`` (its OpenAI server answers the ValueError with a 400)."""
+    if priority and not engine.cfg.priority_scheduling:
+        raise ApiError(400, f"Got priority {priority} but Priority scheduling is not enabled.",
+                       type_="BadRequestError")
+    return priority
 
 
 DP_RANK_HEADER = "x-data-parallel-rank"

@@ -60,7 +60,7 @@ async def test_a_clients_body_priority_does_not_reach_the_engine_unless_allowed(
     assert metric(page, "switchyard_request_fields_dropped_total", model="m", field="priority") == 3
     assert metric(page, "switchyard_request_fields_dropped_total", model="qwen", field="priority") == 1
 
-    v2 = await sims("vllm", "m")
+    v2 = await sims("vllm", "m", scheduling_policy="priority")     # vLLM refuses a priority otherwise
     gw2 = await gateway([model_block("m", "vllm", [v2.url])], upstream={"client_priority": True})
     assert (await post(gw2, {"model": "m", "messages": MSG, "max_tokens": 2, "priority": -3})).status == 200
     assert [b.get("priority") for b in await _received(v2.url, CHAT)] == [-3]
@@ -101,9 +101,10 @@ async def test_admission_writes_the_requests_class_into_the_engines_priority(sim
     owns the engine's queue order: each request carries its class's value, the user's class or a
     lower ``x-priority``, whatever priority its body named; a P/D model's legs carry it too, and a
     model whose admission is off writes none."""
-    v = await sims("vllm", "m")
-    s = await sims("sglang", "qwen")
-    p, d = await sims("vllm", "pd", role="prefill"), await sims("vllm", "pd", role="decode")
+    v = await sims("vllm", "m", scheduling_policy="priority")
+    s = await sims("sglang", "qwen", enable_priority_scheduling=True)
+    p = await sims("vllm", "pd", role="prefill", scheduling_policy="priority")
+    d = await sims("vllm", "pd", role="decode", scheduling_policy="priority")
     o = await sims("vllm", "off")
     gw = await gateway([model_block("m", "vllm", [v.url]),
                         {**model_block("qwen", "sglang", [s.url]),
@@ -134,7 +135,7 @@ async def test_a_clients_vllm_priority_header_does_not_reach_the_engine_unless_a
     the request ahead in its queue as the body's field would. It is kept from the engine, counted
     and logged as the body's field is, on every leg (a P/D pair's too); ``upstream.client_priority:
     true`` passes it."""
-    v = await sims("vllm", "m")
+    v = await sims("vllm", "m", scheduling_policy="priority")     # vLLM refuses a priority otherwise
     p, d = await sims("vllm", "pd", role="prefill"), await sims("vllm", "pd", role="decode")
     gw = await gateway([model_block("m", "vllm", [v.url]),
                         {"name": "pd", "engine": "vllm", "rolesets": [{"name": "rs", "prefill": [p.url],
