@@ -336,6 +336,36 @@ async def test_sessions_and_prefixes_stay_on_an_engine_whose_endpoint_settings_a
     assert metric(text, "switchyard_routing_fallbacks_total", strategy="prefix-cache", reason="no_match") == 1
 
 
+async def test_the_sessions_of_an_endpoint_a_reload_removed_go_with_it(sims, gateway, tmp_path):
+    """An endpoint the new file leaves out takes its sessions with it: the map no longer holds them
+    (nor the endpoint), and their next turns are routed as new sessions, not counted gone."""
+    a, b = await sims("vllm", "m"), await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url])], routing={"strategy": "prefix-cache"})
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    client = openai_client(gw)
+
+    async def turn(key: str) -> str:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m", messages=CHAT, max_tokens=1, extra_headers={"x-session-key": key})
+        return raw.headers["target-pod"]
+
+    pod_a, pod_b = a.url.removeprefix("http://"), b.url.removeprefix("http://")
+    before: dict[str, str] = {}
+    while len(before) < 4 or set(before.values()) != {pod_a, pod_b}:     # sessions on both
+        assert len(before) < 64
+        before[f"s{len(before)}"] = await turn(f"s{len(before)}")
+    left = {k for k, pod in before.items() if pod == pod_b}
+    sessions = f.reloader.live.gen.services.view.sessions
+    f.write(models=[model_block("m", "vllm", [a.url])])
+    assert f.reloader.reload("test").result == "ok"
+    await until(lambda: len(sessions) == len(before) - len(left))
+    assert all(sessions.get(f"m\0s:{k}") is None for k in left)
+    assert {await turn(k) for k in before} == {pod_a}
+    text = await gw.metrics_text()
+    assert metric(text, "switchyard_routing_session_total", model="m", outcome="gone") == 0
+    assert metric(text, "switchyard_routing_session_total", model="m", outcome="kept") == len(before) - len(left)
+
+
 async def slo_gateway_that_learnt(sims, gateway, tmp_path, **settings):
     """Two engines behind an slo model whose latency models have seen both (four streams sent
     round-robin): (the engines, the gateway, its config file, a function that sends a stream).
