@@ -329,7 +329,7 @@ async def test_a_users_admission_class_is_kept_by_a_patch_and_set_by_the_api(sim
     (the store's record starts from the configured one), shows in the user's view, and is set or
     cleared (null: ``admission.default_priority``) by POST, PUT and PATCH like the other fields.
     The class a request was admitted in is read from the engine priority it was sent with."""
-    sim = await sims("vllm", "m")
+    sim = await sims("vllm", "m", scheduling_policy="priority")
     gw = await gateway([model_block("m", "vllm", [sim.url])],
                        admission={"enabled": True, "engine_priority": {"critical": -1, "standard": 0, "sheddable": 1}},
                        auth={"api_keys": [{"key": ALICE, "user": "alice"}], "admin_token": TOKEN},
