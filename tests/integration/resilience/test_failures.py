@@ -174,6 +174,25 @@ async def test_watchdog_idle_mid_stream_sends_error_event_and_aborts(sims, gatew
     assert "watchdog_idle" in text and 'switchyard_watchdog_fires_total{model="m",phase="idle"} 1.0' in text
 
 
+@pytest.mark.parametrize("fault,phase", [("stall_after=3:4", "idle"), ("stall_before_first=4", "first_chunk")])
+async def test_watchdog_is_not_kept_quiet_by_keepalive_comments(sims, gateway, fault, phase):
+    """A stalled engine that still sends SSE keep-alive comments (vLLM's --sse-keep-alive-interval,
+    or a proxy in front of it) makes no progress: the first-chunk bound waits for its first event
+    with data and the idle bound for its next one. The comments still reach the client; the leg is
+    cut, the engine told, and the client gets the timeout's error event."""
+    sim = await sims("vllm", "m", sse_keepalive_s=0.05)
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       watchdog={"idle_timeout_s": 0.4, "first_chunk_timeout_s": 0.4, "aggregated": True})
+    st, _, raw = await post(gw.url, body(stream=True, max_tokens=20), {"x-sim-fault": fault})
+    assert st == 200
+    assert b": keep-alive\n\n" in raw
+    events = sse_events(raw)
+    assert "error" in events[-1] and events[-1]["error"]["code"] == "upstream_timeout", events[-1]
+    assert await wait_for(lambda: _aborted(sim.url), timeout=8)
+    text = await gw.metrics_text()
+    assert f'switchyard_watchdog_fires_total{{model="m",phase="{phase}"}} 1.0' in text
+
+
 async def test_watchdog_response_timeout_bounds_a_non_streaming_answer(sims, gateway):
     """Engines send a non-streaming answer's headers with its body, so the response bound must
     cover the wait for the headers too, not only the body read."""
