@@ -64,7 +64,7 @@ import orjson
 from gateway.apis.paths import ANTHROPIC_PATHS, COUNT_TOKENS
 from gateway.apis.serving import EngineSpecificApi
 from gateway.errors import ErrorClass, GatewayError, normalize_upstream_error
-from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES, as_lf, cr_mode, lf_scan
+from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES, as_lf, cr_mode, has_fields, lf_scan
 from gateway.request import (
     InferenceRequest,
     caller_headers,
@@ -551,7 +551,7 @@ class MessagesScanner:
     """Scan an Anthropic Messages event stream (``StreamScanner``): bytes pass through unchanged."""
 
     __slots__ = ("first_token_at", "last_token_at", "token_events", "itl", "usage", "finish_reason", "error", "done",
-                 "_start_usage", "_buf", "_pending", "_skip", "_now", "_cr", "_lf", "_retyped", "_inclusive")
+                 "moved", "_start_usage", "_buf", "_pending", "_skip", "_now", "_cr", "_lf", "_retyped", "_inclusive")
 
     def __init__(self, inclusive: bool = False) -> None:
         self._inclusive = inclusive  # input_tokens counts the cache reads (``openai_usage``)
@@ -563,6 +563,7 @@ class MessagesScanner:
         self.finish_reason: str | None = None
         self.error: dict | None = None
         self.done = False
+        self.moved = False          # the last read held more than comments (``has_fields``)
         self._start_usage: dict[str, Any] = {}
         self._buf = bytearray()     # the current incomplete event
         self._pending = bytearray()  # the bytes of it not forwarded yet
@@ -588,7 +589,9 @@ class MessagesScanner:
         elif chunk:
             data, pos = chunk, 0
         else:
+            self.moved = False
             return chunk
+        self.moved = self._skip or has_fields(data)     # the held bytes begin an event
         if not self._cr:
             self._cr = cr_mode(data, max(pos - 1, 0))
         scan: bytes | bytearray = data

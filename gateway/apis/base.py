@@ -33,6 +33,7 @@ class StreamScanner(Protocol):
     finish_reason: str | None
     error: dict | None
     done: bool                      # the stream's own end marker was seen
+    moved: bool                     # the last ``feed`` held more than comments: the engine's progress
 
     def feed(self, chunk: bytes, now: float) -> bytes: ...
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES, as_lf, cr_mode, lf_scan
+from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES, as_lf, cr_mode, has_fields, lf_scan
 
 _BOUNDARY = re.compile(rb"\n\r?\n")
 TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
@@ -75,6 +75,7 @@ class ResponsesScanner:
         self.error: dict | None = None
         self.done = False                      # a terminal event was seen
         self.events = 0                        # events with data: the next sequence number
+        self.moved = False                     # the last read held more than comments (``has_fields``)
         self.response_id: str | None = None
         self.snapshot: dict | None = None      # response.created's response object
         self.final: dict | None = None         # the terminal event's response object
@@ -90,12 +91,14 @@ class ResponsesScanner:
 
     def feed(self, chunk: bytes, now: float) -> bytes:
         if self.done:
+            self.moved = has_fields(chunk)
             self._held += chunk
             return b""
         sent = self._sent
         old = len(self._buf)
         self._buf += chunk
         data = self._buf
+        self.moved = self._skip or has_fields(data)    # the held bytes begin an event
         if not self._cr:
             self._cr = cr_mode(data, max(0, old - 3))
         scan: bytes | bytearray = data

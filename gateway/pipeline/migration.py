@@ -66,7 +66,7 @@ from gateway.pipeline.relay import (
     stream_failure,
     watchdog_fired,
 )
-from gateway.pipeline.sse import SSEScanner, engine_error
+from gateway.pipeline.sse import SSEScanner, engine_error, has_fields
 from gateway.request import (
     CHAT,
     COMPLETIONS,
@@ -470,10 +470,11 @@ class Migration:
         ended = False           # its [DONE] came: the engine's end is awaited END_GRACE_S at most
         buf = b""
         cr_ended = False        # the last read ended in a CR (a line's end, or half a CRLF)
+        moved = False           # the last read held more than SSE comments (keep-alives are no progress)
         clock = time.perf_counter
         try:
             while True:
-                if watch is not None and not first:
+                if watch is not None and not first and moved:
                     watch.since = watch.loop.time()
                 try:
                     chunk = await resp.readany()
@@ -485,9 +486,6 @@ class Migration:
                     return stream_failure(w)
                 if not chunk:
                     break
-                if first:
-                    first = False
-                    watch.first_chunk_came()        # type: ignore[union-attr]
                 # a line ends in CRLF, LF or a bare CR (SSE allows all three): each is read as an LF;
                 # a CR that ends a read ends its line, and the LF of its CRLF, if the next read
                 # brings one, is dropped
@@ -497,6 +495,10 @@ class Migration:
                 buf += chunk
                 parts = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n\n")
                 buf = parts.pop()
+                moved = has_fields(buf) or any(has_fields(ev) for ev in parts)
+                if first and moved:
+                    first = False
+                    watch.first_chunk_came()        # type: ignore[union-attr]
                 emitted = []
                 failed = False
                 for ev in parts:

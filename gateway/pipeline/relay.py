@@ -7,7 +7,8 @@ breaks after headers went out, the client gets a final ``data: {"error": ...}`` 
 stream ends: never a silent truncation, never a replay.
 
 The watchdog (when enabled for the leg) bounds the wait for the first chunk, the idle time between
-chunks, and a non-streaming answer; on fire the upstream connection is closed (the engine aborts)
+chunks, and a non-streaming answer; a read of nothing but SSE comments (keep-alives) is relayed
+but is no chunk to it (``moved``: a stalled engine that keeps its connection open is still cut); on fire the upstream connection is closed (the engine aborts)
 and the phase is recorded on the request.
 
 Whatever the outcome, the upstream response is released to the pool when it was read to the end
@@ -705,7 +706,7 @@ class Relay:
                 out.send_head()         # type: ignore[attr-defined]   # nothing of it for the client
             if held and before_head:
                 watch_idle()            # after the first write: off the first token's way
-            if watch is not None:
+            if watch is not None and scanner.moved:     # comments alone are no progress
                 if first:
                     first = False
                     watch.first_chunk_came()
@@ -724,7 +725,7 @@ class Relay:
                     if sent:
                         if proto.writing_paused:
                             await drain()
-                        if watch is not None:
+                        if watch is not None and scanner.moved:
                             watch.since = time_now()
                         chunk = await pipe(sink)
                         if refused is not None:     # the sink turned the first bytes down
@@ -734,12 +735,9 @@ class Relay:
                         if chunk is None:       # unpiped, nothing buffered: drain, then pipe again
                             continue
                     else:
-                        if watch is not None and not first:
+                        if watch is not None and not first and scanner.moved:
                             watch.since = time_now()
                         chunk = await readany()
-                    if first:
-                        first = False
-                        watch.first_chunk_came()    # type: ignore[union-attr]
                     if gating:
                         if not chunk:
                             raise FirstBytesFailed("empty")
@@ -760,6 +758,9 @@ class Relay:
                         out.send_head()         # type: ignore[attr-defined]
                     if early:
                         feed(chunk, now)
+                    if first and scanner.moved:     # comments alone are not the first chunk
+                        first = False
+                        watch.first_chunk_came()    # type: ignore[union-attr]
                     if not ended and (scanner.done or scanner.error is not None):
                         after_end()
             except (WatchdogFired, UpstreamError) as e:

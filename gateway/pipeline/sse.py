@@ -123,6 +123,29 @@ def _after_blank_lines(data: bytes | bytearray, i: int, stop: int) -> int:
     return i
 
 
+def has_fields(data: bytes | bytearray, start: int = 0, end: int | None = None) -> bool:
+    """Whether ``data[start:end]`` (an event, the start of one, or several) holds a line other
+    than blank lines and comment lines (``: keep-alive``): bytes of the engine's progress, where
+    comments are only what an engine (or a proxy in front of it) sends to keep a silent connection
+    open. The usual event answers at its first byte."""
+    if end is None:
+        end = len(data)
+    i = start
+    while i < end:
+        c = data[i]
+        if c == 0x0A or c == 0x0D:
+            i += 1
+        elif c == 0x3A:             # a comment line: its end
+            n = data.find(b"\n", i, end)
+            r = data.find(b"\r", i, n if n >= 0 else end)
+            i = r if r >= 0 else n
+            if i < 0:
+                return False
+        else:
+            return True
+    return False
+
+
 def _data_of(ev: bytes | bytearray) -> bytes | None:
     """The data payload of a multi-line event (``None`` when it has no ``data:`` line)."""
     parts = []
@@ -302,7 +325,7 @@ class SSEScanner:
 
     __slots__ = (
         "strip_usage", "first_token_at", "last_token_at", "token_events", "itl", "usage", "finish_reason",
-        "error", "done", "events",
+        "error", "done", "events", "moved",
         "_buf", "_sent", "_skip", "_now", "_cr", "_lf", "_lf_owed", "_big_index",
     )
 
@@ -317,6 +340,7 @@ class SSEScanner:
         self.error: dict | None = None             # in-stream `data: {"error": ...}`
         self.done = False                          # saw `data: [DONE]`
         self.events = 0                            # events with a data payload (incl. [DONE])
+        self.moved = False                         # the last read held more than comments (``has_fields``)
         self._buf = bytearray()    # the current incomplete event (or its last _BIG_TAIL bytes if skipped)
         self._sent = 0             # how many leading bytes of _buf went out already (an event past MAX_EVENT_BYTES)
         self._skip = False         # the current event outgrew MAX_EVENT_BYTES: do not scan it
@@ -340,6 +364,7 @@ class SSEScanner:
             if chunk.startswith(b"data:") and chunk.find(b"[DONE]", 5, end) < 0:
                 # ``_event`` on its payload ``chunk[5:end]``, without copying it out (one token's
                 # event: the relay's most frequent call)
+                self.moved = True
                 self.events += 1
                 i = chunk.find(b'"content":"', 5, end)
                 if (i >= 0 and i + 11 < end and chunk[i + 11] != 0x22) or _CONTENT_RE.search(chunk, 5, end):
@@ -349,6 +374,7 @@ class SSEScanner:
                         or _FINISH_RE.search(chunk, 5, end) is not None:
                     self._decode(chunk[5:end])
                 return chunk
+            self.moved = has_fields(chunk, 0, end)
             if self._lf_owed:
                 # b"\n\n" after a dropped usage chunk whose read ended in its CRLF's CR: that LF is
                 # the chunk's, dropped with it (``_feed_held``); ``[DONE]``, a comment, a blank line
@@ -422,7 +448,10 @@ class SSEScanner:
             data = chunk
             old = pos = cursor = 0
         else:
+            self.moved = False
             return chunk
+        # the held bytes begin an event (or a blank line): from there on, more than comments?
+        self.moved = self._skip or has_fields(data)
         if not self._cr:
             self._cr = cr_mode(data, max(pos - 1, 0))
         scan: bytes | bytearray = data      # read for events; the bytes passed on are ``data``'s
