@@ -864,3 +864,18 @@ def test_choices_usage_on_every_chunk_is_every_choices_together_until_the_final_
              b'"usage":{"prompt_tokens":12,"completion_tokens":9,"total_tokens":21}}\n\n')
     _feed(s, [_text_chunk(0, 5, 1), final, _text_chunk(1, 5, 1), DONE])
     assert usage_tokens(s.usage) == (12, 9, 0)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_byte_order_mark_before_the_first_event_hides_nothing(split):
+    """A UTF-8 BOM may open an event stream (the SSE spec has the client skip it); the event after
+    it is still the stream's first: its token, its finish. The bytes pass through as they came."""
+    bom = b"\xef\xbb\xbf"
+    stream = bom + VLLM_LO + VLLM_USAGE + DONE
+    s = SSEScanner()
+    reads = [stream[:2], stream[2:10], stream[10:]] if split else [bom + VLLM_LO, VLLM_USAGE + DONE]
+    out = [s.feed(r, float(t)) for t, r in enumerate(reads)]
+    out.append(s.finish())
+    assert b"".join(out) == stream
+    assert s.first_token_at is not None and s.token_events == 1 and s.finish_reason == "stop"
+    assert s.usage == {"prompt_tokens": 12, "total_tokens": 14, "completion_tokens": 2} and s.done
