@@ -66,7 +66,7 @@ from gateway.pipeline.relay import (
     stream_failure,
     watchdog_fired,
 )
-from gateway.pipeline.sse import SSEScanner, engine_error, has_fields
+from gateway.pipeline.sse import BOM, SSEScanner, engine_error, has_fields
 from gateway.request import (
     CHAT,
     COMPLETIONS,
@@ -697,6 +697,8 @@ class Migration:
     def _event(self, raw: bytes) -> bytes | None | bool:
         """One upstream event → the bytes the client gets (None: nothing; False: the leg failed)."""
         payload = None
+        if raw.startswith(BOM):              # a stream's byte order mark, before its first event
+            raw = raw[3:]
         for line in raw.split(b"\n"):
             if line.startswith(b"data:"):
                 payload = line[5:].strip() if payload is None else payload + b"\n" + line[5:].strip()

@@ -26,7 +26,7 @@ Why it is shaped like this:
   returns what is still held when the upstream ends.
 
 Framing accepted: events end at a blank line (``\\n\\n``, ``\\r\\n\\r\\n`` and mixtures of LF and
-CRLF line ends). ``data:`` with or without a space; several ``data:`` lines are joined with
+CRLF line ends), the first one after a UTF-8 byte order mark or not (``BOM``). ``data:`` with or without a space; several ``data:`` lines are joined with
 ``\\n``; comment frames (``: keep-alive``), ``event:``, ``id:`` and ``retry:`` lines are ignored.
 A trailing event without its blank line is still scanned by ``finish()``. Bare-CR line ends (legal
 in SSE, never sent by vLLM or SGLang): once a CR not followed by LF is seen (``cr_mode``), the
@@ -56,6 +56,10 @@ _BIG_TAIL = 4096
 
 # How many inter-token gaps ``itl`` keeps between drains; count, sum and max are always kept.
 ITL_KEEP = 4096
+
+# a UTF-8 byte order mark, which may open an event stream: an SSE client skips it, and the scanner
+# reads the event after it as the stream's first (the bytes pass on as they came)
+BOM = b"\xef\xbb\xbf"
 
 _BOUNDARY = re.compile(rb"\n\r?\n")
 # a CR that no LF follows: a line ended by a bare CR, or, at the end of a read, a CR whose LF may
@@ -565,6 +569,8 @@ class SSEScanner:
 
     def _event(self, data: bytes | bytearray, start: int, end: int) -> int:
         """Scan the complete event ``data[start:end]`` (boundary excluded); return flags."""
+        if data.startswith(BOM, start):     # a stream's byte order mark, before its first event
+            start += 3
         if data.startswith(b"data:", start) and data.find(b"\n", start, end) < 0:
             p = data[start + 5:end]
         else:

@@ -378,3 +378,13 @@ def test_messages_scanner_does_not_count_an_empty_delta(spaced, named):
         assert sc.feed(ev, float(t)) == ev
     assert sc.token_events == 3 and sc.first_token_at == 2.0 and sc.last_token_at == 7.0
     assert sc.drain_itl() == [3.0, 2.0]
+
+
+def test_messages_scanner_reads_the_first_event_after_a_byte_order_mark():
+    """A UTF-8 BOM before message_start (the SSE spec has the client skip it) does not hide its
+    input tokens; the bytes pass through as they came."""
+    stream = b"\xef\xbb\xbf" + STREAM
+    sc = MessagesScanner()
+    out = sc.feed(stream, 1.0) + sc.finish()
+    assert out == stream and sc.done and sc.finish_reason == "end_turn"
+    assert sc.usage == {"prompt_tokens": 12, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 5}}

@@ -230,3 +230,14 @@ def test_the_output_a_failed_response_carries_is_what_the_client_was_sent_once()
     assert failed["response"]["output"] == [done, {**call, "arguments": '{"a":'}]
     assert failed["response"].get("usage") is None
     assert ResponsesScanner().output() == []
+
+
+def test_a_byte_order_mark_before_response_created_hides_nothing():
+    """A UTF-8 BOM before the first event (the SSE spec has the client skip it) does not hide
+    response.created: its id is the response's; the bytes pass through as they came."""
+    s = ResponsesScanner()
+    chunks = [b"\xef\xbb\xbf" + stream()[0], *stream()[1:]]
+    out = [s.feed(c, float(t)) for t, c in enumerate(chunks)]
+    out.append(s.finish())
+    assert b"".join(out) == b"".join(chunks)
+    assert s.response_id == "resp_1" and s.snapshot == RESP and s.done and s.usage == DONE["usage"]
