@@ -29,7 +29,8 @@ says which engine serves which path), through the same pipeline as chat. What di
 - **Stream accounting.** Events are named by their ``event:`` line. The first
   ``content_block_delta`` of generated tokens (``text_delta``, ``thinking_delta``,
   ``input_json_delta``), or a ``tool_use`` block's ``content_block_start`` (its tool's name), is
-  the first token (TTFT); each one after it is an inter-token gap. A
+  the first token (TTFT); each later read that carries one is an inter-token gap (deltas that
+  came in one read add none, as on chat completions). A
   thinking block's ``signature_delta`` and a text block's ``citations_delta`` carry no token and
   count for neither, nor does a delta whose text, thinking or JSON is empty (an engine's empty
   token, as a chat chunk with empty content); only an event that names one of the two, or holds
@@ -680,11 +681,14 @@ class MessagesScanner:
         return gaps
 
     def _mark(self, now: float) -> None:
+        """A delta of generated tokens, come in the read of ``now``: the gaps are those between
+        reads (each has its own time), as chat's are; deltas that came in one read add none."""
         self.token_events += 1
-        if self.last_token_at is None:
+        last = self.last_token_at
+        if last is None:
             self.first_token_at = now
-        elif len(self.itl) < ITL_KEEP:
-            self.itl.append(now - self.last_token_at)
+        elif now != last and len(self.itl) < ITL_KEEP:
+            self.itl.append(now - last)
         self.last_token_at = now
 
     def _event(self, data: bytes | bytearray, start: int, end: int) -> bool:

@@ -6,7 +6,8 @@ that line) and decodes the few events it needs:
 
 * the first ``*.delta`` event (``response.output_text.delta``, reasoning, tool-call arguments) or
   the first output item, whichever comes first, is the first token (TTFT); the gaps between
-  ``*.delta`` events are the inter-token latencies;
+  the reads that carry ``*.delta`` events are the inter-token latencies (as chat's: deltas that
+  came in one read add no gap);
 * ``response.created`` gives the response id (and a snapshot used if the gateway must fail the
   stream); ``response.completed`` / ``response.incomplete`` / ``response.failed`` give the usage,
   the final status and the output, and end the stream; an ``error`` event is an in-stream error
@@ -265,7 +266,8 @@ class ResponsesScanner:
             self.token_events += 1
             if self.first_token_at is None:
                 self.first_token_at = now
-            if self.last_delta_at is not None and len(self.itl) < ITL_KEEP:
+            # the gaps between reads (each has its own time), as chat's are: deltas in one read add none
+            if self.last_delta_at is not None and now != self.last_delta_at and len(self.itl) < ITL_KEEP:
                 self.itl.append(now - self.last_delta_at)
             self.last_delta_at = now
             if name in _FOLDED and self._items:

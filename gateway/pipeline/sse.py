@@ -560,10 +560,12 @@ class SSEScanner:
         return 0
 
     def _mark(self, now: float) -> None:
+        """The read of ``now`` carried generated content: the gaps are those between such reads
+        (each has its own time; a trailing event ``finish`` reads is of the last read's)."""
         last = self.last_token_at
         if last is None:
             self.first_token_at = now
-        elif len(self.itl) < ITL_KEEP:
+        elif now != last and len(self.itl) < ITL_KEEP:
             self.itl.append(now - last)
         self.last_token_at = now
 
@@ -707,7 +709,7 @@ class ChoicesScanner(SSEScanner):
         self.last_token_at = now
         if zero:
             last = self._zero_at
-            if last is not None and len(self.itl) < ITL_KEEP:
+            if last is not None and now != last and len(self.itl) < ITL_KEEP:
                 self.itl.append(now - last)
             self._zero_at = now
 

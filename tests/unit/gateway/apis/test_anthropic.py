@@ -166,7 +166,9 @@ def test_messages_scanner_sees_the_same_stream_however_it_is_split(cuts, line_en
     assert sc.done and sc.error is None and sc.finish_reason == "end_turn"
     # input tokens from message_start (cache reads included), output from message_delta
     assert sc.usage == {"prompt_tokens": 12, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 5}}
-    assert sc.first_token_at is not None and len(sc.drain_itl()) == 2
+    # a gap between reads that carry deltas: none for deltas that came in one read
+    gaps = sc.drain_itl()
+    assert sc.first_token_at is not None and len(gaps) <= 2 and all(g > 0 for g in gaps)
 
 
 def test_a_tool_use_blocks_start_is_the_first_generated_output_the_client_sees():
