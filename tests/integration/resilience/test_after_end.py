@@ -211,3 +211,35 @@ async def test_an_engine_that_stalls_after_its_own_error_event_does_not_hold_the
         assert [e["message"] for e in errors] == ["the engine failed"], errors
         line = next(e for e in logs if e["event"] == "request")
         assert line["after_end"] == "idle"
+
+
+async def _done_then_chatters(request: web.Request) -> web.StreamResponse:
+    """A chat stream that ends with [DONE], then, its body not ended, goes on sending events (a
+    chunk, a keep-alive comment) every 50 ms, until the gateway lets the connection go."""
+    await request.read()
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop"}]}
+    await out.write(b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n")
+    for _ in range(600):            # at most 30 s: until the gateway closes the connection
+        if request.transport is None or request.transport.is_closing():
+            break
+        await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n: keep-alive\n\n")
+        await asyncio.sleep(0.05)
+    return out
+
+
+async def test_an_engine_that_goes_on_sending_after_its_last_event_does_not_hold_the_client(gateway):
+    """The engine's end after ``[DONE]`` is awaited ``END_GRACE_S`` at most, whatever the engine
+    sends meanwhile: an engine that keeps writing events after its end holds the client no
+    longer than a silent one."""
+    async with fake_engine(_done_then_chatters) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        with gw.gw.request_log.capture() as logs:
+            async with asyncio.timeout(10):
+                st, _, raw = await post(gw.url, body())
+            assert await wait_for(lambda: any(e["event"] == "request" for e in logs), timeout=5)
+        assert st == 200 and b"[DONE]" in raw
+        line = next(e for e in logs if e["event"] == "request")
+        assert line["status"] == 200 and line["after_end"] == "idle" and line["error_class"] is None
