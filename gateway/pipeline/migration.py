@@ -474,7 +474,7 @@ class Migration:
         clock = time.perf_counter
         try:
             while True:
-                if watch is not None and not first and moved:
+                if watch is not None and not first and moved and not ended:     # the end: END_GRACE_S in all
                     watch.since = watch.loop.time()
                 try:
                     chunk = await resp.readany()

@@ -706,7 +706,8 @@ class Relay:
                 out.send_head()         # type: ignore[attr-defined]   # nothing of it for the client
             if held and before_head:
                 watch_idle()            # after the first write: off the first token's way
-            if watch is not None and scanner.moved:     # comments alone are no progress
+            # comments alone are no progress, nor is anything after the end (awaited END_GRACE_S at most)
+            if watch is not None and scanner.moved and not ended:
                 if first:
                     first = False
                     watch.first_chunk_came()
@@ -725,7 +726,7 @@ class Relay:
                     if sent:
                         if proto.writing_paused:
                             await drain()
-                        if watch is not None and scanner.moved:
+                        if watch is not None and scanner.moved and not ended:
                             watch.since = time_now()
                         chunk = await pipe(sink)
                         if refused is not None:     # the sink turned the first bytes down
@@ -735,7 +736,7 @@ class Relay:
                         if chunk is None:       # unpiped, nothing buffered: drain, then pipe again
                             continue
                     else:
-                        if watch is not None and not first and scanner.moved:
+                        if watch is not None and not first and scanner.moved and not ended:
                             watch.since = time_now()
                         chunk = await readany()
                     if gating:
