@@ -390,3 +390,14 @@ def test_messages_scanner_reads_the_first_event_after_a_byte_order_mark():
     out = sc.feed(stream, 1.0) + sc.finish()
     assert out == stream and sc.done and sc.finish_reason == "end_turn"
     assert sc.usage == {"prompt_tokens": 12, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 5}}
+
+
+def test_messages_scanner_counts_no_delta_after_message_stop():
+    """message_stop ends the answer: a delta an engine sends after it is no token of the answer's."""
+    sc = MessagesScanner()
+    late = _frame("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                          "delta": {"type": "text_delta", "text": " late"}})
+    sc.feed(STREAM, 1.0)
+    sc.feed(late, 2.0)
+    sc.finish()
+    assert sc.done and sc.token_events == 3 and sc.last_token_at == 1.0 and sc.drain_itl() == []

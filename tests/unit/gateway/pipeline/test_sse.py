@@ -879,3 +879,13 @@ def test_a_byte_order_mark_before_the_first_event_hides_nothing(split):
     assert b"".join(out) == stream
     assert s.first_token_at is not None and s.token_events == 1 and s.finish_reason == "stop"
     assert s.usage == {"prompt_tokens": 12, "total_tokens": 14, "completion_tokens": 2} and s.done
+
+
+def test_events_after_done_are_passed_on_but_not_counted():
+    """[DONE] ends the answer: a token's event an engine sends after it (its body not ended yet)
+    still passes through, but is no token of the answer's: no token event, no gap, no last token."""
+    s = SSEScanner()
+    out = [s.feed(VLLM_HEL, 1.0), s.feed(DONE, 2.0), s.feed(VLLM_LO, 3.0)]
+    out.append(s.finish())
+    assert b"".join(out) == VLLM_HEL + DONE + VLLM_LO and s.done
+    assert s.token_events == 1 and s.drain_itl() == [] and s.last_token_at == 1.0
