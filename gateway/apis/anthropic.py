@@ -693,6 +693,8 @@ class MessagesScanner:
 
     def _event(self, data: bytes | bytearray, start: int, end: int) -> bool:
         """Scan one event; True when it carried generated content."""
+        if self.done:           # after message_stop: passed on as it came, but no part of the answer
+            return False
         head = data.find(b"\n", start, end)
         first = data[start:end if head < 0 else head]
         if first.startswith(b"event:") and _DELTA in first:

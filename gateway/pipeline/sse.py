@@ -365,7 +365,7 @@ class SSEScanner:
                 and not (self.strip_usage and chunk.find(b'"usage"', 0, end) >= 0):
             # the usual chunk: exactly one whole event, nothing held from before (and, when usage
             # is stripped, no usage in it: it is not the usage-only event, so it passes as is)
-            if chunk.startswith(b"data:") and chunk.find(b"[DONE]", 5, end) < 0:
+            if chunk.startswith(b"data:") and chunk.find(b"[DONE]", 5, end) < 0 and not self.done:
                 # ``_event`` on its payload ``chunk[5:end]``, without copying it out (one token's
                 # event: the relay's most frequent call)
                 self.moved = True
@@ -544,7 +544,7 @@ class SSEScanner:
         ``_CONTENT`` (counted as a token event) when it carries generated content."""
         m = _INDEX_RE.search(data, 0, end)
         self._big_index = int(m.group(1)) if m is not None else 0
-        if not _has_content(data[:end]):
+        if self.done or not _has_content(data[:end]):
             return 0
         self.token_events += 1
         return _CONTENT
@@ -585,7 +585,8 @@ class SSEScanner:
             return 0
         flags = 0
         i = p.find(b'"content":"')     # ``_has_content``, inline: this runs once per event
-        if (i >= 0 and p[i + 11:i + 12] not in (b'"', b"")) or _CONTENT_RE.search(p) is not None:
+        # after [DONE] a token's event passes on as it came, but is no token of the answer's
+        if not self.done and ((i >= 0 and p[i + 11:i + 12] not in (b'"', b"")) or _CONTENT_RE.search(p) is not None):
             flags = _CONTENT
             self.token_events += 1
         if b'"usage"' in p or b'"error"' in p or _FINISH_RE.search(p) is not None:

@@ -631,7 +631,7 @@ def streams(draw, edges: bool = False, cr: bool = False):
 def _expected(parts):
     exp = {"token_events": 0, "usage": None, "finish_reason": None, "error": None, "done": False, "events": 0}
     for _, e in parts:
-        exp["token_events"] += e["token"]
+        exp["token_events"] += e["token"] and not exp["done"]     # after [DONE]: no token of the answer's
         exp["events"] += e["data"]
         exp["done"] |= e["done"]
         for key, field in (("usage", "usage"), ("finish", "finish_reason"), ("error", "error")):
