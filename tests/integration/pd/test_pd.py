@@ -645,6 +645,20 @@ async def test_vllm_decode_stall_before_first_token_after_headers(sims, gateway)
     assert 'phase="first_chunk"' in await gw.metrics_text()
 
 
+async def test_vllm_decode_keepalive_comments_are_not_its_first_bytes(sims, gateway):
+    """A vLLM decode run with --sse-keep-alive-interval sends comments while it stalls before its
+    first token: they are not its first bytes, so the client's head still waits, and the
+    first-chunk watchdog answers 504 as for a silent decode, the decode's connection closed."""
+    p, d = await pd_pair(sims, "vllm", sse_keepalive_s=0.05)
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])], watchdog={"first_chunk_timeout_s": 0.5})
+    st, hdrs, raw = await asyncio.wait_for(
+        post(gw, body(stream=True), {"x-sim-fault": "decode.stall_before_first=4"}), 20)
+    assert st == 504 and hdrs["x-error-pd-decode"] == "true", raw[:300]
+    assert orjson.loads(raw)["error"]["code"] == "upstream_timeout"
+    assert await wait_for(lambda: quiet(d.url), timeout=5)
+    assert 'phase="first_chunk"' in await gw.metrics_text()
+
+
 async def test_a_vllm_decode_whose_kv_pull_fails_before_its_first_token_has_the_pair_chosen_again(sims, gateway):
     """vLLM answers a stream's head at once; when its KV pull then fails (the prefill died, its
     blocks expired) it sends a server error event before any token. The client has seen nothing
