@@ -47,6 +47,7 @@ from gateway.pipeline.relay import (
     read_error_body,
     watchdog_fired,
 )
+from gateway.pipeline.sse import has_fields
 from gateway.resilience.outcome import Outcome, event_status, key_refused, of_status, unsupported_event
 from gateway.resilience.retry import Retries
 from gateway.upstream.h1client import Exchange, SendState, UpstreamError, UpstreamResponse
@@ -561,12 +562,17 @@ class PDOrchestrator:
         try:
             async with asyncio.timeout(limit or None):
                 first = await resp.readany()
+                while first and not has_fields(first):    # keep-alive comments: no first bytes yet
+                    more = await resp.readany()
+                    if not more:
+                        break
+                    first += more
         except TimeoutError:
             raise self._first_bytes_late(ctx, plan, resp, limit) from None
         except UpstreamError as e:
             first, failed = b"", FirstBytesFailed("broken", e)
         else:
-            failed = FirstBytesFailed("empty") if not first else None
+            failed = FirstBytesFailed("empty") if not has_fields(first) else None
             if first and (server_error := _first_event_error(first)) is not None:
                 failed = FirstBytesFailed("refused", server_error)
         if failed is None:

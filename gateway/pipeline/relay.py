@@ -31,7 +31,14 @@ from gateway.config.schema import UpstreamConfig, WatchdogConfig
 from gateway.errors import ErrorClass, GatewayError, error_body, error_response, normalize_upstream_error
 from gateway.observability.metrics import GatewayMetrics, observe_all
 from gateway.pipeline.context import RequestContext, RequestRecord, safe_header_value
-from gateway.pipeline.sse import AnswerText, ChoicesScanner, SSEScanner, message_text, usage_tokens
+from gateway.pipeline.sse import (
+    AnswerText,
+    ChoicesScanner,
+    SSEScanner,
+    has_fields,
+    message_text,
+    usage_tokens,
+)
 from gateway.pipeline.whole import WrittenStream, open_stream, stream_head, write_whole
 from gateway.request import ROUTED_PATHS
 from gateway.resilience.outcome import Outcome, key_refused, of_answer, of_status, unsupported_event
@@ -617,6 +624,9 @@ class Relay:
         gating = gate is not None
         assert not gating or holding, "a gated stream's head is held until its first bytes pass"
         refused: object = None          # what the gate said of first bytes it turned down
+        # a gated stream's keep-alive comments so far: no first bytes yet (the head still waits),
+        # they go out with the first bytes that are more than comments
+        pre = b""
         held_at = ahead.at if ahead is not None else time.monotonic()
 
         def opened(first_bytes: bytes) -> bool:
@@ -682,12 +692,18 @@ class Relay:
         passes = scanner.passes if api is None else None
 
         def sink(chunk: bytes) -> None:
-            nonlocal first
+            nonlocal first, pre
             held = gating               # a gated stream's first bytes: the gate, then the head with them
-            if held and not opened(chunk):
-                resp.unread(chunk)      # turned down: nothing written, the bytes left, the task raises
-                unpipe()
-                return
+            if held:
+                if pre:
+                    chunk, pre = pre + chunk, b""
+                if not has_fields(chunk):
+                    pre = chunk         # comments alone: the first bytes are still to come
+                    return
+                if not opened(chunk):
+                    resp.unread(chunk)  # turned down: nothing written, the bytes left, the task raises
+                    unpipe()
+                    return
             now = clock()
             early = passes is not None and passes(chunk)
             data = chunk if early else feed(chunk, now)
@@ -742,6 +758,11 @@ class Relay:
                     if gating:
                         if not chunk:
                             raise FirstBytesFailed("empty")
+                        if pre:
+                            chunk, pre = pre + chunk, b""
+                        if not has_fields(chunk):
+                            pre = chunk         # comments alone: the first bytes are still to come
+                            continue
                         if not opened(chunk):
                             resp.unread(chunk)
                             raise FirstBytesFailed("refused", refused)
