@@ -1134,3 +1134,54 @@ async def test_gateway_history_written_with_chat_usage_is_retrieved_in_responses
     assert (got.usage.input_tokens, got.usage.output_tokens, got.usage.total_tokens) == \
         (u.input_tokens, 4, u.input_tokens + 4), got.usage
     assert got.usage.input_tokens_details.cached_tokens == 0 and got.usage.output_tokens_details.reasoning_tokens == 0
+
+
+WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+
+
+@pytest.mark.parametrize("state", ["engine", "gateway"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_function_calling_conversation_is_prompted_as_the_engine_renders_tool_calls(
+        sims, gateway, state, stream):
+    """A two-turn function-calling conversation through the gateway: the call, then its output
+    with `previous_response_id`. The follow-up is prompted as vLLM builds the chat it runs from
+    the items: a `function_call` an assistant turn with that `tool_calls` entry, its output a
+    `tool` message naming the call. Its answer is the chat completion's of that conversation.
+    The engine expands a chain without the previous output's calls (vLLM keeps only its
+    messages); gateway-held history sends the call itself."""
+    sim = await sims("vllm", "m", tool_call_parser="hermes", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": state})
+    c = openai_client(gw)
+
+    async def ask(**kw):
+        if not stream:
+            return await c.responses.create(model="m", tools=[WEATHER], max_output_tokens=4, **kw)
+        events = [ev async for ev in await c.responses.create(model="m", tools=[WEATHER], max_output_tokens=4,
+                                                              stream=True, **kw)]
+        return events[-1].response
+
+    first = await ask(input="Weather in Paris?")
+    call = first.output[0]
+    assert call.type == "function_call" and call.name == "get_weather"
+    answer = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    second = await ask(input=[answer], previous_response_id=first.id)
+    assert second.status == "incomplete" and second.output[0].type == "message"
+    assistant = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]}
+    turns = [{"role": "user", "content": "Weather in Paris?"}]
+    turns += [assistant] if state == "gateway" else []
+    turns += [{"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]
+    chat = await c.chat.completions.create(model="m", messages=turns, max_tokens=4, tools=[
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}])
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    # the whole conversation sent again, no previous_response_id: the call is the assistant's turn
+    whole = await ask(input=[{"role": "user", "content": "Weather in Paris?"}, call.model_dump(exclude_none=True),
+                             answer], store=False)
+    if state == "gateway":
+        assert whole.output_text == second.output_text
+    else:
+        chat = await c.chat.completions.create(model="m", messages=turns[:1] + [assistant] + turns[1:], max_tokens=4,
+                                               tools=[{"type": "function", "function": {
+                                                   "name": "get_weather", "parameters": {"type": "object"}}}])
+        assert whole.output_text == chat.choices[0].message.content
