@@ -71,15 +71,30 @@ _BAD = "Bad Request"
 
 
 def _message(item: Any) -> dict[str, Any]:
-    """One input item as a chat message (what both engines' non-harmony path builds)."""
+    """One input item as a chat message, as both engines' non-harmony path builds it (vLLM's
+    ``construct_chat_message_with_tool_call``): a ``function_call`` an assistant turn whose
+    ``tool_calls`` entry is that call (no content), a ``function_call_output`` a ``tool`` message
+    naming the call, a ``reasoning`` item an assistant turn holding only its reasoning (no text the
+    template renders), any other item its role and content."""
     if not isinstance(item, dict):
         raise ApiError(400, "1 validation error:\n  input: Input should be a valid list of items", type_=_BAD,
                        param="input")
     kind = item.get("type")
     if kind == "function_call":
-        return {"role": "assistant", "content": str(item.get("arguments", ""))}
+        return {"role": "assistant", "tool_calls": [{
+            "id": str(item.get("call_id") or ""), "type": "function",
+            "function": {"name": str(item.get("name") or ""), "arguments": str(item.get("arguments") or "")}}]}
     if kind == "function_call_output":
-        return {"role": "tool", "content": str(item.get("output", ""))}
+        return {"role": "tool", "content": content_text(item.get("output")),
+                "tool_call_id": str(item.get("call_id") or "")}
+    if kind == "reasoning":
+        text = ""
+        for key in ("summary", "content"):         # a summary of one part, else content of one
+            parts = item.get(key)
+            if isinstance(parts, list) and len(parts) == 1 and isinstance(parts[0], dict):
+                text = str(parts[0].get("text") or "")
+                break
+        return {"role": "assistant", "reasoning": text}
     return {"role": item.get("role", "user"), "content": content_text(item.get("content"))}
 
 
