@@ -1185,3 +1185,21 @@ async def test_a_function_calling_conversation_is_prompted_as_the_engine_renders
                                                tools=[{"type": "function", "function": {
                                                    "name": "get_weather", "parameters": {"type": "object"}}}])
         assert whole.output_text == chat.choices[0].message.content
+
+
+async def test_a_stream_its_client_left_logs_the_response_id_it_announced(sims, gateway):
+    """A client that leaves a stream after `response.created` knows the response's id, and so
+    does the operator it asks: the log line of the cut stream (a 499) names that id, as the
+    line of a stream that ended does."""
+    sim = await sims("vllm", "m", enable_responses_store=True, itl_ms=20.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    with gw.gw.request_log.capture() as lines:
+        async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/responses", json={
+                "model": "m", "input": "a long story", "stream": True, "max_output_tokens": 500}) as r:
+            head = b""
+            while b"response.output_text.delta" not in head:
+                head += await r.content.readany()
+            rid = orjson.loads(head.split(b"data: ", 1)[1].split(b"\n", 1)[0])["response"]["id"]
+        assert await wait_for(lambda: len(lines) == 1, timeout=10.0)
+    assert (lines[0]["status"], lines[0]["error_class"]) == (499, "client_cancel")
+    assert lines[0].get("response_id") == rid
