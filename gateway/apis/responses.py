@@ -320,14 +320,20 @@ class ResponsesApi(ApiShape):
 
     def scanner(self, ctx: RequestContext) -> ResponsesScanner:
         ex = self._exchange(ctx)
-        created = None
-        if not self.gateway_held and ex.store and ctx.ireq is not None and ctx.ireq.data.get("background") is True:
-            # a background stream goes on on its engine when its client leaves, and is resumed by a
-            # GET (``?stream=true&starting_after=``): its owner is known from its first event, not
-            # only once it ends on this connection
-            created = partial(self._owner_early, ctx)
-        s = ex.scanner = ResponsesScanner(created)
+        early = not self.gateway_held and ex.store and ctx.ireq is not None and \
+            ctx.ireq.data.get("background") is True
+        s = ex.scanner = ResponsesScanner(partial(self._created, ctx, early))
         return s
+
+    def _created(self, ctx: RequestContext, early: bool, rid: str) -> None:
+        """The id the stream's ``response.created`` gave: the request's log line names it from
+        now on (a stream its client leaves included: the client knows the id). A background
+        stream goes on on its engine when its client leaves, and is resumed by a GET
+        (``?stream=true&starting_after=``): its owner is recorded now (``early``), not only once
+        it ends on this connection."""
+        ctx.rec.extra["response_id"] = safe_header_value(rid)
+        if early:
+            self._owner_early(ctx, rid)
 
     def _owner_early(self, ctx: RequestContext, rid: str) -> None:
         task = asyncio.get_running_loop().create_task(self._record_owner(ctx, rid))
