@@ -1203,3 +1203,11 @@ async def test_a_stream_its_client_left_logs_the_response_id_it_announced(sims, 
         assert await wait_for(lambda: len(lines) == 1, timeout=10.0)
     assert (lines[0]["status"], lines[0]["error_class"]) == (499, "client_cancel")
     assert lines[0].get("response_id") == rid
+    # as at OpenAI, a stream that is not a background one ends with its connection: nothing is kept
+    assert await wait_for(lambda: sim.engine.num_live == 0)
+    c = openai_client(gw)
+    with pytest.raises(openai.NotFoundError):
+        await c.responses.retrieve(rid)
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.responses.create(model="m", input="go on", previous_response_id=rid, max_output_tokens=2)
+    assert ei.value.body["code"] == "previous_response_not_found"
