@@ -279,6 +279,51 @@ async def test_kv_transfer_params_in_vllm_xargs_do_not_reach_an_aggregated_engin
     assert metric(page, "switchyard_request_fields_dropped_total", model="m", field="vllm_xargs.kv_transfer_params") == 1
 
 
+async def test_a_clients_chat_template_does_not_reach_the_engine_unless_allowed(sims, gateway):
+    """A chat request's ``chat_template`` is a Jinja template the engine renders the prompt with:
+    current vLLM refuses it unless started with ``--trust-request-chat-template`` (so does it a
+    ``chat_template`` member of ``chat_template_kwargs``), older vLLM rendered it, and SGLang passes
+    ``chat_template_kwargs`` to the tokenizer's ``apply_chat_template``, whose ``chat_template``
+    argument it then is: a template of the client's choosing rendered in an engine other tenants
+    share. Both are dropped (the other template arguments, ``enable_thinking`` above all, pass),
+    counted and logged; ``upstream.client_chat_template: true`` passes them."""
+    v = await sims("vllm", "m")
+    s = await sims("sglang", "qwen")
+    gw = await gateway([model_block("m", "vllm", [v.url]), model_block("qwen", "sglang", [s.url])])
+    tpl = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with gw.gw.request_log.capture() as logs:
+        r = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2, "chat_template": tpl,
+                            "chat_template_kwargs": {"enable_thinking": False}})
+        assert r.status == 200, r.body
+        r = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2, "stream": True,
+                            "chat_template_kwargs": {"chat_template": tpl, "enable_thinking": True}})
+        assert r.status == 200, r.body
+        r = await post(gw, {"model": "qwen", "messages": MSG, "max_tokens": 2,
+                            "chat_template_kwargs": {"chat_template": tpl, "thinking": True}})
+        assert r.status == 200, r.body
+        r = await post(gw, {"model": "qwen", "messages": MSG, "max_tokens": 2, "chat_template_kwargs": {"thinking": 1}})
+        assert r.status == 200, r.body
+    sent = await _received(v.url, CHAT)
+    assert len(sent) == 2 and not [b for b in sent if "chat_template" in b], sent
+    assert [b["chat_template_kwargs"] for b in sent] == [{"enable_thinking": False}, {"enable_thinking": True}]
+    assert [b["chat_template_kwargs"] for b in await _received(s.url, CHAT)] == [{"thinking": True}, {"thinking": 1}]
+    lines = [x for x in logs if x["event"] == "request"]
+    assert [x.get("dropped_fields") for x in lines] == [["chat_template"], ["chat_template_kwargs.chat_template"],
+                                                        ["chat_template_kwargs.chat_template"], None], lines
+    page = await _metrics(gw)
+    assert metric(page, "switchyard_request_fields_dropped_total", model="m", field="chat_template") == 1
+    assert metric(page, "switchyard_request_fields_dropped_total", model="m",
+                  field="chat_template_kwargs.chat_template") == 1
+    assert metric(page, "switchyard_request_fields_dropped_total", model="qwen",
+                  field="chat_template_kwargs.chat_template") == 1
+
+    gw2 = await gateway([model_block("m", "vllm", [v.url])], upstream={"client_chat_template": True})
+    body = {"model": "m", "messages": MSG, "max_tokens": 2, "chat_template": tpl, "chat_template_kwargs": {"chat_template": tpl}}
+    assert (await post(gw2, body)).status == 200
+    got = (await _received(v.url, CHAT))[-1]
+    assert (got["chat_template"], got["chat_template_kwargs"]) == (tpl, {"chat_template": tpl})
+
+
 async def test_a_clients_prefill_rank_does_not_reach_an_sglang_pd_pair(sims, gateway):
     """SGLang's decode reads a body's ``disagg_prefill_dp_rank`` to learn which data-parallel rank
     of the prefill holds the request's KV: a client's would send the decode to a rank the gateway
