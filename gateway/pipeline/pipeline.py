@@ -66,8 +66,12 @@ DP_RANK_SET = frozenset(DP_RANK_FIELDS)
 LOGITS_PROCESSOR_FIELDS = ("logits_processors", "custom_logit_processor")
 # vLLM's extra args (its sampling params' extra_args, where its KV connector reads kv_transfer_params)
 XARGS_KV = "vllm_xargs.kv_transfer_params"
+# a chat template of the client's: the request's own, or the member of the template's arguments
+# (SGLang passes them to the tokenizer's apply_chat_template, whose template that member is)
+TEMPLATE_KWARGS = "chat_template_kwargs"
+KWARGS_TEMPLATE = "chat_template_kwargs.chat_template"
 ENGINE_CONTROLS = frozenset({"priority", "kv_transfer_params", *DP_RANK_FIELDS, *LOGITS_PROCESSOR_FIELDS, "rid",
-                             "vllm_xargs"})
+                             "vllm_xargs", "chat_template", TEMPLATE_KWARGS})
 
 
 class ModelLegs(NamedTuple):
@@ -251,7 +255,11 @@ class Pipeline:
         ``X-data-parallel-rank`` (``kv_events.client_rank``); vLLM's ``logits_processors``
         (classes it loads by name) and SGLang's ``custom_logit_processor`` (a serialized callable it
         runs) would run code of the client's choosing in an engine other tenants share
-        (``upstream.client_logits_processors``). SGLang's ``rid`` names the request in the engine,
+        (``upstream.client_logits_processors``); a chat request's ``chat_template``, and the
+        ``chat_template`` member of its ``chat_template_kwargs`` (where vLLM looks for it too, and
+        which SGLang hands the tokenizer as its template), would have the engine render a Jinja
+        template of the client's choosing (``upstream.client_chat_template``; the other template
+        arguments, ``enable_thinking``, pass). SGLang's ``rid`` names the request in the engine,
         which aborts, as the request's connection closes, every request whose rid starts with it:
         a client's own would reach other tenants' requests (dropped whatever the config: the
         gateway's P/D legs carry its own). Each is counted and named in the log line."""
@@ -273,13 +281,22 @@ class Pipeline:
             dropped += [name for name in DP_RANK_FIELDS if name in data]
         if not self.config.upstream.client_logits_processors:
             dropped += [name for name in LOGITS_PROCESSOR_FIELDS if name in data]
+        kwargs = None       # chat_template_kwargs without a chat_template member
+        if not self.config.upstream.client_chat_template:
+            if "chat_template" in data:
+                dropped.append("chat_template")
+            if (given := data.get(TEMPLATE_KWARGS)).__class__ is dict and "chat_template" in given:
+                kwargs = {k: v for k, v in given.items() if k != "chat_template"}
         if "rid" in data:
             dropped.append("rid")
-        if dropped or xargs is not None:
+        if dropped or xargs is not None or kwargs is not None:
             data = {k: v for k, v in data.items() if k not in dropped}
             if xargs is not None:
                 data["vllm_xargs"] = xargs
                 dropped.append(XARGS_KV)
+            if kwargs is not None:
+                data[TEMPLATE_KWARGS] = kwargs
+                dropped.append(KWARGS_TEMPLATE)
             ireq.data, ireq.body = data, body_bytes(data, ireq.body)
         if PRIORITY_HEADER in ireq.headers:     # kept from every leg (upstream_headers) unless allowed
             if allowed:
