@@ -231,6 +231,14 @@ async def test_a_prefill_failure_reaches_the_sdk_as_its_error_class(sims, gatewa
         assert e.body["type"] == "error" and e.body["error"]["type"] == "overloaded_error", e.body
         assert f"Simulated fault: HTTP {status}" in e.body["error"]["message"]
         assert e.response.headers["Retry-After"] == "5"
+    # the prefill engine limiting its rate (429): Anthropic's rate_limit_error, not the pair's
+    # failure, with the wait an unsplit engine's 429 gets when the engine named none
+    with pytest.raises(anthropic.RateLimitError) as ei:
+        await ask("prefill.status=429")
+    e = ei.value
+    assert e.status_code == 429 and e.response.headers["x-error-pd-prefill"] == "http_status"
+    assert e.body["type"] == "error" and e.body["error"]["type"] == "rate_limit_error", e.body
+    assert "Simulated fault: HTTP 429" in e.body["error"]["message"] and e.response.headers["Retry-After"] == "1"
     with pytest.raises(anthropic.InternalServerError) as ei:
         await ask("prefill.status=500")
     e = ei.value
@@ -242,14 +250,16 @@ async def test_a_prefill_failure_reaches_the_sdk_as_its_error_class(sims, gatewa
     assert ei.value.response.headers["x-error-pd-prefill"] == "http_status"
     # on chat the prefill's 503 stays the pair's 502 (docs/pd.md)
     chat = {"model": "m", "max_tokens": 4, "messages": MSGS}
-    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=chat,
-                                                    headers={"x-sim-fault": "prefill.status=503"}) as r:
-        assert r.status == 502 and r.headers["x-error-pd-prefill"] == "http_status"
+    for status in (503, 429):
+        async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=chat,
+                                                        headers={"x-sim-fault": f"prefill.status={status}"}) as r:
+            assert r.status == 502 and r.headers["x-error-pd-prefill"] == "http_status"
     assert (await sim_state(d.url))["counts"]["started"] == 0          # no decode leg at all
     text = await gw.metrics_text()
-    assert 'switchyard_pd_prefill_failures_total{failure_class="http_status",model="m",stage="before_response"} 5.0' \
+    assert 'switchyard_pd_prefill_failures_total{failure_class="http_status",model="m",stage="before_response"} 7.0' \
         in text
     assert 'switchyard_path_requests_total{path="/v1/messages",status="529"} 2.0' in text
+    assert 'switchyard_path_requests_total{path="/v1/messages",status="429"} 1.0' in text
 
 
 async def test_a_prefills_retry_after_reaches_the_sdk_with_its_overload(sims, gateway):
