@@ -215,10 +215,11 @@ class GatewayError(Exception):
     log line names it)."""
 
     model: str | None = None
-    # an engine's overload the gateway answers with a status of its own (a P/D prefill's 503, the
-    # pair's 502): the wait to name (its Retry-After, else the gateway's) on an API that answers
-    # overload with a status of its own (Anthropic's 529)
-    overload_retry_after: str | None = None
+    # an engine's busy answer the gateway answers with a status of its own (a P/D prefill's 503,
+    # 529 or 429, the pair's 502): the status an API that tells busy apart answers it with
+    # (Anthropic's 529 of overload, its 429 of a rate limit) and the wait to name (the engine's
+    # Retry-After, else the gateway's)
+    busy: tuple[int, str] | None = None
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: Any = None,
                  type_: str | None = None, header: tuple[str, str] | None = None,

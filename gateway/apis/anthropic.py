@@ -19,7 +19,8 @@ says which engine serves which path), through the same pipeline as chat. What di
   error types for the status (``invalid_request_error``, ``not_found_error``,
   ``rate_limit_error``, ``overloaded_error``, ...); the gateway's own 503 for want of capacity
   is Anthropic's 529 ``overloaded_error`` (``own_error``), and so is a P/D prefill's 503 or 529
-  (the pair's 502 on the OpenAI paths), one for a failure ``api_error``. After headers: an ``event: error`` frame with
+  (the pair's 502 on the OpenAI paths; a prefill's 429 is a 429 ``rate_limit_error``), one for a
+  failure ``api_error``. After headers: an ``event: error`` frame with
   the same body. An engine's error answer (vLLM sends this shape already, but OpenAI-shaped for
   validation errors) is re-shaped the same way, keeping its status (a 503, the engine's overload,
   is a 529) and message. An engine's own
@@ -118,13 +119,14 @@ def _overload(e: GatewayError) -> bool:
 def own_error(e: GatewayError) -> GatewayError:
     """The gateway's own error as Anthropic's API answers it: a 503 for want of capacity is its 529
     ``overloaded_error``, and so is an engine's overload the gateway answers for it (a P/D
-    prefill's 503 or 529, the pair's 502 on the OpenAI paths: ``overload_retry_after``, its wait);
-    the rest keep their status."""
+    prefill's 503 or 529, the pair's 502 on the OpenAI paths), while that engine's 429 is a 429
+    ``rate_limit_error`` (``busy``: the status and its wait); the rest keep their status."""
     if e.status == 503 and _overload(e):
         return e.with_status(529)
-    if e.overload_retry_after is not None:
-        out = e.with_status(529)
-        out.headers["Retry-After"] = e.overload_retry_after
+    if e.busy is not None:
+        status, wait = e.busy
+        out = e.with_status(status)
+        out.headers["Retry-After"] = wait
         return out
     return e
 

@@ -102,15 +102,17 @@ class PrefillFailed(Exception):
         if self.retryable:
             return PairFailed(status, message, endpoint=prefill, cause=f"prefill_{self.kind}", **kw)
         e = GatewayError(status, message, **kw)
-        if self.failure_class == "http_status" and self.status in _OVERLOAD_STATUSES:
-            # the prefill's engine overloaded: the pair's 502 here, overload where an API answers it
-            # with its own status (Anthropic's 529), with the wait an aggregated engine's 503 names
-            e.overload_retry_after = self.retry_after or ENGINE_RETRY_AFTER[self.status]
+        if self.failure_class == "http_status" and self.status in _BUSY_STATUSES:
+            # the prefill's engine busy: the pair's 502 here, its busy status where an API answers
+            # it with one of its own (Anthropic's 529 of overload, its 429 of a rate limit), with
+            # the wait an aggregated engine's 503 or 429 names
+            e.busy = (_BUSY_STATUSES[self.status], self.retry_after or ENGINE_RETRY_AFTER[self.status])
         return e
 
 
-# an engine's statuses of overload (its 503, Anthropic's 529)
-_OVERLOAD_STATUSES = frozenset((503, 529))
+# an engine's busy statuses (its 503 and Anthropic's 529 of overload, its 429 of a rate limit), and
+# the status Anthropic's API answers each with
+_BUSY_STATUSES = {503: 529, 529: 529, 429: 429}
 
 
 class PairFailed(GatewayError):
