@@ -109,6 +109,11 @@ async def test_backpressure_is_retried_where_there_is_headroom_and_never_opens(s
     assert hdrs["Retry-After"] == "5"           # the engine named none: the gateway's, as on its own 503s
     st, hdrs, _ = await post(gw2.url, body(), {"x-sim-fault": "status=429"})
     assert st == 429 and hdrs["Retry-After"] == "1"
+    # an Anthropic-compatible engine's 529, its overload, is busy as its 503 is: relayed, not charged
+    st, hdrs, _ = await post(gw2.url, body(), {"x-sim-fault": "status=529"})
+    assert st == 529 and "x-retries" not in hdrs and hdrs["Retry-After"] == "5"
+    outcomes = series(await gw2.metrics_text(), "switchyard_upstream_outcomes_total")
+    assert outcomes and not [k for k in outcomes if 'outcome="fault"' in k], outcomes
 
 
 async def test_client_errors_are_neither_counted_nor_retried(sims, gateway):

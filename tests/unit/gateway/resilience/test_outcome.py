@@ -10,6 +10,7 @@ from gateway.resilience.outcome import Outcome, of_answer, of_failure, of_status
 @pytest.mark.parametrize(("status", "outcome"), [
     (200, Outcome.SUCCESS), (500, Outcome.FAULT), (502, Outcome.FAULT), (504, Outcome.FAULT),
     (503, Outcome.BACKPRESSURE), (429, Outcome.BACKPRESSURE),
+    (529, Outcome.BACKPRESSURE),      # an Anthropic-compatible engine's overload, as its 503
     (400, Outcome.CLIENT_ERROR), (404, Outcome.CLIENT_ERROR), (413, Outcome.CLIENT_ERROR),
     (501, Outcome.CLIENT_ERROR),      # the engine does not implement what was asked: not sick
 ])
@@ -43,6 +44,7 @@ def test_failures_before_an_answer_are_faults(kind):
     (0, "watchdog_response", Outcome.FAULT),
     (0, "upstream_timeout", Outcome.FAULT),
     (503, "upstream_status", Outcome.BACKPRESSURE),
+    (529, "upstream_status", Outcome.BACKPRESSURE),
     (400, "upstream_status", Outcome.CLIENT_ERROR),
     (501, "upstream_status", Outcome.CLIENT_ERROR),
     (200, "client_cancel", Outcome.NONE),
