@@ -618,7 +618,7 @@ class PDOrchestrator:
                           error_class=ctx.rec.error_class)
 
     async def _failed_status(self, ctx: RequestContext, resp: UpstreamResponse) -> None:
-        """The decode answered a server error (a 5xx other than 501 and 503; SGLang's when the KV transfer
+        """The decode answered a server error (a 5xx other than 501, 503 and 529; SGLang's when the KV transfer
         failed: the prefill died): a ``PairFailed`` carrying the engine's error, as for an aggregated
         leg, which is retried on another endpoint. The engine ended the request itself: no abort."""
         assert ctx.decision is not None

@@ -600,7 +600,7 @@ class Migration:
         decision, prefill_ep = ctx.decision, rec.prefill_endpoint
         while True:
             # an engine that refuses the continuation before sending anything (a refused or reset
-            # connection, a 5xx other than 501, 429 or 503), as a fresh request's retry would: the next endpoint
+            # connection, a 5xx other than 501, 503 or 529), as a fresh request's retry would: the next endpoint
             # not tried yet is asked, until none is left
             try:
                 resp = await self.legs.reopen(ctx, cont, set(self.avoid))

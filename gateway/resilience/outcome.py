@@ -4,8 +4,8 @@ Every leg to an engine ends in one of four outcomes, and only faults count again
 
 | outcome | examples | breaker |
 |---|---|---|
-| ``fault`` | connect refused or reset, 5xx other than 501 and 503, a broken stream, an in-stream error event (but a 501's), a watchdog or header timeout | counts |
-| ``backpressure`` | 429, 503: the engine is alive but busy | neutral |
+| ``fault`` | connect refused or reset, 5xx other than 501, 503 and 529, a broken stream, an in-stream error event (but a 501's), a watchdog or header timeout | counts |
+| ``backpressure`` | 429, 503, 529 (Anthropic's overload): the engine is alive but busy | neutral |
 | ``client_error`` | 4xx other than 429: the request's own fault | neutral |
 | ``client_error`` | 501, or an in-stream error event with code 501: the engine does not implement what the request asks | neutral |
 | ``fault`` | 401, 403 from an engine the gateway sends its key (``api_key``): the key refused | counts |
@@ -14,7 +14,8 @@ Every leg to an engine ends in one of four outcomes, and only faults count again
 A leg that ends because the client went away says nothing about the engine: ``none``.
 
 Counting a 4xx against an engine opens every breaker as soon as clients send bad requests
-(sglang#25811); counting 503 ejects busy engines exactly when capacity is short (sglang#13894).
+(sglang#25811); counting 503 ejects busy engines exactly when capacity is short (sglang#13894),
+and a 529 is the same overload as an Anthropic-compatible server answers it.
 A 501 is the engine declining a request it does not support, as a 4xx declines a bad one: another
 endpoint of the same engine would decline it too, and the engine serves its other requests. An
 engine whose stream's head went out before it found that (vLLM sends its head at once) says it in
@@ -45,7 +46,9 @@ class Outcome(enum.Enum):
         return self is Outcome.FAULT or self is Outcome.BACKPRESSURE
 
 
-BACKPRESSURE_STATUSES = frozenset({429, 503})
+# busy: a rate limit, the engine unavailable or overloaded (529, which an Anthropic-compatible
+# server answers for overload as others answer 503)
+BACKPRESSURE_STATUSES = frozenset({429, 503, 529})
 AUTH_STATUSES = frozenset({401, 403})
 # the engine lacks what the request asks (vLLM answers 501 for a feature it does not implement)
 UNSUPPORTED_STATUSES = frozenset({501})

@@ -1,8 +1,8 @@
 """Retries: another endpoint, only before the first byte reached the client, within a budget.
 
 A leg whose answer the client has not seen yet may be sent again to a different endpoint when it
-failed with a fault (refused or reset connection with nothing received, a 5xx other than 501 and
-503) or was pushed back (429, 503) while another candidate has headroom. Once the response's head
+failed with a fault (refused or reset connection with nothing received, a 5xx other than 501, 503
+and 529) or was pushed back (429, 503, 529) while another candidate has headroom. Once the response's head
 went to the client nothing is retried (continuation after that is another matter). A header
 timeout is not retried: the engine may still be working on it, and the wait is already spent.
 
