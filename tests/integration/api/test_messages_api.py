@@ -282,6 +282,31 @@ async def test_stop_sequences_that_are_not_a_list_of_strings_are_refused_before_
     assert msg.stop_reason == "max_tokens"
 
 
+async def test_a_tool_choice_of_a_tool_without_its_name_is_refused_before_routing(fleet):
+    """Anthropic's ``tool_choice`` of type ``tool`` names the tool, and Anthropic refuses one
+    without a name with a 400. vLLM's Messages request takes it (its name is optional there) and
+    its conversion to a chat request then fails: its 500, a fault charged to the endpoint's breaker
+    and retried on another, for a request's own mistake. The gateway refuses it first, on either
+    engine and on count_tokens too; the other tool choices go on."""
+    gw, (v1, v2, s1) = fleet
+    c = anthropic_client(gw)
+    tools = [{"name": "get_time", "input_schema": {"type": "object"}}]
+    for model in ("llama", "qwen"):
+        for choice, message in (({"type": "tool"}, "tool_choice.name: Field required"),
+                                ({"type": "tool", "name": 3}, "tool_choice.name: Input should be a valid string")):
+            with pytest.raises(anthropic.BadRequestError) as ei:
+                await c.messages.create(model=model, max_tokens=4, messages=MSGS, tools=tools, tool_choice=choice)
+            assert ei.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+            with pytest.raises(anthropic.BadRequestError) as ei:
+                await c.messages.count_tokens(model=model, messages=MSGS, tools=tools, tool_choice=choice)
+            assert ei.value.body["error"]["message"] == message
+    for sim in (v1, v2, s1):
+        assert not [r for r in (await sim_state(sim.url))["received"] if r["path"].startswith("/v1/messages")]
+    for choice in ({"type": "tool", "name": "get_time"}, {"type": "any"}, {"type": "none"}, {"type": "auto"}):
+        msg = await c.messages.create(model="llama", max_tokens=4, messages=MSGS, tools=tools, tool_choice=choice)
+        assert msg.stop_reason in ("max_tokens", "tool_use")
+
+
 async def test_a_boolean_for_a_number_is_refused_before_routing(fleet):
     """Anthropic refuses a boolean where its API takes an integer (``max_tokens``, ``top_k``,
     ``thinking.budget_tokens``) or a number (``temperature``, ``top_p``) with a 400; the engine's

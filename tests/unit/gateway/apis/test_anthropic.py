@@ -76,6 +76,12 @@ def test_claude_codes_per_request_attribution_block_is_not_part_of_the_prefix():
      "stop_sequences: Input should be a valid list"),
     ({"model": "m", "max_tokens": 1, "messages": MESSAGES, "stop_sequences": ["END", 7]},
      "stop_sequences.1: Input should be a valid string"),
+    ({"model": "m", "max_tokens": 1, "messages": MESSAGES, "tool_choice": {"type": "tool"}},
+     "tool_choice.name: Field required"),
+    ({"model": "m", "max_tokens": 1, "messages": MESSAGES, "tool_choice": {"type": "tool", "name": None}},
+     "tool_choice.name: Field required"),
+    ({"model": "m", "max_tokens": 1, "messages": MESSAGES, "tool_choice": {"type": "tool", "name": ["a"]}},
+     "tool_choice.name: Input should be a valid string"),
 ])
 def test_messages_parse_refuses_bad_bodies(body, message):
     with pytest.raises(GatewayError) as ei:
