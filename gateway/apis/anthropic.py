@@ -12,7 +12,8 @@ says which engine serves which path), through the same pipeline as chat. What di
   are not a list of strings, a custom tool without a ``name`` or an ``input_schema`` object, a
   message whose role is not user or assistant (Claude Code's ``ctx`` and ``msg`` go on: vLLM
   reads them as user), a boolean for an integer or a number (``max_tokens``, ``top_k``,
-  ``temperature``, ``top_p``, ``thinking.budget_tokens``). The body is forwarded unchanged: the
+  ``temperature``, ``top_p``, ``thinking.budget_tokens``), a ``tool_choice`` of type ``tool``
+  without a string ``name`` (vLLM answers it with a 500). The body is forwarded unchanged: the
   usage of a stream always arrives (in
   ``message_start`` and ``message_delta``), so nothing has to be asked for.
 - **Errors.** Before headers: ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's
@@ -278,6 +279,17 @@ def _check_tools(tools: Any) -> None:
                                                       else "Input should be a valid dictionary"))
 
 
+def _check_tool_choice(choice: Any) -> None:
+    """A ``tool_choice`` of type ``tool`` names its tool, as Anthropic requires: vLLM's Messages
+    request takes one without a name, then fails to convert it to its chat request, a 500 (an
+    endpoint's fault to the breaker) for the request's own mistake. Other shapes are the engine's
+    to refuse (its 400)."""
+    if isinstance(choice, dict) and choice.get("type") == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str):
+            raise _bad("tool_choice.name: " + ("Field required" if name is None else "Input should be a valid string"))
+
+
 class AnthropicApi(EngineSpecificApi):
     name = "anthropic"
     paths = ANTHROPIC_PATHS
@@ -332,6 +344,8 @@ class AnthropicApi(EngineSpecificApi):
         tools = data.get("tools")
         if tools is not None:
             _check_tools(tools)
+        if "tool_choice" in data:
+            _check_tool_choice(data["tool_choice"])
         parts = []
         media = [False]
         system = data.get("system")
