@@ -303,17 +303,23 @@ async def test_a_clients_chat_template_does_not_reach_the_engine_unless_allowed(
         assert r.status == 200, r.body
         r = await post(gw, {"model": "qwen", "messages": MSG, "max_tokens": 2, "chat_template_kwargs": {"thinking": 1}})
         assert r.status == 200, r.body
+        # vLLM's Messages request takes chat_template_kwargs too, and renders its chat request with them
+        r = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2,
+                            "chat_template_kwargs": {"chat_template": tpl, "enable_thinking": False}}, path=MESSAGES)
+        assert r.status == 200, r.body
+    assert [b["chat_template_kwargs"] for b in await _received(v.url, MESSAGES)] == [{"enable_thinking": False}]
     sent = await _received(v.url, CHAT)
     assert len(sent) == 2 and not [b for b in sent if "chat_template" in b], sent
     assert [b["chat_template_kwargs"] for b in sent] == [{"enable_thinking": False}, {"enable_thinking": True}]
     assert [b["chat_template_kwargs"] for b in await _received(s.url, CHAT)] == [{"thinking": True}, {"thinking": 1}]
     lines = [x for x in logs if x["event"] == "request"]
     assert [x.get("dropped_fields") for x in lines] == [["chat_template"], ["chat_template_kwargs.chat_template"],
-                                                        ["chat_template_kwargs.chat_template"], None], lines
+                                                        ["chat_template_kwargs.chat_template"], None,
+                                                        ["chat_template_kwargs.chat_template"]], lines
     page = await _metrics(gw)
     assert metric(page, "switchyard_request_fields_dropped_total", model="m", field="chat_template") == 1
     assert metric(page, "switchyard_request_fields_dropped_total", model="m",
-                  field="chat_template_kwargs.chat_template") == 1
+                  field="chat_template_kwargs.chat_template") == 2
     assert metric(page, "switchyard_request_fields_dropped_total", model="qwen",
                   field="chat_template_kwargs.chat_template") == 1
 
