@@ -531,10 +531,11 @@ async def test_a_session_whose_engine_another_replica_loaded_moves_counted_overl
         pages = [(await get_new(p, "/metrics"))[1] for p in (pa, pb)]
         return sum(metric_total(page, "switchyard_routing_session_total", outcome=outcome) for page in pages)
 
-    async def from_replicas(port: int) -> float:
-        """The session facts the gateway on ``port`` applied from other replicas, its workers summed."""
+    async def from_replicas(port: int, source: str = "replica") -> float:
+        """The session facts the gateway on ``port`` applied from other replicas (``worker``: from
+        its other worker), its workers summed."""
         return metric_total((await get_new(port, "/metrics"))[1], "switchyard_view_facts_applied_total",
-                            source="replica", kind="session")
+                            source=source, kind="session")
 
     stuck: list[asyncio.Task] = []
     try:
@@ -550,11 +551,13 @@ async def test_a_session_whose_engine_another_replica_loaded_moves_counted_overl
                 "model": "m", "messages": [{"role": "user", "content": f"hold {i}"}], "max_tokens": 2}, pin))
                 for i in range(4)]
             await until(lambda: _equals(remote(pb, holder), {4}), timeout=20)
-            heard = await from_replicas(pa)
+            heard, sibling = await from_replicas(pa), await from_replicas(pb, "worker")
             moved = await turn(1, "And train 3?")
             assert moved != holder
-            # a's two workers hear from b where the conversation went before a routes a turn of it
+            # a's two workers hear from b where the conversation went before a routes a turn of it,
+            # and so does b's other worker (the turns on b go to either: each connection is closed)
             await until(lambda: _at_least(from_replicas(pa), heard + 2), timeout=20)
+            await until(lambda: _at_least(from_replicas(pb, "worker"), sibling + 1), timeout=20)
             assert (await counted("overloaded"), await counted("kept")) == (1, 2)
             for t in stuck:
                 t.cancel()
