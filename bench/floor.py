@@ -99,7 +99,7 @@ BOOT = textwrap.dedent('''
         try:
             if has("parse"):
                 ctx.api = self.apis.get(request.path)
-                ireq = await self._parse(ctx, None)
+                ireq = await self._parse(ctx, NO_TICKET)
                 model, body = ireq.model, ireq.body
             else:
                 body = request.content.read_nowait()
