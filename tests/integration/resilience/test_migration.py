@@ -444,6 +444,51 @@ async def _quiet(url: str) -> bool:
     return not (await sim_state(url))["running"]
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("others", ["another", "none"])
+async def test_a_continuation_whose_engine_is_silent_before_its_first_token_is_the_watchdogs_fire(
+        sims, gateway, engine, others):
+    """The engine that took a continuation was silent past the first-chunk bound before its first
+    token: the watchdog's fire on that leg (docs/resilience.md), whether its head came at once
+    (vLLM) or comes with its first token (SGLang). It is counted as the watchdog's, the broken leg
+    was continued and the silent one has its own migrations entry; the stream goes on on another
+    endpoint when one is left, else it ends with the watchdog's error event, its endpoint the silent
+    one's, each breaker told once. An SGLang continuation's silence was taken for a header timeout:
+    the stream ended with the first break's error event, another endpoint left untried, and the
+    fire counted nowhere."""
+    bad = await sims(engine, "m", fault="drop_after=5")
+    silent = await sims(engine, "m", fault="stall_before_first=inf")
+    good = [await sims(engine, "m")] if others == "another" else []
+    # round-robin: the first leg goes to the first endpoint, the continuation to the last
+    gw = await gateway([model_block("m", engine, [bad.url] + [g.url for g in good] + [silent.url],
+                                    strategy="round-robin", migration_limit=2,
+                                    watchdog={"first_chunk_timeout_s": 0.5, "aggregated": True})],
+                       health={"enabled": False})
+    req = {"model": "m", "messages": MSG, "max_tokens": 20, "stream": True}
+    with gw.gw.request_log.capture() as logs:
+        st, got = await raw_post(gw.url, "/v1/chat/completions", req)
+        await until(lambda: any(e["event"] == "request" for e in logs))
+    line = next(e for e in logs if e["event"] == "request")
+    entries = [(m["reason"], m["outcome"], m["endpoint"]) for m in line["migrations"]]
+    assert entries[0] == ("broken", "continued", bad.url[7:])
+    assert entries[1][:1] + entries[1][2:] == ("first_chunk_timeout", silent.url[7:])
+    text = await gw.metrics_text()
+    assert 'switchyard_watchdog_fires_total{model="m",phase="first_chunk"} 1.0' in text
+    if good:
+        _, ref = await raw_post(good[0].url, "/v1/chat/completions", req)
+        assert st == 200 and got[-1] == "[DONE]" and text_of(got) == text_of(ref)
+        assert entries[1][1] == "continued" and len(entries) == 2
+    else:
+        assert st == 200 and got[-1]["error"]["code"] == "upstream_timeout", got[-1]
+        assert "first chunk" in got[-1]["error"]["message"]
+        assert entries[1][1] == "failed" and len(entries) == 2
+        assert line["endpoint"] == silent.url[7:] and line["error_class"] == "watchdog_first_chunk"
+        breakers = gw.gw.gen.services.breakers
+        faults = {ep.url: breakers.describe(ep)["consecutive_faults"] for ep in gw.gw.pool.endpoints()}
+        assert faults == {bad.url: 1, silent.url: 1}
+    await until(lambda: _quiet(silent.url))
+
+
 @pytest.mark.parametrize("fault", ["none", "drop_after=20"])
 async def test_a_continuable_stream_its_client_drops_is_charged_and_timed_as_a_plain_one(sims, gateway, fault):
     """A stream on a model with migration_limit (continued or not) that its client drops before
