@@ -108,6 +108,17 @@ class Legs(Protocol):
         """The leg of ``cont`` up to its response head, on an endpoint not in ``avoid``."""
 
 
+class LegSilent(Exception):
+    """The leg that was to continue a stream sent no head within the watchdog's first-chunk bound
+    (an engine whose stream's head comes with its first token, SGLang): the watchdog's fire on that
+    leg, as a silence after its head is (``Legs.reopen``). Its endpoint's breaker heard the timeout."""
+
+    def __init__(self, phase: str, seconds: float) -> None:
+        super().__init__(f"no output from the engine for {seconds:g}s ({phase.replace('_', ' ')})")
+        self.phase = phase
+        self.seconds = seconds
+
+
 class _NoLegs:
     """A migration nobody can continue (its legs are not the gateway's): every attempt fails."""
 
@@ -302,6 +313,9 @@ class Migration:
         # the last leg broke once every token the answer may have was generated: the answer ends
         # there, and its engine's breaker hears the fault (``Relay.settle``)
         self.broke_whole: ErrorClass | None = None
+        # the stream ends as a leg that never opened, the watchdog's fire before its head: its
+        # failure (the client's last event), and its breaker was told already (``Relay.settle``)
+        self.silent: tuple[ErrorClass, str] | None = None
 
     @property
     def active(self) -> bool:
@@ -395,6 +409,8 @@ class Migration:
                     rec.delivered = True
                     break
                 if nxt is None:             # the client gets the relay's final error event
+                    if self.silent is not None:     # the last leg asked was silent before its head
+                        error_class, message = self.silent
                     if error_class == ErrorClass.UPSTREAM_STREAM_ERROR and isinstance(self.error, dict):
                         message = str(self.error.get("message") or message)
                     rec.error_class, rec.error = error_class, message[:200]
@@ -608,11 +624,32 @@ class Migration:
                 # the client left before a leg took the continuation: the broken leg is counted as
                 # any, and its fault told to its breaker (the endpoint asked hears a cancel)
                 self._count(rec, reason, "cancelled", failed_ep)
-                if relay.record is not None and failed is not None:
+                if relay.record is not None and failed is not None and self.silent is None:
                     relay.record(failed, Outcome.FAULT, error_class)
+                self.silent = None        # (a silent leg's breaker heard it; the one asked hears the cancel)
                 raise
             except GatewayError as e:
                 return self._not_continued(ctx, decision, prefill_ep, reason, failed_ep, refused or e.message[:200])
+            except LegSilent as e:
+                # the watchdog's fire on the leg that took the continuation, as a silence after its
+                # head would be: the failed leg was continued, and the stream goes on from this one's
+                # failure (its breaker told), within migration_limit, on an endpoint not tried yet
+                error_class = ErrorClass.watchdog(e.phase)
+                ctx.trace.legs_broke(error_class)
+                watchdog_fired(ctx, self.metrics, e.phase, e.seconds)
+                self._count(rec, reason, "continued", failed_ep)
+                if relay.record is not None and failed is not None:
+                    relay.record(failed, Outcome.FAULT, error_class)
+                reason, failed_ep, refused = REASONS[error_class], rec.endpoint, None
+                failed = ctx.decision.endpoint if ctx.decision is not None else None
+                decision, prefill_ep = ctx.decision, rec.prefill_endpoint
+                self.silent = (error_class, str(e))
+                self.avoid.add(failed_ep)
+                if len(self.log) >= self.limit:
+                    self._count(rec, reason, "limit", failed_ep)
+                    return None
+                ctx.trace.event("migration", {"switchyard.migration.reason": reason, "switchyard.endpoint": failed_ep})
+                continue
             except UpstreamFailure as e:        # its breaker and upstream errors were told
                 ctx.trace.legs_broke(e.kind)
                 if not e.retryable or rec.endpoint in self.avoid:
@@ -643,6 +680,7 @@ class Migration:
             refused = f"status {resp.status}"
             self.avoid.add(ep.name)
         self._count(rec, reason, "continued", failed_ep)
+        self.silent = None
         # a watchdog fire the continuation took (counted where it fired) no longer ends the answer:
         # the record's phase is a fire that did (a P/D decode's engine is then told to stop)
         rec.watchdog = None

@@ -33,7 +33,7 @@ from gateway.pd.orchestrator import PairFailed
 from gateway.pipeline.context import RequestContext, model_not_found, record_request, take_edge_answer
 from gateway.pipeline.generation import Generation
 from gateway.pipeline.ledger import NO_CHARGES, charge
-from gateway.pipeline.migration import Migration
+from gateway.pipeline.migration import LegSilent, Migration
 from gateway.pipeline.relay import FirstBytesFailed, error_event, watchdog_fired
 from gateway.pipeline.routing import WHOLE_REQUEST_ROLES
 from gateway.request import InferenceRequest, body_bytes, parse
@@ -664,8 +664,17 @@ class Pipeline:
         limit = legs.stream_head_timeout if cont.stream else legs.head_timeout
         leg = ctx.trace.leg("generate", ep, attempt=1)
         ctx.written()
-        resp = await self.upstream.open(ep, cont.path, cont.body, leg.inject(upstream_headers(cont)), limit,
-                                        cont.model)
+        try:
+            resp = await self.upstream.open(ep, cont.path, cont.body, leg.inject(upstream_headers(cont)), limit,
+                                            cont.model)
+        except UpstreamFailure as f:
+            # the watchdog's bound cut the wait for the head (an SGLang stream's comes with its
+            # first token): the watchdog's fire on this leg, as on a fresh request's
+            phase = _watchdog_phase(legs.watchdog, self.config.upstream.first_byte_timeout_s, cont.stream) \
+                if f.kind == "timeout" and cont.stream else None
+            if phase is not None and limit:
+                raise LegSilent(phase, limit) from None
+            raise
         leg.responded(resp.status)
         return resp
 

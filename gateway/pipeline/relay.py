@@ -544,6 +544,8 @@ class Relay:
             resp.release()
         else:
             resp.close()
+        if ctx.migration is not None and ctx.migration.silent is not None:
+            return      # it ended as a continuation's leg silent before its head, whose breaker heard it
         if self.record is not None and ctx.decision is not None and not unstarted:
             rec, ep = ctx.rec, ctx.decision.endpoint
             outcome = (Outcome.NONE if cancelled else of_status(resp.status, ep.api_key is not None)
