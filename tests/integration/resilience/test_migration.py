@@ -625,7 +625,9 @@ async def test_a_completion_asking_for_logprobs_0_is_refused(sims, gateway):
 
 
 @pytest.mark.parametrize("extra,why", [({"seed": 7, "temperature": "0.8"}, "seed"),
-                                       ({"include_reasoning": "false"}, "reasoning")])
+                                       ({"include_reasoning": "false"}, "reasoning"),
+                                       ({"logprobs": "true"}, "logprobs"),
+                                       ({"presence_penalty": "0.5"}, "penalty")])
 async def test_refusals_read_fields_as_the_engine_reads_them(sims, gateway, extra, why):
     """vLLM reads its request in pydantic's lax mode: a temperature of "0.8" samples (with the
     seed, draws a continuation cannot resume), an include_reasoning of "false" hides the reasoning.
@@ -635,6 +637,22 @@ async def test_refusals_read_fields_as_the_engine_reads_them(sims, gateway, extr
                              {"model": "m", "messages": MSG, "max_tokens": 30, "stream": True, **extra})
     assert st == 200 and isinstance(got[-1], dict) and "error" in got[-1], got[-2:]
     assert migrations(await gw.metrics_text(), f"refused_{why}") == 1
+
+
+@pytest.mark.parametrize("extra", [{"logprobs": "false"}, {"logprobs": "0"}, {"presence_penalty": "0"},
+                                   {"frequency_penalty": "0.0"}])
+async def test_what_the_engine_reads_as_not_asking_is_no_refusal(sims, gateway, extra):
+    """A chat's logprobs of "false" or "0" is false to vLLM, which reads its request in pydantic's
+    lax mode, and a penalty of "0" is no penalty: nothing a continuation could not carry on, so the
+    stream is continued (docs/resilience.md: each field read as vLLM reads it). Read as any
+    non-empty string, each was refused, and the client got the error event of a broken stream."""
+    gw, good = await setup(sims, gateway, "vllm", "drop_after=4")
+    req = {"model": "m", "messages": MSG, "max_tokens": 20, "stream": True, **extra}
+    _, ref = await raw_post(good.url, "/v1/chat/completions", req)
+    st, got = await raw_post(gw.url, "/v1/chat/completions", req)
+    assert st == 200 and got[-1] == "[DONE]", got[-2:]
+    assert text_of(got) == text_of(ref)
+    assert migrations(await gw.metrics_text(), "continued") == 1
 
 
 async def test_what_the_client_declined_as_false_words_stays_out_of_a_continued_stream(sims, gateway):
