@@ -168,19 +168,21 @@ def refusal(ireq: InferenceRequest) -> str | None:
             return "n"        # a batch of prompts: one choice each
         if prompt_embeds(d) is not None:
             return "prompt_embeds"    # vLLM's prompt as tensors: no text or token ids carry it on
+    # fields read as the engines read them (pydantic's lax mode: "0.8" is 0.8, "false" is false); a
+    # value they refuse is refused before anything streams
     lp = d.get("logprobs")
+    if ireq.path == CHAT and lp is not None:
+        lp = _lax(lax_bool, lp, True)     # a chat's is a flag: "false" and "0" ask for nothing
     if lp or d.get("top_logprobs") or d.get("prompt_logprobs") or (
             ireq.path == COMPLETIONS and isinstance(lp, int) and not isinstance(lp, bool)):
         # a completion's logprobs is a count, and 0 asks for them too (vLLM sends a logprobs object
-        # whenever it is not null: the sampled token's); a chat's is a flag
+        # whenever it is not null: the sampled token's)
         return "logprobs"
-    # fields read as the engines read them (pydantic's lax mode: "0.8" is 0.8, "false" is false); a
-    # value they refuse is refused before anything streams
     if d.get("seed") is not None:
         t = d.get("temperature")
         if t is None or _lax(lax_float, t, 0.0) > 0:
             return "seed"     # a seeded sample: its draws cannot be resumed mid-way
-    if d.get("presence_penalty") or d.get("frequency_penalty"):
+    if any(d.get(k) is not None and _lax(lax_float, d[k], 1.0) != 0 for k in ("presence_penalty", "frequency_penalty")):
         return "penalty"
     if "include_reasoning" in d and _lax(lax_bool, d["include_reasoning"], True) is False:
         return "reasoning"    # hidden by the engine's reasoning parser, which a continuation would not run
