@@ -610,15 +610,18 @@ async def test_refused_streams_get_todays_error_event(sims, gateway, extra, why)
     assert migrations(await gw.metrics_text(), f"refused_{why}") == 1
 
 
-async def test_a_completion_asking_for_logprobs_0_is_refused(sims, gateway):
+@pytest.mark.parametrize("count", [0, False])
+async def test_a_completion_asking_for_logprobs_0_is_refused(sims, gateway, count):
     """vLLM reads a completion's "logprobs": 0 as a request for logprobs (the sampled token's own on
     each chunk: its serving sends a logprobs object whenever the field is not null), with a
     text_offset counted from the leg's first character, which a continuation would start again
     from 0. Such a stream is refused as any with logprobs; a 0 was read as none, and the stream
-    continued."""
+    continued. A false, the chat's flag written on a completion, is the count 0 to vLLM (pydantic's
+    lax mode reads a bool as an int) and asks for them too; it was read as none."""
     gw, _ = await setup(sims, gateway, "vllm", "drop_after=4")
     st, got = await raw_post(gw.url, "/v1/completions", {"model": "m", "prompt": "Once upon a time", "max_tokens": 30,
-                                                         "stream": True, "logprobs": 0})
+                                                         "stream": True, "logprobs": count})
+    assert any(isinstance(e, dict) and e.get("choices") and e["choices"][0].get("logprobs") for e in got)
     assert st == 200 and isinstance(got[-1], dict) and "error" in got[-1], got[-2:]
     text = await gw.metrics_text()
     assert migrations(text, "refused_logprobs") == 1 and migrations(text, "continued") == 0
