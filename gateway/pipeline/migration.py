@@ -173,10 +173,9 @@ def refusal(ireq: InferenceRequest) -> str | None:
     lp = d.get("logprobs")
     if ireq.path == CHAT and lp is not None:
         lp = _lax(lax_bool, lp, True)     # a chat's is a flag: "false" and "0" ask for nothing
-    if lp or d.get("top_logprobs") or d.get("prompt_logprobs") or (
-            ireq.path == COMPLETIONS and isinstance(lp, int) and not isinstance(lp, bool)):
+    if lp or d.get("top_logprobs") or d.get("prompt_logprobs") or (ireq.path == COMPLETIONS and isinstance(lp, int)):
         # a completion's logprobs is a count, and 0 asks for them too (vLLM sends a logprobs object
-        # whenever it is not null: the sampled token's)
+        # whenever it is not null: the sampled token's), as does false, which it reads as 0
         return "logprobs"
     if d.get("seed") is not None:
         t = d.get("temperature")
