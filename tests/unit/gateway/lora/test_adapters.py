@@ -149,3 +149,32 @@ def test_the_context_length_of_a_model_list_is_its_base_cards():
     for bad in (None, True, "8192", 0, -1, 1.5):
         assert model_context({"data": [{**card, "max_model_len": bad}]}, "m") is None
     assert model_context({"data": "m"}, "m") is None and model_context([], "m") is None
+
+
+def test_the_listing_marks_loadable_only_the_adapters_its_parent_may_load():
+    """An adapter engines of one model serve that the config lists for another is listed as the
+    first model's (its requests go there), which cannot load it: not ``loadable``. The parent is
+    the first model (the pool's order) with an endpoint serving it; its ready endpoints are that
+    model's only."""
+    cfg = config_from_dict({"models": [{"name": "m", "endpoints": ["http://10.0.0.1:8000"]},
+                                       {"name": "n", "endpoints": ["http://10.0.0.2:8000"],
+                                        "adapters": {"x": "org/x", "y": "org/y"}}]}, source="<test>")
+    pool = EndpointPool()
+    m1 = pool.add(Endpoint(url="http://10.0.0.1:8000", model="m"))
+    n1 = pool.add(Endpoint(url="http://10.0.0.2:8000", model="n"))
+    m2 = pool.add(Endpoint(url="http://10.0.0.3:8000", model="m"))
+    lora = Lora(cfg, pool, upstream=None, metrics=LoraMetrics(CollectorRegistry()))
+    m1.adapters.served = {"x": "m"}
+    n1.adapters.served = {"x": "n", "y": "n", "z": "n"}
+    m2.adapters.served = {"x": "m", "z": "m"}
+    m2.healthy = False
+    assert lora.base_of("x") == lora.base_of("z") == "m"
+    assert lora.describe() == [
+        {"id": "x", "parent": "m", "ready_endpoints": 1},                  # n lists it: m cannot load it
+        {"id": "y", "parent": "n", "ready_endpoints": 1, "loadable": True},
+        {"id": "z", "parent": "m", "ready_endpoints": 0},                  # n1's is not m's
+    ]
+    n1.adapters.served = {}
+    assert lora.describe()[0] == {"id": "x", "parent": "m", "ready_endpoints": 1}
+    m1.adapters.served = m2.adapters.served = {}                           # nobody serves it: n's, loadable
+    assert lora.describe()[0] == {"id": "x", "parent": "n", "ready_endpoints": 0, "loadable": True}
