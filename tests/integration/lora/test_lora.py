@@ -10,6 +10,7 @@ import anthropic
 import msgspec
 import openai
 import pytest
+import structlog
 
 from gateway.config.schema import config_from_dict
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS
@@ -423,3 +424,24 @@ async def test_the_serving_gauge_drops_an_adapter_no_engine_lists_and_the_config
     assert await wait_for(lambda: (series % "cfg") + " 0.0" in gw.gw.metrics.render().decode(), timeout=10.0)
     assert await wait_for(lambda: series % "sql" not in gw.gw.metrics.render().decode(), timeout=10.0), \
         "the series of an adapter nothing lists any more stays, at 0, forever"
+
+
+async def test_a_reload_whose_alias_shadows_a_discovered_adapter_is_applied_with_a_warning(sims, gateway):
+    """No file check can see the adapters the engines serve, so a reload may add an alias under the
+    name of one: it is applied (the alias answers that name from then on, its targets without the
+    adapter), and a warning names the alias and the adapter's model and endpoints, as it does again
+    at each reload that keeps it."""
+    a = await sims("vllm", "m", lora_modules=("sql=org/sql-lora",), **LORA_SIM)
+    b = await sims("vllm", "m2")
+    gw = await gateway([model_block("m", "vllm", [a.url]), model_block("m2", "vllm", [b.url])], lora=FAST_LORA)
+    await wait_for(lambda: "sql" in gw.gw.pool.endpoints("m")[0].adapters.served)
+    reloader = gw.runner.app[RELOAD_KEY]
+    raw = msgspec.to_builtins(reloader.live.config)
+    raw["aliases"] = [{"name": "chat", "targets": [{"model": "m2"}]}, {"name": "sql", "targets": [{"model": "m2"}]}]
+    with structlog.testing.capture_logs() as logs:
+        assert reloader.reload("test", config_from_dict(raw, source="<test>")).result == "ok"
+    warned = [e for e in logs if e["event"] == "alias shadows a lora adapter the engines serve"]
+    assert [(e["log_level"], e["alias"], e["adapter_model"], e["endpoints"]) for e in warned] == [
+        ("warning", "sql", "m", [a.url.split("//")[1]])]
+    status, _, body = await chat(gw, "sql")
+    assert (status, body.get("model")) == (200, "m2"), body
