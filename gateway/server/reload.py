@@ -311,6 +311,18 @@ Listener = Callable[[Live], None]
 _DIGEST_KEY = os.urandom(16)
 
 
+def warn_shadowed_adapters(config: Config, pool: EndpointPool) -> None:
+    """Warn of each alias named as an adapter the engines serve (discovery found it, or the gateway
+    loaded it): the file's check refuses an alias named as an adapter ``models[].adapters`` lists,
+    but cannot see these. The alias is resolved first, so its targets answer that name, without
+    the adapter."""
+    for alias in config.aliases:
+        eps = [ep for ep in pool.endpoints() if alias.name in ep.adapters.served]
+        if eps:
+            log.warning("alias shadows a lora adapter the engines serve", alias=alias.name, adapter_model=eps[0].model,
+                        endpoints=[ep.name for ep in eps if ep.model == eps[0].model])
+
+
 def config_digest(config: Config) -> str:
     """A short digest of ``config`` as this process runs it (the file with the command line's
     overrides): two workers of one gateway with the same digest run the same config. Keyed, so
@@ -421,6 +433,7 @@ class Reloader:
                  draining_in_flight=sum(ep.in_flight + ep.prefill_in_flight for ep in removed))
         if self.parent_told is None:    # what a start warns of (a --workers parent logs it once for all)
             log_no_effect(config, self.source)
+        warn_shadowed_adapters(config, self.pool)
         return self._finish(result)
 
     def _check_admin_token(self, config: Config) -> None:
