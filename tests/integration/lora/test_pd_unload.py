@@ -230,3 +230,32 @@ async def test_engine_full_sends_the_load_to_an_endpoint_with_room(sims, gateway
     assert len(load_calls(await sim_state(full.url))) == 1        # asked first, it refused the load
     assert (await sim_state(free.url))["lora"]["registered"] == {"a": "org/a"}
     assert (await sim_state(full.url))["lora"]["registered"] == {"other": "org/other"}
+
+
+async def test_a_whole_request_and_a_pd_request_for_a_new_adapter_each_get_the_load_they_need(sims, gateway):
+    """A P/D model with a combined endpoint: a request whose routing-strategy header names a
+    whole-request strategy is routed among the combined endpoints, one routed by pd among the
+    pairs. Each arriving while the other's first load of the adapter is under way loads it where
+    it can run (the combined endpoint; a prefill and a decode), not taking the other's load for its
+    own, whichever came first."""
+    slow = {**LORA_SIM, "lora_load_call_ms": 300.0}
+    p = await sims("vllm", "m", role="prefill", **slow)
+    d = await sims("vllm", "m", role="decode", **slow)
+    c = await sims("vllm", "m", **slow)
+    gw = await gateway([{"name": "m", "engine": "vllm", "adapters": {"sql": "org/sql-lora", "chat": "org/chat-lora"},
+                         "rolesets": [{"name": "rs", "prefill": [p.url], "decode": [d.url], "combined": [c.url]}],
+                         "pd": {"combined_load_ratio": 0}}], lora=FAST_LORA)
+    whole = {"routing-strategy": "least-request"}
+
+    async def loading(sim, adapter: str) -> bool:
+        return any(r["body"]["lora_name"] == adapter for r in load_calls(await sim_state(sim.url)))
+
+    for adapter, (first, first_sim), second in (("sql", (None, p), whole), ("chat", (whole, c), None)):
+        first_req = asyncio.ensure_future(chat(gw, adapter, first))
+        await until(lambda first_sim=first_sim, adapter=adapter: loading(first_sim, adapter))
+        results = await asyncio.gather(first_req, chat(gw, adapter, second))
+        for status, _, body in results:
+            assert (status, body.get("model")) == (200, adapter), body
+        assert [h["x-pd-decision"].split(";")[0] for _, h, _ in results if "x-pd-decision" in h] == ["disaggregated"]
+        for sim in (p, d, c):
+            assert await loading(sim, adapter)
