@@ -168,7 +168,7 @@ class Lora:
         # set by a reload that changes discovery_interval_s: the loop takes the new period at once
         self._rediscover = asyncio.Event()
         self.reconfigure(config)
-        self._loads: dict[tuple[str, str], asyncio.Future[Endpoint]] = {}
+        self._loads: dict[tuple[str, str, bool], asyncio.Future[Any]] = {}     # (model, adapter, pairs) -> its load
         self._cooldown: dict[tuple[int, str], tuple[float, str]] = {}   # (id(ep), adapter) -> (until, message)
         self._loaded_at: dict[tuple[int, str], float] = {}     # adapters this gateway loaded -> when
         self._unloaded_at: dict[tuple[int, str], float] = {}
@@ -264,7 +264,8 @@ class Lora:
         if serving:
             return serving
         path = self._loadable(ireq.model, adapter, "")
-        ep = await self._shared_load(ctx, ireq.model, adapter, lambda: self._load(ireq.model, adapter, path, candidates))
+        ep = await self._shared_load(ctx, ireq.model, adapter, False,
+                                     lambda: self._load(ireq.model, adapter, path, candidates))
         return [ep]
 
     async def serving_pairs(self, ctx: RequestContext, candidates: list[Endpoint]) -> list[Endpoint]:
@@ -276,7 +277,7 @@ class Lora:
         missing = self._missing_roles(candidates, adapter)
         if missing:
             path = self._loadable(model, adapter, " or ".join(missing))
-            await self._shared_load(ctx, model, adapter, lambda: self._load_roles(model, adapter, path, candidates))
+            await self._shared_load(ctx, model, adapter, True, lambda: self._load_roles(model, adapter, path, candidates))
             missing = self._missing_roles(candidates, adapter)
             if missing:     # unloaded again in the meantime (never while requests are in flight)
                 self._no_endpoint(model, adapter, " or ".join(missing))
@@ -301,11 +302,15 @@ class Lora:
                            code="service_unavailable", headers={"Retry-After": "5"},
                            header=("x-error-no-model-backends", "true"), error_class=ErrorClass.NO_ENDPOINT)
 
-    async def _shared_load(self, ctx: RequestContext, model: str, adapter: str,
+    async def _shared_load(self, ctx: RequestContext, model: str, adapter: str, pairs: bool,
                            start: Callable[[], Any]) -> Any:
         """The outcome of the one load of (``model``, ``adapter``) in progress, started by ``start``
-        if none is: concurrent requests share it."""
-        key = (model, adapter)
+        if none is: concurrent requests share it. ``pairs``: a load on the P/D roles that lack it
+        (``serving_pairs``), else on one whole-request endpoint (``prepare``): a P/D model's request
+        whose routing-strategy header names a whole-request strategy runs on its combined endpoints,
+        where the pairs' load puts nothing, and a pd request needs a prefill and a decode, which the
+        combined endpoints' load does not give; each waits for a load of its own kind."""
+        key = (model, adapter, pairs)
         load = self._loads.get(key)
         if load is None:
             load = asyncio.ensure_future(start())
@@ -327,7 +332,7 @@ class Lora:
                 raise r
         return list(done)   # type: ignore[arg-type]
 
-    def _load_done(self, key: tuple[str, str], fut: asyncio.Future[Endpoint]) -> None:
+    def _load_done(self, key: tuple[str, str, bool], fut: asyncio.Future[Any]) -> None:
         if self._loads.get(key) is fut:
             del self._loads[key]
         if not fut.cancelled():
