@@ -33,7 +33,8 @@ A P/D model's adapter requests (``serving_pairs``) are routed by ``pd`` among th
 serve the adapter, so both legs (and a request run whole, by conditional disaggregation) land on
 engines that have it. When no prefill or no decode serves it and the model's ``adapters`` has it,
 the same ``_load`` runs for each missing role among that role's endpoints, concurrently, as one
-shared load per (model, adapter); the first failure is every waiter's 502 (the other role's load
+shared load per (model, adapter) (apart from a whole-request load of it, for a request a header sent
+to the model's combined endpoints: ``_shared_load``); the first failure is every waiter's 502 (the other role's load
 still completes and stays). An adapter the config does not list: 503 naming the missing role.
 
 Unloading (the engine's unload call: vLLM ``POST /v1/unload_lora_adapter``, SGLang
@@ -645,8 +646,11 @@ class Lora:
         if not idle:
             return 0
         now = self.clock()
-        due = [(ep, a) for ep in self.pool.endpoints() for a in list(ep.adapters.served)
-               if (id(ep), a) in self._loaded_at and not ep.adapters.in_flight.get(a)
+        # those this gateway loaded, not every adapter the engines list (50 engines of 1,000 each
+        # are 50,000, at every pass)
+        eps = {id(ep): ep for ep in self.pool.endpoints()}
+        due = [(ep, a) for i, a in list(self._loaded_at)
+               if (ep := eps.get(i)) is not None and a in ep.adapters.served and not ep.adapters.in_flight.get(a)
                and now - self._last_used(ep, a) >= idle and not self._busy_elsewhere(ep, a)]
         if not due:
             return 0
