@@ -259,3 +259,29 @@ async def test_a_whole_request_and_a_pd_request_for_a_new_adapter_each_get_the_l
         assert [h["x-pd-decision"].split(";")[0] for _, h, _ in results if "x-pd-decision" in h] == ["disaggregated"]
         for sim in (p, d, c):
             assert await loading(sim, adapter)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+async def test_a_pd_leg_that_lost_its_adapter_has_it_loaded_again_there_alone(sims, gateway, engine, leg):
+    """One leg's engine drops the adapter (a restart, another gateway's unload): its error answers
+    the request that meets it, and the next request loads the adapter again on that leg's engine
+    only, the other leg's engine, which still has it, asked nothing and counted no load."""
+    p = await sims(engine, "m", role="prefill", **LORA_SIM)
+    d = await sims(engine, "m", role="decode", **LORA_SIM)
+    gw = await gateway([{"name": "m", "engine": engine, "rolesets": rolesets(engine, [p], [d]),
+                         "adapters": {"tone": "org/tone-lora"}}], lora={"discovery_interval_s": 0})
+    assert (await chat(gw, "tone"))[0] == 200
+    lost, kept = (p, d) if leg == "prefill" else (d, p)
+    unload = "/v1/unload_lora_adapter" if engine == "vllm" else "/unload_lora_adapter"
+    async with aiohttp.ClientSession() as session, \
+            session.post(lost.url + unload, json={"lora_name": "tone"}) as r:
+        assert r.status == 200
+    status, headers, body = await chat(gw, "tone")       # the engine's own error, once
+    assert status in (400, 404) and headers[f"x-error-pd-{leg}"] == "http_status", body
+    for _ in range(2):
+        status, _, body = await chat(gw, "tone")
+        assert status == 200, body
+    assert [len(load_calls(await sim_state(s.url))) for s in (lost, kept)] == [2, 1]
+    text = await gw.metrics_text()
+    assert 'switchyard_lora_loads_total{adapter="tone",model="m",result="ok"} 3.0' in text
