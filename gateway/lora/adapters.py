@@ -742,12 +742,20 @@ class Lora:
         """A request for an adapter that its engine answered it does not have (restarted without
         it, or unloaded by another gateway): the adapter leaves that endpoint's served set, so the
         next request loads it again (or, not in the config, is told no endpoint serves it) instead
-        of meeting the same error until the next discovery round (never, with discovery off)."""
+        of meeting the same error until the next discovery round (never, with discovery off). Of a
+        P/D pair, only the leg whose engine answered the error, as the request's error class says (a
+        prefill's, or the decode's status): the other leg's engine still has it, and a load call
+        there would be answered "already loaded" (and counted as a load)."""
         ireq, d, rec = ctx.ireq, ctx.decision, ctx.rec
         if ireq is None or ireq.lora is None or d is None or rec.status is None or rec.status < 400:
             return
         adapter, message = ireq.lora, rec.error or ""
-        for ep in (d.endpoint, d.prefill):
+        legs: tuple[Endpoint | None, ...] = (d.endpoint, d.prefill)
+        if d.prefill is not None and rec.error_class in _PREFILL_FAILED:
+            legs = (d.prefill,)
+        elif d.prefill is not None and rec.error_class == ErrorClass.UPSTREAM_STATUS:
+            legs = (d.endpoint,)
+        for ep in legs:
             if ep is None or ep.adapters.served.get(adapter) is None or (id(ep), adapter) in self._unloading:
                 continue
             if not adapter_for(ep.engine).lora_missing(rec.status, message, adapter):
@@ -955,6 +963,9 @@ class Lora:
 
 
 _STATES = frozenset({"running", "resident", "free_slot", "waiting", "full"})
+# a P/D request's prefill leg failed (gateway/pd/orchestrator.py), not its decode
+_PREFILL_FAILED = frozenset({ErrorClass.PD_PREFILL_HTTP_STATUS, ErrorClass.PD_PREFILL_BAD_RESPONSE,
+                             ErrorClass.PD_PREFILL_TIMEOUT, ErrorClass.PD_PREFILL_TRANSPORT})
 
 
 class _SiblingLoad:
