@@ -116,6 +116,9 @@ class SimConfig:
         False, "at max_loaded_loras a load succeeds and the least recently used adapter without running "
         "requests is unloaded instead (SGLang 0.5.23 and later; its answer's loaded_adapters then "
         "lacks the evicted one), rather than being refused")
+    runtime_lora_updating: bool = _knob(
+        True, "vLLM VLLM_ALLOW_RUNTIME_LORA_UPDATING=true: serve /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter; off, vLLM has no such routes (404, {\"detail\": \"Not Found\"})")
     lora_load_ms: float = _knob(
         50.0, "cold load: time an adapter takes to enter a free (or evicted, LRU) GPU slot")
     lora_load_call_ms: float = _knob(

@@ -628,6 +628,8 @@ class VllmApi:
         """vLLM's runtime adapter calls (VLLM_ALLOW_RUNTIME_LORA_UPDATING): plain-text success,
         the error envelope otherwise."""
         lora = self.engine.lora
+        if not self.cfg.runtime_lora_updating:      # the routes vLLM adds only with the variable set
+            return web.json_response({"detail": "Not Found"}, status=404)
         try:
             body = await read_json(request, require_json=True)
             if lora is None:

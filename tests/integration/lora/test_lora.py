@@ -445,3 +445,14 @@ async def test_a_reload_whose_alias_shadows_a_discovered_adapter_is_applied_with
         ("warning", "sql", "m", [a.url.split("//")[1]])]
     status, _, body = await chat(gw, "sql")
     assert (status, body.get("model")) == (200, "m2"), body
+
+
+async def test_a_vllm_without_runtime_adapter_loading_is_named_in_the_load_failure(sims, gateway):
+    """vLLM serves the load call only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true; without it the
+    route is not there, and its 404 says only Not Found: the 502 names the variable to set."""
+    a = await sims("vllm", "m", runtime_lora_updating=False, **LORA_SIM)
+    gw = await gateway([model_block("m", "vllm", [a.url], adapters={"sql": "org/sql-lora"})], lora=FAST_LORA)
+    status, headers, body = await chat(gw, "sql")
+    assert (status, headers["x-error-lora-load"], body["error"]["code"]) == (502, "error", "lora_load_failed")
+    assert "status 404: Not Found" in body["error"]["message"]
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true" in body["error"]["message"], body
