@@ -219,7 +219,7 @@ class VLLMAdapter:
         message = engine_message(answer)
         if status == 400 and "has already been loaded" in message:    # another gateway was first
             return None
-        return f"status {status}: {message}"
+        return f"status {status}: {message}{_no_runtime_updating(status, message)}"
 
     def lora_unload(self, name: str) -> tuple[str, bytes]:
         return "/v1/unload_lora_adapter", orjson.dumps({"lora_name": name})
@@ -230,7 +230,7 @@ class VLLMAdapter:
         message = engine_message(answer)
         if status == 404 and "cannot be found" in message:     # gone already (another gateway, a restart)
             return None
-        return f"status {status}: {message}"
+        return f"status {status}: {message}{_no_runtime_updating(status, message)}"
 
     def lora_full(self, error: str) -> bool:
         # the plain WorkerLoRAManager's add_adapter when its --max-cpu-loras cache is full (the LRU
@@ -263,6 +263,14 @@ class VLLMAdapter:
 
 
 VLLM = VLLMAdapter()
+
+
+def _no_runtime_updating(status: int, message: str) -> str:
+    """What a runtime adapter call's 404 ``{"detail": "Not Found"}`` means: FastAPI's answer for a
+    route it does not have, as vLLM started without VLLM_ALLOW_RUNTIME_LORA_UPDATING=true has none."""
+    if status == 404 and message == "Not Found":
+        return " (the engine serves no runtime LoRA calls: start vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)"
+    return ""
 
 
 def _least_prompt_tokens(ireq: InferenceRequest) -> int:
