@@ -978,7 +978,8 @@ async def test_a_worker_that_missed_its_siblings_ejection_learns_it_once_it_read
     from gateway.resilience.outcome import Outcome
 
     d = RunDirectory()
-    a, b, apool, bpool, abr, bbr = _breaker_pair(d, _config(heartbeat_s=0.05, peer_ttl_s=0.2, load_interval_s=0.01),
+    # peer_ttl_s well past a stall of the loop: b must not take a's silence for a's end meanwhile
+    a, b, apool, bpool, abr, bbr = _breaker_pair(d, _config(heartbeat_s=0.05, peer_ttl_s=2.0, load_interval_s=0.01),
                                                   _ejecting_at_once(), ask=True)
     async with _running(d, a, b):
         ea, eb = apool.endpoints("m"), bpool.endpoints("m")
@@ -993,7 +994,7 @@ async def test_a_worker_that_missed_its_siblings_ejection_learns_it_once_it_read
         await asyncio.sleep(0)
         ea[1].in_flight = 0
         loop.add_reader(b.bus.sock.fileno(), b.bus._readable)     # b reads again
-        await until(lambda: bbr.state(eb[0]) == OPEN, timeout=3)
+        await until(lambda: bbr.state(eb[0]) == OPEN, timeout=10)
         assert bbr.breaker(eb[0]).held and 29 < bbr.breaker(eb[0]).open_for <= 30
         assert metric_total(b.m.gm.render().decode(), "switchyard_view_catch_ups_total",
                             reason="gap", result="applied") == 1
