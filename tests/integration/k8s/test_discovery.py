@@ -236,6 +236,32 @@ async def test_a_watch_goes_on_past_events_that_name_no_pod_and_relists_once(emu
     assert samples(reg, "switchyard_kubernetes_requests_total")[("error", "watch")] == 0
 
 
+@pytest.mark.parametrize("obj", [{}, {"metadata": {}}, None, {"metadata": {"resourceVersion": 7}}],
+                         ids=["empty", "no-rv", "null", "rv-not-a-string"])
+async def test_a_bookmark_whose_resource_version_cannot_be_read_is_skipped_without_a_relist(emu, discover, obj):
+    """A BOOKMARK carries no change, only how far the watch got: one whose resourceVersion cannot
+    be read is skipped and counted, and the watch goes on from the last resourceVersion it had.
+    Nothing was missed, so nothing is listed again (a relist of thousands of pods for nothing),
+    no watch counts as failed and the status page names no error."""
+    reg = CollectorRegistry()
+    emu.create_pod("llm", "a", {M: "llama"})
+    d, pool = await discover(namespaces=["llm"], registry=reg, resync_interval_s=0)
+    await until(lambda: len(emu.watchers) == 1)
+    [w] = emu.watchers
+    w.queue.put_nowait({"type": "BOOKMARK", "object": obj})
+    emu.create_pod("llm", "b", {M: "llama"})        # after it, on the same connection
+    await until(lambda: names(pool) == {"a", "b"})
+    assert (d.stats["lists"], d.stats["watches"], d.stats["errors"]) == (1, 1, 0)
+    assert d.stats["skipped_events"] == 1
+    assert samples(reg, "switchyard_kubernetes_watch_events_skipped_total") == {("llm",): 1}
+    assert samples(reg, "switchyard_kubernetes_requests_total")[("error", "watch")] == 0
+    assert d.status()["watches"][0]["last_error"] is None
+    # the watch it resumes after its server-side end starts from a resourceVersion the API server gave
+    emu.delete_pod("llm", "a")
+    await until(lambda: names(pool) == {"b"})
+    assert d.stats["lists"] == 1
+
+
 @pytest.mark.parametrize("item", [None, {}, {"metadata": {"namespace": "llm"}}, "garbage", {"metadata": "x"}],
                          ids=["null", "empty", "no-name", "string", "metadata-string"])
 async def test_a_list_item_that_is_not_a_pod_is_skipped_alone(emu, discover, item):
