@@ -18,7 +18,8 @@ One loop per namespace (or one for all namespaces) runs the informer pattern by 
    one of them, but only through one list: a pod the next list lacks as well is gone, whatever
    that list holds, unless its watch told of it in between), ``retry_backoff_s`` after a watch event whose object names no pod (the event is
    skipped and counted, the watch goes on; such events until that relist bring no other, and the
-   delay doubles, up to 30 s, while every watch brings some), and every
+   delay doubles, up to 30 s, while every watch brings some; a bookmark whose resourceVersion
+   cannot be read is skipped and counted too, and brings no relist: it tells of no change), and every
    ``resync_interval_s`` in any case: a watch can lose an event without noticing (a proxy that
    swallowed it, a bug), and the periodic full relist is what keeps a deleted pod from staying in
    rotation for hours.
@@ -491,8 +492,13 @@ class KubernetesDiscovery:
                 _request_timeout=aiohttp.ClientTimeout(total=timeout + 15, sock_connect=10))
             self.stats["watches"] += 1
             watch = Watch(return_type="object")    # events as plain dicts, as lists are read
+            read = watch.unmarshal_event
+            # a bookmark whose resourceVersion cannot be read: kubernetes-asyncio raises, which
+            # would end the watch and list again for a line that changes nothing (``_bookmark_rv``)
+            watch.unmarshal_event = lambda data, rtype, read=read: _unreadable_bookmark(data) or read(data, rtype)
             idle = self.kcfg.watch_idle_timeout_s or None
             opened, lines = loop.time(), 0
+            bad_bookmark = False            # one logged per watch, not one a minute
             try:
                 async with watch:
                     stream = watch.stream(fn, *args, **kw)
@@ -532,6 +538,19 @@ class KubernetesDiscovery:
                         if not isinstance(event, dict) or "type" not in event:
                             raise ApiError(0, f"unexpected watch line: {str(event)[:200]}")
                         obj = event.get("raw_object")
+                        if event.get(_UNREADABLE):
+                            # it says only how far the watch got: skipped, the watch goes on from the
+                            # last resourceVersion it had, and nothing is listed again (none was missed)
+                            lines += 1
+                            self._heard[scope] = loop.time()
+                            self.metrics.heard(scope)
+                            self.stats["skipped_events"] += 1
+                            self.metrics.skipped_event(scope)
+                            if not bad_bookmark:
+                                bad_bookmark = True
+                                log.warning("kubernetes watch bookmark has no resourceVersion; skipped",
+                                            namespace=scope or "*", item=str(obj)[:200])
+                            continue
                         if event["type"] != "BOOKMARK" and not _names_a_pod(obj):
                             # what changed cannot be told: skipped, and a relist reads it soon (not
                             # taken as a sign of a well API: a watch that brings only these backs off)
@@ -722,6 +741,28 @@ def _opened(fn):
         raise ApiError(resp.status, _status_message(body) or resp.reason or "",
                        retry_after_s(resp.headers.get("Retry-After")))
     return call
+
+
+_UNREADABLE = "switchyard_unreadable_bookmark"
+
+
+def _unreadable_bookmark(data: str | bytes) -> dict[str, Any] | None:
+    """A watch line that is a BOOKMARK whose object holds no resourceVersion (a non-empty string):
+    the event, marked ``_UNREADABLE``; None for any other line (read as kubernetes-asyncio reads it)."""
+    if ("BOOKMARK" if isinstance(data, str) else b"BOOKMARK") not in data:
+        return None
+    try:
+        js = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(js, dict) or js.get("type") != "BOOKMARK" or "object" not in js:
+        return None
+    obj = js["object"]
+    md = obj.get("metadata") if isinstance(obj, dict) else None
+    rv = md.get("resourceVersion") if isinstance(md, dict) else None
+    if isinstance(rv, str) and rv:
+        return None
+    return {"type": "BOOKMARK", "object": obj, "raw_object": obj, _UNREADABLE: True}
 
 
 def _names_a_pod(obj: Any) -> bool:

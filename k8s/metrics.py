@@ -14,7 +14,8 @@ server, and the pods it holds.
   leader, labels it cannot read), and the items of each namespace's last list that name no pod.
 - ``switchyard_kubernetes_watch_events_skipped_total{watched_namespace}``: watch events whose
   object names no pod (no metadata, no name or namespace, not an object), skipped; the relist
-  that reads what they would have said follows ``retry_backoff_s`` later.
+  that reads what they would have said follows ``retry_backoff_s`` later; and bookmarks whose
+  resourceVersion cannot be read, skipped with no relist (a bookmark tells of no change).
 
 The labels are bounded: two verbs, the results below, the namespaces of the config, and the models
 of the pods (as every per-model series is).
@@ -82,7 +83,8 @@ class DiscoveryMetrics:
                                 ["verb", "result"], registry=registry)
         self.skipped_events = Counter("switchyard_kubernetes_watch_events_skipped",
                                       "Watch events whose object names no pod (no metadata, no name or namespace, "
-                                      "not an object), skipped, per watched namespace (* for all); a relist follows",
+                                      "not an object), skipped, per watched namespace (* for all); a relist follows. "
+                                      "Also bookmarks whose resourceVersion cannot be read (no relist)",
                                       ["watched_namespace"], registry=registry)
         self.last_sync: dict[str, float] = {_scope(s): 0.0 for s in scopes}
         self._skipped = {scope: self.skipped_events.labels(scope) for scope in self.last_sync}
