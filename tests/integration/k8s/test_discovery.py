@@ -498,6 +498,42 @@ async def test_a_delete_missed_during_a_partition_is_repaired_by_the_periodic_re
     assert d_never.stats["lists"] == 1
 
 
+async def test_a_list_of_many_pods_orders_each_models_endpoints_once(emu, discover, monkeypatch):
+    """A list is applied in one synchronous step on the event loop, thousands of pods at once: each
+    model's endpoints are ordered (their turns, whether it has P/D roles, its strategy hint) once
+    per list, not once per pod added or removed, which made a list O(pods²) (measured: the first
+    list of 8000 pods of one model held the loop 25 s, serving nothing, a relist that finds them
+    all gone as long)."""
+    from collections import Counter
+
+    for i in range(300):
+        emu.create_pod("llm", f"p{i}", {M: "llama"})
+    ordered: Counter[str] = Counter()
+    summarize = EndpointPool._summarize
+
+    def counted(self, model):
+        ordered[model] += 1
+        summarize(self, model)
+
+    monkeypatch.setattr(EndpointPool, "_summarize", counted)
+    d, pool = await discover(namespaces=["llm"], resync_interval_s=0)
+    assert len(pool.endpoints("llama")) == 300 and ordered == {"llama": 1}
+    assert sorted(ep.turn for ep in pool.endpoints("llama")) == list(range(300))
+    # the namespace emptied while the watch heard nothing: the relist takes every pod out at once
+    await until(lambda: len(emu.watchers) == 1)
+    ordered.clear()
+    emu.partition()
+    for i in range(300):
+        emu.delete_pod("llm", f"p{i}")
+    emu.create_pod("llm", "q", {M: "qwen"})
+    emu.compact()
+    emu.heal()
+    emu.break_watches()
+    await until(lambda: names(pool) == {"q"})
+    assert d.stats["lists"] == 2 and ordered == {"llama": 1, "qwen": 1}
+    assert pool.models() == ["qwen"] and not pool.has_model("llama") and pool.awaited("llama")
+
+
 async def test_pd_rolesets_are_assembled_from_labels(emu, discover):
     prof = json.dumps({"profiles": {"default": {"combined": True, "promptLenBucketMaxLength": 512}}})
     sg = {M: "qwen", "model.aibrix.ai/engine": "sglang", "model.aibrix.ai/port": "30000"}
