@@ -9,8 +9,9 @@ Routers, handlers and discovery import this module; it imports nothing of the da
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -208,12 +209,41 @@ class EndpointPool:
         # pod of it waits for its address, or its last pod left moments ago (a StatefulSet makes
         # it again under its name) (k8s/discovery.py)
         self.awaited: Callable[[str], bool] = _never
+        self._batched: set[str] | None = None      # the models changed within ``batch``, ordered at its end
 
     def add(self, ep: Endpoint) -> Endpoint:
         ep.removed = False
         self._by_model.setdefault(ep.model, []).append(ep)
-        self._summarize(ep.model)
+        self._changed(ep.model)
         return ep
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """The endpoints added and removed within it (one synchronous step: routing sees none of it
+        half done) are ordered once per model, at its end, not at each change: a Kubernetes list
+        applies thousands of pods at once, and ordering the model's endpoints at each would make it
+        O(pods²). Whether a model has endpoints (``has_model``) follows each change at once."""
+        if self._batched is not None:       # within another one: that one orders them
+            yield
+            return
+        self._batched = set()
+        try:
+            yield
+        finally:
+            models, self._batched = self._batched, None
+            for model in models:
+                self._summarize(model)
+
+    def _changed(self, model: str) -> None:
+        if self._batched is None:
+            self._summarize(model)
+            return
+        self.version += 1
+        if self._by_model.get(model):
+            self._live.add(model)
+        else:
+            self._live.discard(model)
+        self._batched.add(model)
 
     def remove(self, ep: Endpoint) -> None:
         """Take an endpoint out of rotation. In-flight requests keep their reference and finish."""
@@ -221,7 +251,7 @@ class EndpointPool:
         ep.draining = True
         if eps and ep in eps:
             eps.remove(ep)
-            self._summarize(ep.model)
+            self._changed(ep.model)
             ep.removed = True
             self.retired.append((ep, time.monotonic()))
             for listener in self.removal_listeners:

@@ -463,7 +463,8 @@ class KubernetesDiscovery:
         self._note_unreadable(scope, unreadable)
         # a list with an item that names no pod is not the whole truth: a pod the item stood for
         # would be taken for one gone, so the pods it lacks stay through that list (not the next)
-        self._reconcile(scope, pods, whole=not unreadable)
+        with self.pool.batch():         # each model's endpoints ordered once, not once per pod
+            self._reconcile(scope, pods, whole=not unreadable)
         if scope not in self._listed:
             self._listed.add(scope)
             if len(self._listed) == len(self.scopes):
