@@ -507,3 +507,45 @@ async def test_rolesets_of_one_name_in_two_namespaces_are_not_paired_across(emu,
                 assert r.status == 200, await r.text()
                 assert (r.headers["prefill-target-pod"], r.headers["target-pod"]) == ("red/rs-0-prefill",
                                                                                      "red/rs-0-decode")
+
+
+async def test_a_relist_that_finds_many_pods_gone_does_not_walk_the_pool_per_pod(emu, kube_block, gateway, monkeypatch):
+    """A relist that finds thousands of pods gone (their namespace emptied while the watch heard
+    nothing) takes them out in one synchronous step on the event loop. What each removal asks of
+    the pool (whether an endpoint left at the same URL keeps the engine's connections, or its
+    routing facts under the same key) is not a walk of every endpoint: that made the step
+    O(pods²) (measured: 4000 pods of one model held the loop 9.5 s)."""
+    from gateway.endpoints import EndpointPool
+
+    for i in range(200):
+        emu.create_pod("llm", f"p{i}", {M: "llama"})
+    gw = await gateway([], kubernetes=kube_block, health={"enabled": False}, scrape={"enabled": False})
+    disc = gw.runner.app[DISCOVERY_KEY]
+    assert await wait_for(lambda: len(gw.gw.pool.endpoints("llama")) == 200 and len(emu.watchers) == 1, timeout=5)
+    walks = 0
+    endpoints = EndpointPool.endpoints
+
+    def counted(self, model=None):
+        nonlocal walks
+        walks += 1
+        return endpoints(self, model)
+
+    reconcile = disc._reconcile
+
+    def measured(*args, **kwargs):
+        monkeypatch.setattr(EndpointPool, "endpoints", counted)
+        try:
+            reconcile(*args, **kwargs)
+        finally:
+            monkeypatch.setattr(EndpointPool, "endpoints", endpoints)
+
+    monkeypatch.setattr(disc, "_reconcile", measured)
+    emu.partition()
+    for i in range(200):
+        emu.delete_pod("llm", f"p{i}")
+    emu.create_pod("llm", "q", {M: "qwen"})
+    emu.compact()
+    emu.heal()
+    emu.break_watches()
+    assert await wait_for(lambda: gw.gw.pool.models() == ["qwen"], timeout=5)
+    assert disc.stats["lists"] == 2 and walks <= 2
