@@ -210,12 +210,31 @@ class EndpointPool:
         # it again under its name) (k8s/discovery.py)
         self.awaited: Callable[[str], bool] = _never
         self._batched: set[str] | None = None      # the models changed within ``batch``, ordered at its end
+        # how many endpoints have each URL, and each (model, URL): what a removal listener asks
+        # (``has_url``) without a walk of the pool, which a list that takes thousands out at once
+        # would make O(endpoints²)
+        self._urls: dict[str, int] = {}
+        self._model_urls: dict[tuple[str, str], int] = {}
 
     def add(self, ep: Endpoint) -> Endpoint:
         ep.removed = False
         self._by_model.setdefault(ep.model, []).append(ep)
+        self._urls[ep.url] = self._urls.get(ep.url, 0) + 1
+        self._model_urls[(ep.model, ep.url)] = self._model_urls.get((ep.model, ep.url), 0) + 1
         self._changed(ep.model)
         return ep
+
+    def has_url(self, url: str, model: str | None = None) -> bool:
+        """Whether an endpoint in the pool (of ``model``, when given) has ``url``."""
+        return (self._urls if model is None else self._model_urls).get(url if model is None else (model, url), 0) > 0
+
+    @staticmethod
+    def _less(counts: dict, key: object) -> None:
+        n = counts.get(key, 0) - 1
+        if n > 0:
+            counts[key] = n
+        else:
+            counts.pop(key, None)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -251,6 +270,8 @@ class EndpointPool:
         ep.draining = True
         if eps and ep in eps:
             eps.remove(ep)
+            self._less(self._urls, ep.url)
+            self._less(self._model_urls, (ep.model, ep.url))
             self._changed(ep.model)
             ep.removed = True
             self.retired.append((ep, time.monotonic()))

@@ -228,7 +228,7 @@ class Upstream:
         engine's connections close (idle ones now, busy ones when their answer ends) and none is
         opened again to keep it warm."""
         def left(ep: Endpoint) -> None:
-            if self.pool is not None and all(e.url != ep.url for e in endpoints.endpoints()):
+            if self.pool is not None and not endpoints.has_url(ep.url):
                 self.pool.retire(ep.url)
         endpoints.removal_listeners.append(left)
 

@@ -541,7 +541,7 @@ class RoutingView:
                 self._drop_left()
         k = self._keys.pop(ep, None) or endpoint_key(ep)
         self._unvetted.pop(ep, None)
-        if not any(endpoint_key(e) == k for e in self.pool.endpoints(ep.model)):   # not back under its key
+        if not self.pool.has_url(ep.url, ep.model):     # not back under its key (its model and URL)
             for kind in ("probe", "scrape", "models"):
                 self._heard_watcher.pop((kind, k), None)
 
