@@ -549,3 +549,25 @@ async def test_a_relist_that_finds_many_pods_gone_does_not_walk_the_pool_per_pod
     emu.break_watches()
     assert await wait_for(lambda: gw.gw.pool.models() == ["qwen"], timeout=5)
     assert disc.stats["lists"] == 2 and walks <= 2
+
+
+async def test_a_pod_changed_in_place_keeps_its_engines_connections(emu, kube_block, sims, gateway):
+    """A pod whose annotations change in place (its ``model.aibrix.ai/config``; or a reload of
+    ``kubernetes.models``, which changes every pod of the model) at the same address, serving the
+    same model, is the same engine: the connection kept open to it serves the next request, rather
+    than being closed as if the engine had left (every engine of the model at once, on a reload)."""
+    sim = await sims("vllm", "llama")
+    sim_pod(emu, "a", sim, "llama")
+    gw = await gateway([], kubernetes=kube_block, health={"enabled": False}, scrape={"enabled": False})
+    assert await wait_for(lambda: gw.gw.pool.ready("llama"), timeout=5)
+    client = openai_client(gw)
+    await client.chat.completions.create(model="llama", messages=CHAT, max_tokens=2)
+    assert await wait_for(lambda: gw.gw.upstream.connections() == (0, 1), timeout=5)
+    [before] = gw.gw.pool.endpoints("llama")
+    emu.update_pod("llm", "a", lambda p: p["metadata"]["annotations"].update(
+        {"model.aibrix.ai/config": '{"profiles": {"default": {"routingStrategy": "random"}}}'}))
+    assert await wait_for(lambda: gw.gw.pool.endpoints("llama") != [before], timeout=5)
+    assert gw.gw.upstream.connections() == (0, 1)
+    raw = await client.chat.completions.with_raw_response.create(model="llama", messages=CHAT, max_tokens=2)
+    assert raw.headers["target-pod"] == "a" and gw.gw.upstream.connections() == (0, 1)
+    await client.close()
