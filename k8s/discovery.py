@@ -662,12 +662,12 @@ class KubernetesDiscovery:
                 self._set_routable(cur.ep, view)
             cur.view = view
             return
-        if cur is not None:
-            self._drop(key, "pod changed")
         # the same pod (uid) at the same address serving the same model: the same engine, still
         # running its requests and holding its conversations (EndpointPool.replaced, as a reload's)
         was = cur.ep if cur is not None and (cur.view.uid, cur.view.url, cur.view.model) == (
             view.uid, view.url, view.model) else None
+        if cur is not None and was is None:
+            self._drop(key, "pod changed")
         ep = Endpoint(url=view.url, model=view.model, engine=view.engine, role=view.role,
                       roleset=None if view.roleset is None else self._name(view, view.roleset),
                       bootstrap_port=view.bootstrap_port, min_prompt_tokens=view.min_prompt_tokens,
@@ -683,6 +683,9 @@ class KubernetesDiscovery:
                         annotation=ANNO_KV_EVENTS, reason=view.kv_events_error)
         self.pool.add(ep)
         if was is not None:
+            # taken out once the new one is in: the engine's URL never leaves the pool, so its
+            # connections stay open (gateway/upstream/upstream.py ``follow``) and its model known
+            self._drop(key, "pod changed")
             self.pool.replaced(was, ep)
         self._tracked[key] = _Tracked(view, ep)
         log.info("kubernetes endpoint added", pod=key, model=view.model, url=view.url, engine=view.engine,
