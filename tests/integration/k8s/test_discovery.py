@@ -256,7 +256,7 @@ async def test_a_bookmark_whose_resource_version_cannot_be_read_is_skipped_witho
     assert samples(reg, "switchyard_kubernetes_watch_events_skipped_total") == {("llm",): 1}
     assert samples(reg, "switchyard_kubernetes_requests_total")[("error", "watch")] == 0
     assert d.status()["watches"][0]["last_error"] is None
-    # the watch it resumes after its server-side end starts from a resourceVersion the API server gave
+    # and the watch goes on bringing what changes, with no list
     emu.delete_pod("llm", "a")
     await until(lambda: names(pool) == {"b"})
     assert d.stats["lists"] == 1
