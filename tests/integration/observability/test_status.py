@@ -202,7 +202,7 @@ async def test_tenants_with_redis(sims, gateway, redis_server):
     sim = await sims("vllm", "m")
     blocks = {"auth": {"api_keys": [{"key": ALICE, "user": "alice"}], "admin_token": ADMIN},
               "limits": {"users": {"alice": {"rpm": 60, "tpm": 100000}}},
-              "state": {"redis_url": redis_server.url, "sync_interval_s": 0.05, "replica_ttl_s": 0.5}}
+              "state": {"redis_url": redis_server.url, "sync_interval_s": 0.05, "replica_ttl_s": 5.0}}
     a = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
     b = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
     assert await chat(a, "m", key=ALICE) == 200

@@ -39,7 +39,7 @@ def backend(request):
     if request.param == "memory":
         return {}
     server = request.getfixturevalue("redis_server")
-    return {"state": {"redis_url": server.url, "sync_interval_s": 0.05, "replica_ttl_s": 0.5, "timeout_s": 2.0}}
+    return {"state": {"redis_url": server.url, "sync_interval_s": 0.05, "replica_ttl_s": 5.0, "timeout_s": 2.0}}
 
 
 async def settled(gw) -> dict[str, int]:

@@ -134,7 +134,7 @@ async def test_a_list_set_on_one_replica_applies_on_another_through_redis(sims, 
     user with every model."""
     m, other = await sims("vllm", "m"), await sims("vllm", "other")
     blocks = {"auth": {**CONFIG["auth"]},
-              "state": {"redis_url": redis_server.url, "sync_interval_s": 0.05, "replica_ttl_s": 0.5, "timeout_s": 2.0}}
+              "state": {"redis_url": redis_server.url, "sync_interval_s": 0.05, "replica_ttl_s": 5.0, "timeout_s": 2.0}}
     models = [model_block("m", "vllm", [m.url]), model_block("other", "vllm", [other.url])]
     a, b = await gateway(models, **blocks), await gateway(models, **blocks)
     status, user = await _admin(a, "PUT", "/admin/users/alice", {"rpm": 100, "models": ["m"]})
