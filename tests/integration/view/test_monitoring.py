@@ -87,13 +87,30 @@ async def test_each_engine_is_scraped_and_probed_by_its_watcher_alone_and_both_w
         # the first round is everyone's; then each worker adopts the watcher's
         assert all(w.view.describe()["share_monitoring"] for w in (a, b))
         await until(lambda: all(ep.metrics is not None for w in (a, b) for ep in w.eps()), timeout=5)
-        await asyncio.sleep(0.3)
-        before = {(i, kind, ep.url): w.made(kind, ep) for i, w in enumerate((a, b)) for ep in w.eps()
-                  for kind in ("probe", "scrape")}
+        workers, kinds = (a, b), ("probe", "scrape")
+        stale = 2 * 0.1 + 5.0                   # a watcher unheard this long is replaced (_config)
+        # each worker has heard every engine's watcher (none makes its own rounds of them now) ...
+        await until(lambda: all(w.view.watches(ep, kind, stale) == (watcher[ep.url] == i)
+                                for i, w in enumerate(workers) for ep in w.eps() for kind in kinds), timeout=10)
+
+        def counts() -> dict:
+            return {(i, kind, ep.url): w.made(kind, ep) for i, w in enumerate(workers) for ep in w.eps()
+                    for kind in kinds}
+
+        def watchers_grew(since: dict, n: int) -> bool:
+            return all(w.made(kind, ep) - since[(i, kind, ep.url)] >= n
+                       for i, w in enumerate(workers) for ep in w.eps() for kind in kinds if watcher[ep.url] == i)
+        # ... and a round one began before it heard (a loopback request) has ended: rounds are
+        # counted, not waited for by the clock, so a stalled process makes the test no less sure
+        mark = counts()
+        await until(lambda: watchers_grew(mark, 2), timeout=15)
+        before = counts()
         for e in engines:
             e.app[RECEIVED_KEY].clear()
         started = time.monotonic()
-        await asyncio.sleep(1.0)
+        await until(lambda: watchers_grew(before, 3) and all(
+            ep.metrics is not None and ep.metrics.scraped_at >= started for w in workers for ep in w.eps()),
+            timeout=15)
         for i, w in enumerate((a, b)):
             for ep in w.eps():
                 for kind in ("probe", "scrape"):
