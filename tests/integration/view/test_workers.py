@@ -227,28 +227,62 @@ async def test_on_kv_events_a_worker_finds_the_tokens_its_sibling_made(sims, tmp
 async def test_two_workers_probe_scrape_and_read_each_engines_adapters_once_per_interval_not_once_per_worker(
         sims, tmp_path):
     from enginesim.server import RECEIVED_KEY
+    from tests.integration.server.test_workers import children_of, own_metrics, sibling_sockets
     engines = [await sims("vllm", "m", enable_lora=True, lora_modules=(f"ad{i}=/loras/ad{i}",)) for i in range(3)]
     port = listen_port()
     path = tmp_path / "gw.yaml"
     path.write_text(config(port, [e.url for e in engines])
                     .replace("health: {interval_s: 0.5}", "health: {interval_s: 0.2}\nscrape: {interval_s: 0.2}\n"
                              "lora: {discovery_interval_s: 0.2}"))
-    window, interval = 2.0, 0.2
-    async with gateway_process(path, port, "--workers", "2", ready_workers=2):
-        await asyncio.sleep(1.0)                 # each worker's first round is its own; then the watcher's alone
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2) as proc:
+        # each worker's first rounds are its own, until it hears the watcher's; then the watcher's
+        # alone: settled once, between two reads of each worker's own counts (not the merged page),
+        # each engine was probed and scraped twice or more by one worker and not at all by the other
+        sockets = sibling_sockets(children_of(proc.pid))
+        assert len(sockets) == 2, sockets
+
+        async def rounds() -> dict:
+            pages = {pid: await own_metrics(sock) for pid, sock in sockets.items()}
+            return {(pid, kind, e.url): metric_total(page, name, endpoint=e.url.removeprefix("http://"))
+                    for pid, page in pages.items() for e in engines
+                    for kind, name in (("probe", "switchyard_health_probes_total"),
+                                       ("scrape", "switchyard_engine_scrapes_total"))}
+
+        async def settled(last: list) -> bool:
+            now = await rounds()
+            was, last[:] = (last[0] if last else None), [now]
+            if was is None:
+                return False
+            grew = {k: now[k] - was[k] for k in now}
+            return all(min(grew[(pid, kind, e.url)] for pid in sockets) == 0
+                       and max(grew[(pid, kind, e.url)] for pid in sockets) >= 2
+                       for kind in ("probe", "scrape") for e in engines)
+        last: list = []
+        await until(lambda: settled(last), timeout=30, interval=0.5)
+        # the window is ten of the watchers' rounds, counted, not 2 s of a clock a busy machine stretches
+        before = await rounds()
         for e in engines:
             e.app[RECEIVED_KEY].clear()
-        await asyncio.sleep(window)
+
+        async def watchers_made(n: int) -> dict | None:
+            now = await rounds()
+            made = {(kind, e.url): max(now[(pid, kind, e.url)] - before[(pid, kind, e.url)] for pid in sockets)
+                    for kind in ("probe", "scrape") for e in engines}
+            return made if min(made.values()) >= n else None
+        made = await until(lambda: watchers_made(10), timeout=30, interval=0.1)
         got = [{p: sum(r["path"] == p for r in e.app[RECEIVED_KEY]) for p in ("/metrics", "/health", "/v1/models")}
                for e in engines]
-        pages = await per_worker(port, 2)
+        pages = {pid: await own_metrics(sock) for pid, sock in sockets.items()}
         listed = await per_worker(port, 2, "/v1/models")
-    # one round per interval (10 here) reaches each engine, where each worker's own rounds made 20
-    rounds = window / interval
+    # one round per interval reaches each engine (as many as its watcher made, ten or a few more
+    # by the time they are read; discovery's on a timer of the same period), where each worker's
+    # own rounds made twice that
+    rounds_made = max(made.values())
     for counts in got:
-        assert all(2 <= n <= rounds + 3 for n in counts.values()), got
-    # each worker adopted its sibling's snapshots, probes and lists; when one worker happens to watch
-    # all three engines (a hash of their random ports), only its sibling has any to adopt
+        assert all(2 <= n <= rounds_made + 3 for n in counts.values()), (got, made)
+    # each worker adopted its sibling's snapshots, probes and lists (its own page, not the merged
+    # one); when one worker happens to watch all three engines (a hash of their random ports), only
+    # its sibling has any to adopt
     split = len({watcher_of(f"m|{e.url}", 2) for e in engines}) == 2
     for kind in ("scrape", "probe", "models"):
         applied = [metric_total(page, "switchyard_view_facts_applied_total", source="worker", kind=kind)
