@@ -1088,10 +1088,11 @@ async def test_a_reopen_the_engine_refuses_is_counted_and_not_retried():
     reopened: list[bool] = []
     async with Engine(ok, idle_timeout=0.4) as eng:
         pool = UpstreamPool(warm_connections=1, keepalive_timeout=30, on_reopen=reopened.append)
-        pool.reopen_min_age = 0.05
+        pool.reopen_min_age = 0             # any age is old enough: no wait before the listener goes
         await _one(pool, eng.url)
-        await asyncio.sleep(0.2)            # older than reopen_min_age when it goes
-        eng.server.close()                  # no longer listening; the kept connection goes now or when idle
+        # no longer listening, from the loop turn the answer was read in: the engine's idle close
+        # (0.4 s on) is seen in a later turn, however late the loop runs, so the reopen is refused
+        eng.server.close()                  # the kept connection goes now or when idle
         await until(lambda: reopened == [False])
         await asyncio.sleep(0.3)
         assert reopened == [False] and eng.accepted == 1 and pool.open_connections == 0
@@ -1104,7 +1105,10 @@ async def test_reopening_stops_at_the_pools_own_idle_horizon_and_for_a_connectio
         pool = UpstreamPool(warm_connections=1, keepalive_timeout=1.0)
         pool.reopen_min_age = 0.1
         await _one(pool, eng.url)
-        await asyncio.sleep(2.0)            # past the pool's 1 s horizon since the last request
+        # past the pool's 1 s horizon since the last request: the last connection closed, none
+        # opening (a connection lives 0.3 s at least, so four at most began within it)
+        await until(lambda: eng.closed == eng.accepted >= 2 and pool.open_connections == 0
+                    and not pool._reopening, timeout=GUARD)
         settled = eng.accepted
         assert 2 <= settled <= 4            # reopened while within it, then let go
         await asyncio.sleep(0.8)
