@@ -70,9 +70,17 @@ async def test_two_replicas_send_each_turn_to_the_engine_of_the_conversation(sim
 
         # a replica started later catches up on what the others learned
         later = [opening(f"later {c}") for c in range(4)]
+        heard = await inserts_from_replicas(pb)
+        workers = (await get_new(pb, "/status.json"))[1]["gateway"]["workers"]["count"]
         firsts = [await turn(pa, m, "turn 0: where to?") for m in later]
-        async with gateway_process(tmp_path / "c.yaml", pc):
-            await until(lambda: redis_up(pc), timeout=20)
+        # the first turns' insertions are in the stream (b read them there) before c starts, so its
+        # start's catch-up holds them: written after each answer, one could land after c read the tail
+        await until(lambda: _at_least(inserts_from_replicas(pb), heard + len(later) * workers), timeout=20)
+        async with gateway_process(tmp_path / "c.yaml", pc, ready_workers=workers) as proc:
+            # every worker of c has read and applied the stream's tail: each marks itself up once
+            # its catch-up ended (read from each worker's own page: a merged one leaves out a
+            # sibling slow to answer)
+            await until(lambda: every_worker_up(proc.pid, pc, workers), timeout=20)
             caught = [await turn(pc, m, "turn 1: and then? " * 3) for m in later]
             assert caught == firsts
             page = (await get_new(pc, "/metrics"))[1]
@@ -574,6 +582,20 @@ async def test_a_session_whose_engine_another_replica_loaded_moves_counted_overl
 
 async def _equals(value, expected) -> bool:
     return await value == expected
+
+
+async def every_worker_up(pid: int, port: int, workers: int) -> bool:
+    """Whether every worker of the gateway process ``pid`` has its replica link up."""
+    from tests.integration.server.test_workers import children_of, own_metrics, sibling_sockets
+
+    if workers == 1:
+        return await redis_up(port)
+    sockets = sibling_sockets(children_of(pid))
+    try:
+        pages = [await own_metrics(path) for path in sockets.values()]
+    except (OSError, ValueError, asyncio.IncompleteReadError):     # a socket not answering yet
+        return False
+    return len(pages) == workers and all(metric_total(p, "switchyard_view_redis_up") == 1 for p in pages)
 
 
 async def inserts_from_replicas(port: int) -> float:
