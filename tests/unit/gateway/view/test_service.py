@@ -191,7 +191,7 @@ async def test_share_tokens_off_sends_no_tokens():
 
 async def test_a_worker_ticks_at_the_heartbeat_unless_a_request_starts_or_ends_which_is_heard_at_once():
     d = RunDirectory()
-    cfg = _config(heartbeat_s=0.2, peer_ttl_s=1.0, load_interval_s=0.01)
+    cfg = _config(heartbeat_s=0.2, peer_ttl_s=4.0, load_interval_s=0.01)
     (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
     async with _running(d, a, b):
         await asyncio.sleep(0.1)
@@ -204,7 +204,7 @@ async def test_a_worker_ticks_at_the_heartbeat_unless_a_request_starts_or_ends_w
         ea, eb = apool.endpoints("m"), bpool.endpoints("m")
         ea[0].in_flight = 1                        # a request routed: its decision arms the short interval
         a.on_decision(None, None, (), 0.0)
-        await until(lambda: eb[0].remote_in_flight == 1, timeout=1)
+        await until(lambda: eb[0].remote_in_flight == 1, timeout=5)
         ticks.clear()
         await asyncio.sleep(0.6)                   # in flight, nothing starting or ending: the heartbeat
         assert 1 <= len(ticks) <= 5 and eb[0].remote_in_flight == 1
@@ -216,7 +216,7 @@ async def test_a_worker_ticks_at_the_heartbeat_unless_a_request_starts_or_ends_w
         await until(lambda: eb[0].remote_in_flight == 0, timeout=5)
         # both at rest again: the sibling drops what it held, and neither wakes any more
         await until(lambda: a._tick_at is None and b._tick_at is None and b.describe()["siblings_heard"] == 0,
-                    timeout=1)
+                    timeout=5)
         ticks.clear()
         await asyncio.sleep(0.5)
         assert ticks == []
