@@ -100,7 +100,11 @@ async def test_an_adapter_in_use_on_one_worker_is_not_unloaded_as_idle_by_the_ot
     sim = await sims("vllm", "m", **LORA_SIM)
     port = listen_port()
     path = tmp_path / "gw.yaml"
-    path.write_text(config(port, sim.url, "idle_unload_s: 1.0"))
+    # the loader hears of a use at the user's next idle pass (every idle_unload_s / 2): a use is at
+    # most 1 s old plus the gap between two uses when the loader weighs it, against 2 s, so a worker
+    # stalled for most of a second does not make a use in progress look idle (with 1 s, a stall of
+    # a quarter of a second did)
+    path.write_text(config(port, sim.url, "idle_unload_s: 2.0"))
     async with gateway_process(path, port, "--workers", "2", ready_workers=2):
         loader, pid = await worker_session(port)
         user, _ = await worker_session(port, pid)
@@ -108,7 +112,7 @@ async def test_an_adapter_in_use_on_one_worker_is_not_unloaded_as_idle_by_the_ot
         try:
             async with loader.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
                 assert r.status == 200
-            for _ in range(10):                       # 2 s of use (twice idle_unload_s), on the other worker only
+            for _ in range(15):                       # 3 s of use (past idle_unload_s), on the other worker only
                 async with user.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
                     assert r.status == 200, await r.text()
                 await asyncio.sleep(0.2)
