@@ -4,13 +4,13 @@ no-local-path case, with the metric, the header and the engines' own counts as p
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import aiohttp
 import pytest
 
 from tests.support.http import chat_body, openai_client, post, sim_state
+from tests.support.waiting import until
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant for a gateway team. " * 40}   # ~2000 chars
 
@@ -180,10 +180,9 @@ async def test_on_kv_events_the_decode_reports_what_it_holds(sims, gateway):
     status, headers, _ = await post(gw, chat_body(turn1))
     assert status == 200 and headers["x-pd-decision"] == "disaggregated; reason=uncached"
     # the decode's engine reports the blocks the transfer filled
-    for _ in range(200):
-        if 'switchyard_kv_events_total{kind="BlockStored",model="m"}' in await gw.metrics_text():
-            break
-        await asyncio.sleep(0.02)
+    async def stored() -> bool:
+        return 'switchyard_kv_events_total{kind="BlockStored",model="m"}' in await gw.metrics_text()
+    await until(stored, timeout=15)
     turn2 = turn1 + [{"role": "assistant", "content": "An answer."}, {"role": "user", "content": "And then?"}]
     status, headers, _ = await post(gw, chat_body(turn2))
     assert status == 200 and headers["x-pd-decision"] == "decode; reason=cached_on_decode"
@@ -224,10 +223,9 @@ async def test_the_prefill_is_chosen_on_what_its_engine_reports_holding(sims, ga
                                                         json={"model": "m", "messages": messages,
                                                               "max_tokens": 1}) as r:
             assert r.status == 200, await r.text()
-    for _ in range(300):            # every warm-up's blocks reported and indexed
-        if stored_count(await gw.metrics_text()) >= before + 6:
-            break
-        await asyncio.sleep(0.02)
+    async def indexed() -> bool:    # every warm-up's blocks reported and indexed
+        return stored_count(await gw.metrics_text()) >= before + 6
+    await until(indexed, timeout=15)
     chosen = []
     for messages in prompts:
         status, headers, _ = await post(gw, chat_body(messages))

@@ -40,11 +40,7 @@ async def test_gateway_sends_a_conversation_back_to_its_engine_and_leaves_it_whe
         stuck = [asyncio.create_task(chat(s, gw.url, [{"role": "user", "content": f"block {i}"}], pin))
                  for i in range(3)]
         try:
-            for _ in range(200):
-                if ep.in_flight == 3:
-                    break
-                await asyncio.sleep(0.01)
-            assert ep.in_flight == 3
+            await until(lambda: ep.in_flight == 3, timeout=15)
             messages += [{"role": "user", "content": "One more?"}]
             pod, _ = await chat(s, gw.url, messages)
             assert pod != holder                                      # spread 3 > 2: least loaded instead
