@@ -104,11 +104,19 @@ SDK_HEADERS = {"Accept": "application/json", "User-Agent": "OpenAI/Python 1.54.0
 
 
 def _send(conn: http.client.HTTPConnection, body: bytes, api_key: str | None = None, sdk: bool = False) -> None:
-    headers = {"Content-Type": "application/json", **(SDK_HEADERS if sdk else {})}
+    """One request, its head and body in one write: ``http.client`` sends them in two, and a gateway
+    that reads the head before the body has come (a loaded machine) takes the edge's path that
+    waits for the body, some hundreds of opcodes a request that a quiet run does not count."""
+    headers = {"Host": "127.0.0.1", "Content-Type": "application/json", **(SDK_HEADERS if sdk else {}),
+               "Content-Length": str(len(body))}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    conn.request("POST", "/v1/chat/completions", body, headers)
-    resp = conn.getresponse()
+    if conn.sock is None:
+        conn.connect()
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    conn.sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\n{head}\r\n".encode("latin-1") + body)
+    resp = http.client.HTTPResponse(conn.sock, method="POST")
+    resp.begin()
     resp.read()
     if resp.status != 200:
         raise RuntimeError(f"the gateway answered {resp.status}")
