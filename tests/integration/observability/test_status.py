@@ -11,6 +11,7 @@ import jsonschema
 import redis.asyncio as aioredis
 
 from tests.support.factories import model_block, pd_pair, roleset
+from tests.support.http import chat_body, post
 from tests.support.status import ADMIN, CHAT, chat
 from tests.support.waiting import wait_for
 
@@ -196,6 +197,20 @@ async def test_default_user_tenants_appear_while_active_and_the_list_is_bounded(
     assert not t["auth"] and t["default_user"] == {"rpm": 10, "tpm": 0, "max_concurrent": 0}
     assert [(u["name"], u["source"]) for u in t["users"]] == [("alice", "config"), ("carol", "default")]
     assert by(t["users"], name="carol")["usage"]["requests"] == 1
+
+
+async def test_a_default_users_long_name_is_cut_on_the_page(sims, gateway):
+    """Without auth a client names its user (a body's ``user`` up to the body's limit): a row of
+    such a user shows its name cut at 128 characters, as the errors ring does, with its usage
+    still read under the whole name, so a hundred claimed names cannot make the document that
+    every open page reads every two seconds hundreds of megabytes."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], limits={"default_user": {"rpm": 10}})
+    long = "u" * 100_000
+    assert (await post(gw, chat_body(CHAT, user=long))).status == 200
+    [row] = (await status(gw))["tenants"]["users"]
+    assert row["name"] == "u" * 128 + "…" and row["source"] == "default", len(row["name"])
+    assert row["usage"]["requests"] == 1
 
 
 async def test_tenants_with_redis(sims, gateway, redis_server):
