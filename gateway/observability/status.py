@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 SCHEMA_VERSION = 1
 OTHER_MODEL = "-"          # the window of requests with no known model (parse errors, unknown models)
 MAX_TEXT = 300             # client-controlled text kept in a ring (error messages) is cut here
-MAX_NAME = 128             # model names as the client sent them
+MAX_NAME = 128             # model and user names as the client sent them
 USAGE_CACHE_S = 1.0        # with Redis, tenants' usage is read at most once a second
 
 
@@ -392,6 +392,8 @@ class StatusBoard:
         for r in rows:
             u = usage.get(r["name"])
             r["usage"] = None if u is None else {**u, "concurrent": held.get(r["name"], 0)}
+            if r["source"] == "default":     # a name a client claimed: cut as the errors ring cuts it
+                r["name"] = _cut(r["name"], MAX_NAME)
         out["users"] = rows
         return out
 
