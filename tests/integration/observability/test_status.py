@@ -213,6 +213,20 @@ async def test_a_default_users_long_name_is_cut_on_the_page(sims, gateway):
     assert row["usage"]["requests"] == 1
 
 
+async def test_a_failed_requests_long_path_is_cut_in_the_errors_ring(sims, gateway):
+    """The errors ring cuts what a client wrote (a model name at 128 characters, a message at
+    300): a path that names a stored response, as long as a request line may be, is cut at 300
+    characters as well, so that recent_errors of them do not pin megabytes nor make every page's
+    document that large."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    path = "/v1/responses/resp_" + "a" * 12_000
+    async with aiohttp.ClientSession() as s, s.get(gw.url + path) as r:
+        assert r.status == 404
+    [err] = (await status(gw))["errors"]["recent"]
+    assert err["path"] == path[:300] + "…", len(err["path"])
+
+
 async def test_tenants_with_redis(sims, gateway, redis_server):
     sim = await sims("vllm", "m")
     blocks = {"auth": {"api_keys": [{"key": ALICE, "user": "alice"}], "admin_token": ADMIN},
