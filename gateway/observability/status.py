@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 SCHEMA_VERSION = 1
 OTHER_MODEL = "-"          # the window of requests with no known model (parse errors, unknown models)
-MAX_TEXT = 300             # client-controlled text kept in a ring (error messages) is cut here
+MAX_TEXT = 300             # client-controlled text kept in a ring (error messages, paths) is cut here
 MAX_NAME = 128             # model and user names as the client sent them
 USAGE_CACHE_S = 1.0        # with Redis, tenants' usage is read at most once a second
 
@@ -155,7 +155,7 @@ class StatusBoard:
                   rec.prompt_tokens, rec.completion_tokens)
         self.requests += 1
         if failed and self.errors.maxlen:   # client text is cut now: the ring must not pin large bodies
-            self.errors.append((self._wall(), rec.request_id, _cut(rec.model, MAX_NAME), rec.path, status,
+            self.errors.append((self._wall(), rec.request_id, _cut(rec.model, MAX_NAME), _cut(rec.path, MAX_TEXT), status,
                                 rec.error_class, _cut(rec.error, MAX_TEXT), rec.endpoint, rec.prefill_endpoint,
                                 _cut(rec.user, MAX_NAME), duration, rec.stream))
 
