@@ -209,3 +209,58 @@ async def test_a_start_against_a_redis_that_refuses_the_gateways_commands_gives_
         at_start = [x for x in logs if "at start" in x["event"]]
         assert len(at_start) == 1 and at_start[0]["reason"] == refusal, logs
         assert (await chat(gw)).choices
+
+
+async def test_a_wrong_or_missing_password_is_said_to_be_one_not_an_unreachable_redis(
+        sims, gateway, redis_server, monkeypatch):
+    """A Redis that requires a password, given a wrong one or none, answers: the start makes one
+    sync (a second try meets the same refusal), its warning and the fail-open warning say the state
+    refuses the gateway's credentials (``reason`` ``auth``, counted so), and a Responses lookup's 503
+    says so too, where each said "unreachable" (after trying again for the start's whole second)
+    and sent an operator looking at the network."""
+    import openai
+
+    from gateway.tenants import service
+    from tests.support.http import openai_client
+    from tests.support.metrics import metric
+
+    monkeypatch.setattr(service, "START_RETRY_S", 3.0)       # a retry would be seen, not timed
+    tries: list[str] = []
+    sync_once = service.Tenancy.sync_once
+
+    async def counted(self):
+        ok = await sync_once(self)
+        tries.append(self._sync_reason if not ok else "ok")
+        return ok
+
+    monkeypatch.setattr(service.Tenancy, "sync_once", counted)
+    sim = await sims("vllm", "m")
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await r.config_set("requirepass", PASSWORD)
+    finally:
+        await r.aclose()
+    for url in (f"redis://:not-{PASSWORD}@127.0.0.1:{redis_server.port}/0", f"redis://127.0.0.1:{redis_server.port}/0"):
+        tries.clear()
+        with structlog.testing.capture_logs() as logs:
+            gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                               limits={"users": {"alice": {"rpm": 100}}}, responses={"state": "gateway"},
+                               state={**FAST_STATE, "redis_url": url, "sync_interval_s": 30.0,
+                                      "replica_ttl_s": 60.0})
+            assert (await chat(gw)).choices
+            try:
+                await openai_client(gw, ALICE).responses.retrieve("resp_0123456789abcdef0123456789abcdef")
+                raise AssertionError("a lookup in a store that refuses the gateway was answered")
+            except openai.InternalServerError as e:
+                assert e.status_code == 503
+                assert "credentials" in e.message and "unreachable" not in e.message, e.message
+        assert tries == ["auth"], tries
+        at_start = [x for x in logs if "at start" in x["event"]]
+        served = [x for x in logs if x["event"].startswith("serving without rate limits")]
+        assert len(at_start) == 1 and len(served) == 1, logs
+        for line in at_start + served:
+            assert "credentials" in line["event"] and "unreachable" not in line["event"], line
+            assert line["reason"] == "auth", line
+        page = await gw.metrics_text()
+        assert metric(page, "switchyard_state_unavailable_total", policy="open", reason="auth") == 1, page
+        assert PASSWORD not in repr(logs).replace(f"not-{PASSWORD}", "")
