@@ -194,6 +194,7 @@ _REFUSED = {
     "oom": "the Responses state store refuses writes (out of memory)",
     "misconf": "the Responses state store refuses writes (its RDB save failed)",
     "noreplicas": "the Responses state store refuses writes (fewer replicas than min-replicas-to-write)",
+    "auth": "the Responses state store refuses the gateway's credentials (a wrong password or user, or none)",
 }
 
 

@@ -33,6 +33,7 @@ from gateway.state.redis import (
     close_client,
     held_loop_timeout,
     refusal,
+    transport_reason,
 )
 
 TRIES = 3                       # a call sent at most this often (see the module's description)
@@ -40,8 +41,8 @@ RETRY_PAUSES_S = (0.05, 0.25)   # before the second and the third
 
 
 class StoreUnavailable(Exception):
-    """The backing store could not answer. ``reason``: ``unreachable``, or why a Redis that
-    answered refused the call (gateway/state/redis.py ``refusal``: ``wrongtype``, ``noperm``,
+    """The backing store could not answer. ``reason``: ``unreachable``, ``auth`` (it refused the
+    connection's password or user), or why a Redis that answered refused the call (gateway/state/redis.py ``refusal``: ``wrongtype``, ``noperm``,
     ``readonly``, ...; ``error`` for another error it answered)."""
 
     def __init__(self, message: str = "", reason: str = "unreachable") -> None:
@@ -201,7 +202,7 @@ class RedisStore:
                 e = failed                          # the bound ran out between tries: the last failure
             answered = isinstance(e, RedisError) and not isinstance(e, UNAVAILABLE)
             raise StoreUnavailable(f"{type(e).__name__}: {e}",
-                                   (refusal(e) or "error") if answered else "unreachable") from None
+                                   (refusal(e) or "error") if answered else transport_reason(e)) from None
 
     async def put(self, key: str, value: bytes) -> None:
         await self._call(lambda: self.client.set(self.prefix + key, value, px=self.ttl_ms))

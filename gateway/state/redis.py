@@ -47,6 +47,7 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import (
+    AuthenticationError,
     ClusterDownError,
     ClusterError,
     NoPermissionError,
@@ -109,6 +110,21 @@ def refusal(e: BaseException) -> str | None:
     if isinstance(e, ResponseError) and (m := _REFUSED.search(str(e))):
         return m.group(1).lower()
     return None
+
+
+def transport_reason(e: BaseException) -> str:
+    """Why a call failed as an outage does (``e`` is one of ``UNAVAILABLE``): ``auth`` when Redis
+    answered the connection's AUTH (or HELLO) with a refusal (a wrong password or user, or none
+    given to a Redis that requires one: a Cluster client says so only in the cause of its "cannot
+    be connected"), else ``unreachable``."""
+    seen: BaseException | None = e
+    for _ in range(4):
+        if seen is None:
+            break
+        if isinstance(seen, AuthenticationError):
+            return "auth"
+        seen = seen.__cause__ or seen.__context__
+    return "unreachable"
 
 
 # A timer that fires this much later than its deadline means the loop was held meanwhile

@@ -79,6 +79,7 @@ from gateway.state.redis import (
     refusal,
     shared_prefix,
     state_mode,
+    transport_reason,
 )
 from gateway.tenants.directory import KeyRecord, limits_from_stored, limits_stored
 from gateway.tenants.limits import MODEL_WINDOW_MS, USER_WINDOW_MS, AdmitQuery, AdmitResult
@@ -417,7 +418,8 @@ class StateUnavailable(Exception):
     """The shared state could not be reached (or is marked down); the caller applies the policy.
     ``reason``: ``unreachable``, or what a Redis that answered said: ``oom``, ``readonly``,
     ``misconf``, ``noreplicas`` (it refuses writes), ``noperm``, ``wrongtype`` (it refuses the
-    command: see gateway/state/redis.py ``refusal``), ``error`` (another error), ``busy`` (every
+    command: see gateway/state/redis.py ``refusal``), ``auth`` (it refuses the connection's
+    password or user), ``error`` (another error), ``busy`` (every
     connection of ``state.max_connections`` in use past ``state.timeout_s``: the call was not
     sent)."""
 
@@ -436,6 +438,7 @@ TROUBLE = {
     "noreplicas": "shared state refuses writes (fewer replicas than min-replicas-to-write)",
     "noperm": "shared state refuses the gateway's commands (its ACL user lacks a permission)",
     "wrongtype": "shared state refuses the gateway's commands (a key of the gateway's holds another type)",
+    "auth": "shared state refuses the gateway's credentials (a wrong password or user, or none)",
     "busy": "shared state connections all busy",
     "error": "shared state answers an error",
 }
@@ -489,6 +492,7 @@ class RedisState:
         self._p = p
         self.up = False
         self.refused = ""                           # why Redis refuses writes (oom, readonly, ...)
+        self._down_reason = "unreachable"           # why it is down: unreachable, or auth
         self._refused_at = 0.0                      # ... or commands (noperm, wrongtype): when last
         self._healthy = False                       # what on_transition last said
         self.last_ok = 0.0                          # monotonic time of the last successful call
@@ -523,15 +527,16 @@ class RedisState:
 
     @property
     def down_reason(self) -> str | None:
-        """Why the state is not healthy (``unreachable``, or a refusal: ``oom``, ``readonly``,
-        ``misconf``, ``noreplicas``, ``noperm``, ``wrongtype``), or None."""
-        return self.refused or (None if self.up else "unreachable")
+        """Why the state is not healthy (``unreachable`` or ``auth``, or a refusal: ``oom``,
+        ``readonly``, ``misconf``, ``noreplicas``, ``noperm``, ``wrongtype``), or None."""
+        return self.refused or (None if self.up else self._down_reason)
 
-    def _mark(self, up: bool, why: str = "") -> None:
+    def _mark(self, up: bool, why: str = "", reason: str = "unreachable") -> None:
         if up:
             self.last_ok = time.monotonic()
         else:
             self.refused = ""                   # what it last answered is no news of it now
+            self._down_reason = reason
         if up != self.up:
             self.up = up
             if up:
@@ -575,9 +580,11 @@ class RedisState:
                 # the client library can turn a cancellation that raced an I/O error into that
                 # error: never let it swallow the cancel (a stop would wait for ever)
                 raise asyncio.CancelledError from None
-            self._mark(False, f"{type(e).__name__}: {e}")
+            # a refused password is out of reach as well (no connection is made), but is said to be one
+            reason = transport_reason(e)
+            self._mark(False, f"{type(e).__name__}: {e}", reason)
             await forget_topology(self.client)
-            raise StateUnavailable(str(e) or type(e).__name__) from None
+            raise StateUnavailable(str(e) or type(e).__name__, reason) from None
         except RedisError as e:
             err = _answered(e)
             if err.reason != "error":

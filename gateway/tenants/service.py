@@ -58,6 +58,7 @@ MAX_UNKNOWN_KEYS = 10_000
 FAIL_OPEN_LOG_EVERY_S = 10.0
 START_RETRY_S = 1.0          # start-up: how long a failing first sync is tried again
 START_RETRY_GAP_S = 0.1
+START_FINAL = COMMAND_REFUSALS | {"auth"}    # what a second try at start meets alike
 
 
 @dataclass(slots=True)
@@ -110,7 +111,7 @@ class TenancyMetrics:
                                    "Requests that met an unreachable shared state (served if the policy is "
                                    "open, 503 if closed), by why: unreachable, or Redis refusing writes (oom, "
                                    "readonly, misconf, noreplicas) or the gateway's commands (noperm, "
-                                   "wrongtype), answering another error, or every connection "
+                                   "wrongtype) or its credentials (auth), answering another error, or every connection "
                                    "busy (busy)", ["policy", "reason"],
                                    registry=r)
         self.outages = Counter("switchyard_state_outages",
@@ -255,10 +256,10 @@ class Tenancy:
         # a Redis that refuses for a moment (restarting beside the gateway, a failover under way)
         # is tried again for up to a second before the gateway serves without it; a Redis that
         # does not answer at all has used that second already, and one that refuses the gateway's
-        # commands (NOPERM, WRONGTYPE) refuses the next try alike: not tried again
+        # commands (NOPERM, WRONGTYPE) or its password refuses the next try alike: not tried again
         deadline = time.monotonic() + START_RETRY_S
         ok = await self.sync_once()
-        while not ok and self._sync_reason not in COMMAND_REFUSALS and time.monotonic() < deadline:
+        while not ok and self._sync_reason not in START_FINAL and time.monotonic() < deadline:
             await asyncio.sleep(START_RETRY_GAP_S)
             ok = await self.sync_once()
         if not ok:
@@ -294,6 +295,11 @@ class Tenancy:
         elif reason in COMMAND_REFUSALS:
             self.m.outages.labels(mode).inc()
             log.warning("shared state refuses the gateway's commands; failure policy applies",
+                        policy=self.policy, reason=reason, error=why, redis_url=_redact(self.cfg.redis_url),
+                        mode=mode)
+        elif reason == "auth":
+            self.m.outages.labels(mode).inc()
+            log.warning("shared state refuses the gateway's credentials; failure policy applies",
                         policy=self.policy, reason=reason, error=why, redis_url=_redact(self.cfg.redis_url),
                         mode=mode)
         elif reason and reason != "unreachable":
