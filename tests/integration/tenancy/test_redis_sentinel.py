@@ -51,3 +51,36 @@ async def test_the_warnings_of_sentinels_nobody_answers_for_name_them_briefly(si
     for e in errors:
         assert "No master found for 'mymaster'" in e and "<redis" not in e and len(e) < 400, e
         assert all(f"127.0.0.1:{p}" in e for p in ports), e
+
+
+async def test_sentinels_that_refuse_the_gateways_password_are_said_to(sims, gateway, redis_sentinel, monkeypatch):
+    """Sentinels that require a password the gateway was not given (``state.sentinel_password``)
+    answer each question with a refusal: the start's warning says the shared state refuses the
+    gateway's credentials (``reason`` ``auth``) and its error names the Sentinels that refused and
+    the setting, where it said "unreachable", listing them as "Sentinels not answering"."""
+    import subprocess
+
+    import structlog.testing
+
+    from gateway.tenants import service
+    from tests.support.redis_failover import FAST_STATE, chat
+    from tests.support.tenancy import KEYS
+
+    monkeypatch.setattr(service, "START_RETRY_S", 3.0)       # a retry would be seen, not timed
+    for s in redis_sentinel.sentinels:
+        out = subprocess.run([redis_sentinel.cli, "-p", str(s.port), "ACL", "SETUSER", "default", "resetpass",
+                              ">sentinel-secret-27182"], capture_output=True, text=True, timeout=5, check=True)
+        assert out.stdout.strip() == "OK", out
+    sim = await sims("vllm", "m")
+    with structlog.testing.capture_logs() as logs:
+        gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                           limits={"users": {"alice": {"rpm": 100}}},
+                           state={**FAST_STATE, "redis_url": redis_sentinel.url, "sync_interval_s": 30.0,
+                                  "replica_ttl_s": 60.0})
+        assert (await chat(gw)).choices
+    at_start = [x for x in logs if "at start" in x["event"]]
+    assert len(at_start) == 1, logs
+    line = at_start[0]
+    assert line["reason"] == "auth" and "credentials" in line["event"], line
+    assert "not answering" not in line["error"] and "state.sentinel_password" in line["error"], line
+    assert all(f"127.0.0.1:{s.port}" in line["error"] for s in redis_sentinel.sentinels), line
