@@ -340,18 +340,25 @@ def _make_client(cfg: StateConfig, socket_timeout: float | None) -> BoundedRedis
 
 class _Sentinel(Sentinel):
     """Sentinel whose "no primary" error names each Sentinel it could not ask by its address, with
-    what went wrong. The client library's listed each as its Python object (its connection pool,
-    connection and every setting, about 1 KB a Sentinel) and the error only by its class; that
-    text is what the warnings of an outage carry."""
+    what went wrong (those that refused the password apart, a refusal as the error's cause). The
+    client library's listed each as its Python object (its connection pool, connection and every
+    setting, about 1 KB a Sentinel) and the error only by its class; that text is what the warnings
+    of an outage carry."""
 
     async def discover_master(self, service_name: str):
-        failed = []
+        failed, refused = [], []
+        auth: AuthenticationError | None = None
         for i, sentinel in enumerate(self.sentinels):
             try:
                 masters = await sentinel.sentinel_masters()
             except (RedisConnectionError, RedisTimeoutError) as e:
                 kw = sentinel.connection_pool.connection_kwargs
-                failed.append(f"{kw.get('host')}:{kw.get('port')}: {str(e) or type(e).__name__}")
+                said = f"{kw.get('host')}:{kw.get('port')}: {str(e) or type(e).__name__}"
+                if isinstance(e, AuthenticationError):
+                    auth = e
+                    refused.append(said)
+                else:
+                    failed.append(said)
                 continue
             state = masters.get(service_name)
             if state and self.check_master_state(state, service_name):
@@ -359,8 +366,11 @@ class _Sentinel(Sentinel):
                 self.sentinels[0], self.sentinels[i] = sentinel, self.sentinels[0]
                 ip = self._force_master_ip if self._force_master_ip is not None else state["ip"]
                 return ip, state["port"]
+        why = ([f"Sentinels refusing the password (state.sentinel_password): {'; '.join(refused)}"] if refused else []) \
+            + ([f"Sentinels not answering: {'; '.join(failed)}"] if failed else [])
+        # a refused password is the cause (``transport_reason`` reads it): it is what to fix
         raise MasterNotFoundError(f"No master found for {service_name!r}"
-                                  + (f" (Sentinels not answering: {'; '.join(failed)})" if failed else ""))
+                                  + (f" ({'; '.join(why)})" if why else "")) from auth
 
 
 class _CheckBeforeSend:
