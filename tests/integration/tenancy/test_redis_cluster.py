@@ -320,3 +320,29 @@ async def test_limits_are_checked_while_the_tenancy_slot_is_resharded(sims, gate
     assert redis_cluster.keys_in_slot(src, slot) == []
     usage = await gw.gw.tenancy.state.usage("alice")
     assert usage["requests"] == 9
+
+
+async def test_a_cluster_that_refuses_the_gateways_password_is_said_to(sims, gateway, redis_cluster, monkeypatch):
+    """Nodes that require a password the URL does not give: the Cluster client names the refusal
+    only in the cause of its "cannot be connected" error, and the start's warning says the shared
+    state refuses the gateway's credentials (``reason`` ``auth``), not that it is unreachable."""
+    import structlog.testing
+
+    from gateway.tenants import service
+    from tests.support.redis_failover import FAST_STATE, chat
+    from tests.support.tenancy import KEYS
+
+    monkeypatch.setattr(service, "START_RETRY_S", 3.0)       # a retry would be seen, not timed
+    for n in redis_cluster.nodes:
+        assert redis_cluster.cli_call(n, "config", "set", "requirepass", "cluster-secret-16180").strip() == "OK"
+    sim = await sims("vllm", "m")
+    with structlog.testing.capture_logs() as logs:
+        gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                           limits={"users": {"alice": {"rpm": 100}}},
+                           state={**FAST_STATE, "redis_url": redis_cluster.url.replace("://", "://:not-it@"),
+                                  "sync_interval_s": 30.0, "replica_ttl_s": 60.0})
+        assert (await chat(gw)).choices
+    at_start = [x for x in logs if "at start" in x["event"]]
+    assert len(at_start) == 1, logs
+    assert at_start[0]["reason"] == "auth" and "credentials" in at_start[0]["event"], at_start
+    assert "not-it" not in repr(logs)
