@@ -1017,3 +1017,20 @@ async def test_a_decode_whose_server_error_body_stalls_answers_the_client_in_bou
         assert st == 500 and 'upstream returned status 500: {"error":{"message":"kv lost"' in \
             orjson.loads(raw)["error"]["message"], raw[:300]
         await asyncio.wait_for(let_go.wait(), 10)       # its connection closed
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_embeddings_are_refused_on_a_pd_model(sims, gateway, engine):
+    """An embedding generates nothing and moves no KV: neither engine's embeddings request has
+    the P/D fields (vLLM's ``kv_transfer_params``, SGLang's bootstrap room), so a pair would embed
+    the input on the prefill and again on the decode. Like the pass-through paths it is a 400
+    before any endpoint is asked, the openai SDK's ``BadRequestError``."""
+    p, d = await pd_pair(sims, engine)
+    gw = await gateway([pd_model(engine, [roleset(engine, p, d)])])
+    client = openai_client(gw)
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.embeddings.create(model="m", input="hello world")
+    assert exc.value.response.headers["x-error-routing"] == "true"
+    assert "POST /v1/embeddings is not served by prefill/decode pairs" in exc.value.message
+    for sim in (p, d):
+        assert [r for r in (await sim_state(sim.url))["received"] if r["path"] == "/v1/embeddings"] == []
