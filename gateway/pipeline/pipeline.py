@@ -354,7 +354,7 @@ class Pipeline:
             await self.tenancy.admit(ticket, ireq, rec)   # model RPS, user RPM/TPM/concurrency (429)
         finally:
             rec.user = ireq.user                      # with auth on, the key's user (admit decides it); a 429's too
-        if ctx.api is not None or ireq.lora is not None:
+        if ctx.api is not None or ireq.lora is not None or (router.chooses_pairs and ireq.is_embeddings):
             candidates = ctx.serving = await self._serving(ctx, spec, router, candidates)
         adapter = adapter_for(candidates[0].engine)
         checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
@@ -386,17 +386,21 @@ class Pipeline:
     async def _serving(self, ctx: RequestContext, spec: str, router: Router,
                        candidates: list[Endpoint]) -> list[Endpoint]:
         """The candidates that can serve the request: its API's state or the endpoints whose engine
-        serves the API; those serving its LoRA adapter (loaded if none does)."""
+        serves the API; those serving its LoRA adapter (loaded if none does). A request pairs may
+        not serve (an API's, an embedding) is refused on a P/D model."""
         ireq, api = ctx.ireq, ctx.api
         assert ireq is not None
+        if router.chooses_pairs and (api is not None or ireq.is_embeddings):
+            # an embedding generates nothing: neither engine's embeddings request takes the P/D
+            # fields (vLLM's kv_transfer_params, SGLang's bootstrap room), so its prefill leg would
+            # embed the input whole and the decode again, or wait for a room that never comes
+            why = api.pd_refusal(ireq.path, {ep.engine for ep in candidates}) if api is not None else ""
+            if why is not None:
+                raise GatewayError(400, f"POST {ireq.path} is not served by prefill/decode pairs, and the "
+                                        f"model `{ireq.model}` routes with the P/D strategy {spec!r}"
+                                        + (f": {why}" if why else ""),
+                                   header=("x-error-routing", "true"), error_class=ErrorClass.ROUTING)
         if api is not None:
-            if router.chooses_pairs:
-                why = api.pd_refusal(ireq.path, {ep.engine for ep in candidates})
-                if why is not None:
-                    raise GatewayError(400, f"POST {ireq.path} is not served by prefill/decode pairs, and the "
-                                            f"model `{ireq.model}` routes with the P/D strategy {spec!r}"
-                                            + (f": {why}" if why else ""),
-                                       header=("x-error-routing", "true"), error_class=ErrorClass.ROUTING)
             candidates = await api.prepare(ctx, candidates)
         if ireq.lora is not None:
             candidates = await self._adapter_serving(ctx, router, candidates)
