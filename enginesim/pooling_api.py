@@ -47,7 +47,7 @@ from aiohttp import web
 from enginesim.engine import Engine
 from enginesim.errors import ApiError, ErrorStyle
 from enginesim.protocol import token_id_list
-from enginesim.vllm_api import embed, embedding_inputs
+from enginesim.vllm_api import BYTES_FORMATS, binary_options, bytes_response, embed, embedding_inputs
 from enginesim.wire import json_response, read_json
 
 _WORD = re.compile(r"\w+")
@@ -118,9 +118,10 @@ class PoolingApi:
     def _usage(self, tokens: int) -> dict[str, Any]:
         return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
 
-    async def _vllm_inputs(self, request: web.Request) -> list:
+    async def _vllm_inputs(self, request: web.Request, body: dict[str, Any] | None = None) -> list:
         """The inputs of a vLLM request of ``model`` and ``input`` (``/classify``, ``/pooling``)."""
-        body = await read_json(request, require_json=True)
+        if body is None:
+            body = await read_json(request, require_json=True)
         self._vllm_model(body)
         return embedding_inputs(body.get("input"))
 
@@ -135,11 +136,20 @@ class PoolingApi:
 
     async def vllm_pooling(self, request: web.Request) -> web.Response:
         """vLLM's ``/pooling`` (``PoolingRequest``: ``model``, ``input``): the pooled output per
-        input (here the embedding vector), and the usage."""
+        input (here the embedding vector), and the usage; with ``encoding_format`` "bytes" or
+        "bytes_only", the vectors' bytes (``bytes_response``)."""
         try:
-            inputs = await self._vllm_inputs(request)
+            body = await read_json(request, require_json=True)
+            inputs = await self._vllm_inputs(request, body)
+            fmt = body.get("encoding_format") or "float"
+            dtype, endianness = binary_options(body)
         except ApiError as exc:
             return exc.response(ErrorStyle.VLLM)
+        if fmt in BYTES_FORMATS:
+            ids = [self._ids(item) for item in inputs]
+            return await bytes_response(request, f"pool-{uuid.uuid4().hex}", self.cfg.served_name,
+                                        [embed(i, self.cfg.embedding_dim, self.cfg.seed) for i in ids],
+                                        sum(map(len, ids)), fmt, dtype, endianness)
         data, tokens = [], 0
         for i, item in enumerate(inputs):
             ids = self._ids(item)

@@ -16,6 +16,8 @@ import dataclasses
 import hashlib
 import json
 import random
+import struct
+import sys
 import time
 import uuid
 from array import array
@@ -578,9 +580,10 @@ class VllmApi:
                 raise ApiError(400, "Dimensions must be greater than 0", type_="BadRequestError",
                                param="dimensions")
             fmt = body.get("encoding_format") or "float"
-            if fmt not in ("float", "base64"):
+            if fmt not in ("float", "base64", *BYTES_FORMATS):
                 raise ApiError(400, f"Unknown encoding_format {fmt!r}", type_="BadRequestError",
                                param="encoding_format")
+            dtype, endianness = binary_options(body)
         except ApiError as exc:
             return exc.response(STYLE)
         data = []
@@ -588,6 +591,10 @@ class VllmApi:
         encoded = [item if isinstance(item, list) else self.engine.tokenizer.encode(item) for item in inputs]
         if not all(encoded):        # vLLM's input processor: a prompt of no token is refused
             return ApiError(400, "The decoder prompt cannot be empty", type_="BadRequestError").response(STYLE)
+        if fmt in BYTES_FORMATS:
+            vectors = [embed(ids, dims, self.cfg.seed) for ids in encoded]
+            return await bytes_response(request, f"embd-{uuid.uuid4().hex}", self.cfg.served_name, vectors,
+                                        sum(map(len, encoded)), fmt, dtype, endianness)
         for i, ids in enumerate(encoded):
             total += len(ids)
             vector = embed(ids, dims, self.cfg.seed)
@@ -777,6 +784,57 @@ def embedding_inputs(value: Any) -> list[str | list[int]]:
             return out
     raise ApiError(400, "1 validation error:\n  input: Input should be a string, a list of strings or "
                    "token ids", type_="Bad Request", param="input")
+
+
+# vLLM's binary answers of /v1/embeddings and /pooling (``encoding_format`` "bytes", "bytes_only"):
+# the vectors' bytes back to back as application/octet-stream (a StreamingResponse: chunked, no
+# Content-Length), and, for "bytes", a ``metadata`` header of JSON saying where each vector is and
+# the usage (vllm/utils/serial_utils.py, ``encode_pooling_bytes``)
+BYTES_FORMATS = ("bytes", "bytes_only")
+_DTYPES = {"float32": ("f", 4), "float16": ("e", 2), "bfloat16": ("f", 2)}
+
+
+def binary_options(body: dict[str, Any]) -> tuple[str, str]:
+    """A request's ``embed_dtype`` and ``endianness`` (vLLM's defaults "float32" and "native");
+    the fp8 types vLLM also takes are not simulated."""
+    dtype = body.get("embed_dtype") or "float32"
+    endianness = body.get("endianness") or "native"
+    if dtype not in _DTYPES:
+        raise ApiError(400, f"embed_dtype {dtype!r} is not simulated", type_="BadRequestError", param="embed_dtype")
+    if endianness not in ("native", "little", "big"):
+        raise ApiError(400, f"Unknown endianness {endianness!r}", type_="BadRequestError", param="endianness")
+    return dtype, endianness
+
+
+def vector_bytes(vector: list[float], dtype: str, endianness: str) -> bytes:
+    code, size = _DTYPES[dtype]
+    order = {"little": "<", "big": ">"}.get(endianness, "=")
+    raw = struct.pack(f"{order}{len(vector)}{code}", *vector)
+    if dtype == "bfloat16":         # the upper half of each float32
+        keep = slice(2, 4) if order == "<" or (order == "=" and sys.byteorder == "little") else slice(0, 2)
+        raw = b"".join(raw[i:i + 4][keep] for i in range(0, len(raw), 4))
+    return raw
+
+
+async def bytes_response(request: web.Request, id_: str, model: str, vectors: list[list[float]], tokens: int,
+                         fmt: str, dtype: str, endianness: str) -> web.StreamResponse:
+    chunks, items, offset = [], [], 0
+    for i, vector in enumerate(vectors):
+        raw = vector_bytes(vector, dtype, endianness)
+        chunks.append(raw)
+        items.append({"index": i, "embed_dtype": dtype, "endianness": endianness, "start": offset,
+                      "end": offset + len(raw), "shape": [len(vector)]})
+        offset += len(raw)
+    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    if fmt == "bytes":
+        resp.headers["metadata"] = json.dumps({"id": id_, "created": int(time.time()), "model": model, "data": items,
+                                               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+    resp.enable_chunked_encoding()
+    await resp.prepare(request)
+    for raw in chunks:
+        await resp.write(raw)
+    await resp.write_eof()
+    return resp
 
 
 def embed(ids: list[int], dims: int, seed: int) -> list[float]:
