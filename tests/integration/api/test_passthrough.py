@@ -18,7 +18,7 @@ from gateway.pipeline.relay import VIEW_ABOVE
 from tests.support.factories import model_block
 from tests.support.fake_engine import fake_engine
 from tests.support.gateway_process import gateway_process, post_new
-from tests.support.http import openai_client, post_json, sim_state
+from tests.support.http import openai_client, post, post_json, sim_state
 from tests.support.ports import listen_port
 from tests.support.waiting import wait_for
 
@@ -115,6 +115,28 @@ async def test_errors_are_openai_shaped(fleet):
     # the engine's own refusal keeps its status and message
     status, got, _ = await post_json(gw, "/v1/rerank", {"model": "llama", **RERANK, "top_n": -1})
     assert status == 400 and "top_n" in got["error"]["message"] and got["error"]["type"] == "Bad Request"
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/pooling"])
+async def test_vllm_binary_embeddings_reach_the_client_whole(fleet, path):
+    """vLLM answers ``encoding_format: "bytes"`` with the vectors' bytes (application/octet-stream,
+    chunked) and a ``metadata`` header giving each vector's offsets, dtype and shape and the usage,
+    without which the bytes cannot be read back; ``"bytes_only"`` with the bytes alone. Both reach
+    the client as the engine sent them, the metadata header included, and the header's usage is
+    counted like a JSON answer's."""
+    gw, v, _ = fleet
+    body = {"model": "llama", "input": ["red apple", "green pear"], "encoding_format": "bytes",
+            "embed_dtype": "float16"}
+    direct = await post(v.url, body, path=path)
+    r = await post(gw, body, path=path)
+    assert r.status == 200, r.body[:300]
+    assert r.headers["Content-Type"] == "application/octet-stream" and r.body == direct.body
+    meta, want = orjson.loads(r.headers["metadata"]), orjson.loads(direct.headers["metadata"])
+    assert meta["data"] == want["data"] and meta["usage"] == want["usage"]
+    tokens = want["usage"]["prompt_tokens"]
+    assert f'switchyard_prompt_tokens_total{{model="llama"}} {float(tokens)}' in await gw.metrics_text()
+    r = await post(gw, {**body, "encoding_format": "bytes_only"}, path=path)
+    assert r.status == 200 and r.body == direct.body and "metadata" not in r.headers
 
 
 async def test_pass_through_is_limited_like_chat(sims, gateway):
