@@ -40,7 +40,7 @@ from gateway.pipeline.sse import (
     usage_tokens,
 )
 from gateway.pipeline.whole import WrittenStream, open_stream, stream_head, write_whole
-from gateway.request import ROUTED_PATHS
+from gateway.request import BINARY_PATHS, ROUTED_PATHS
 from gateway.resilience.outcome import Outcome, key_refused, of_answer, of_status, unsupported_event
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout, UpstreamTooLarge
 from gateway.upstream.upstream import engine_key_refused, key_refused_error, too_large_error
@@ -943,6 +943,8 @@ class Relay:
                                code="upstream_incomplete", header=("x-error-upstream", "reset"),
                                error_class=rec.error_class) from None
         data = None
+        if ctype.startswith("application/octet-stream") and ctx.ireq is not None and ctx.ireq.path in BINARY_PATHS:
+            return self._binary(ctx, resp, headers, ctype, body)
         if ctx.api is None:
             routed = ctx.ireq is not None and ctx.ireq.path in ROUTED_PATHS
             if routed or b'"usage"' in body:
@@ -966,6 +968,31 @@ class Relay:
                 told = ctx.ireq.answered if ctx.ireq is not None else None
                 if told is not None:        # after the answer is written
                     asyncio.get_running_loop().call_soon(told, message_text(data))
+        if self.whole:
+            written = write_whole(ctx.http, 200, headers, ctype, body)
+            if written is not None:
+                return written      # type: ignore[return-value]    # what aiohttp reads of a response
+        r = web.Response(status=200, body=body, headers=headers)
+        r.headers["Content-Type"] = ctype
+        return r
+
+    def _binary(self, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str], ctype: str,
+                body: bytes) -> web.Response:
+        """vLLM's binary embeddings (``encoding_format`` "bytes", "bytes_only" on /v1/embeddings and
+        /pooling): the vectors' bytes, relayed as they came, with the engine's ``metadata`` header
+        (each vector's offsets, dtype and shape, without which the bytes cannot be read back, and
+        the usage, counted here); "bytes_only" has none, and its estimate stays charged."""
+        rec = ctx.rec
+        rec.status = 200
+        meta = dict.get(resp.headers, "metadata")      # names stored lower-cased (coding_of)
+        if meta is not None:
+            headers = {**headers, "metadata": meta}
+            try:
+                usage = orjson.loads(meta).get("usage")
+            except (orjson.JSONDecodeError, AttributeError):
+                usage = None
+            if isinstance(usage, dict):
+                self.account_usage(rec, usage)
         if self.whole:
             written = write_whole(ctx.http, 200, headers, ctype, body)
             if written is not None:
