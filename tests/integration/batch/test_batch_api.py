@@ -100,6 +100,29 @@ async def test_refused_lines_go_to_the_error_file(sims, gateway, tmp_path):
     assert err["req-2"]["response"]["status_code"] == 400
 
 
+async def test_a_line_asking_for_binary_embeddings_is_refused(sims, gateway, tmp_path):
+    """A batch line's answer is written as JSON in the output file: vLLM's binary embeddings
+    (``encoding_format`` "bytes" or "bytes_only", the vectors' bytes and a ``metadata`` header)
+    have no place there, so such a line is a 400 naming the field, without an engine asked;
+    "base64" is the compact form a batch takes."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    rows = lines("/v1/embeddings", 3)
+    rows[1]["body"]["encoding_format"] = "bytes"
+    rows[2]["body"]["encoding_format"] = "bytes_only"
+    f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    b = await run_to_end(c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/embeddings",
+                                                    completion_window="24h")).id)
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (1, 2)
+    err = {e["custom_id"]: e for e in (orjson.loads(x) for x in (await c.files.content(b.error_file_id)).content.splitlines())}
+    assert sorted(err) == ["req-1", "req-2"]
+    for e in err.values():
+        assert e["response"]["status_code"] == 400
+        assert e["response"]["body"]["error"]["param"] == "encoding_format", e
+    assert len([r for r in (await sim_state(sim.url))["received"] if r["path"] == "/v1/embeddings"]) == 1
+
+
 async def test_lines_naming_models_that_do_not_exist_count_under_one_label(sims, gateway, tmp_path):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
