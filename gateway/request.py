@@ -31,6 +31,7 @@ ROUTED_PATHS = (CHAT, COMPLETIONS, EMBEDDINGS)
 # where vLLM answers encoding_format "bytes" and "bytes_only" with the vectors' bytes
 # (application/octet-stream, a ``metadata`` header), which the relay passes on as they came
 BINARY_PATHS = (EMBEDDINGS, "/pooling")
+BINARY_FORMATS = ("bytes", "bytes_only")
 
 # A client-supplied request id is kept when it is short and made of safe characters, so that it
 # can travel in headers, logs and engine request ids without escaping.

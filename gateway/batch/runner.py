@@ -63,8 +63,8 @@ from gateway.batch.line_request import LineRequest
 from gateway.batch.metrics import BatchMetrics
 from gateway.batch.store import BatchDb, BatchStore, Result, now_s
 from gateway.endpoints import EndpointPool
-from gateway.errors import ErrorClass
-from gateway.request import body_bytes
+from gateway.errors import ErrorClass, error_body
+from gateway.request import BINARY_FORMATS, BINARY_PATHS, body_bytes
 
 log = structlog.get_logger("switchyard.batch")
 
@@ -770,6 +770,15 @@ class BatchRunner:
         body = dict(line.body)
         for key in DROPPED:                 # a batch line's answer is one body
             body.pop(key, None)
+        if line.url in BINARY_PATHS and body.get("encoding_format") in BINARY_FORMATS:
+            # its answer is written as JSON in the output file, where vLLM's binary embeddings (the
+            # vectors' bytes, a metadata header) have no place: refused, no engine asked
+            err = error_body(400, f"encoding_format {body['encoding_format']!r} answers bytes, which a batch's "
+                                  "output file cannot hold; use 'base64'", param="encoding_format")
+            job.results.append(Result(line.custom_id, line.line_no, False,
+                                      _output_line(line.custom_id, 400, rid, err, None), (0, 0, 0)))
+            self.m.lines(model, "failed")
+            return
         headers = {"content-type": "application/json", "x-priority": "sheddable", "x-request-id": rid}
         if job.owner:
             headers["user"] = job.owner
