@@ -536,3 +536,14 @@ async def test_a_console_request_line_is_one_line_whatever_the_client_wrote(sims
     preflight, chat = sorted(lines, key=lambda line: "method=OPTIONS" not in line)
     assert ' path="/v1/x\\n2026-01-01 00:00:00 forged\\r\\x1b[2J" ' in preflight, preflight
     assert ' user="eve\\nforged=1\\u2028\\x00"' in chat, chat
+
+
+async def test_a_page_reads_the_metadata_of_binary_embeddings(sims, gateway):
+    """vLLM's binary embeddings (``encoding_format: "bytes"``) carry where each vector is in their
+    ``metadata`` header: a page on a listed origin may read it, or the bytes are of no use to it."""
+    gw = await _cors_gateway(sims, gateway, [APP])
+    r = await post(gw, {"model": "m", "input": ["a", "b"], "encoding_format": "bytes"}, {"Origin": APP},
+                   path="/v1/embeddings")
+    assert r.status == 200 and r.headers["Content-Type"] == "application/octet-stream"
+    assert orjson.loads(r.headers["metadata"])["data"][1]["index"] == 1
+    _cors(r.headers)
