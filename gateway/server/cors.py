@@ -69,6 +69,7 @@ EXPOSED = ", ".join((
     "x-error-tpm-exceeded", "x-error-concurrency-exceeded", "x-error-model-rps-exceeded", "x-error-admission",
     "x-error-unsupported-path", "x-error-upstream", "x-error-state-unavailable", "x-error-lora-load",
     "x-error-pd-prefill", "x-error-pd-decode",
+    "metadata",             # vLLM's binary embeddings: where each vector is in the bytes (relay.py)
 ))
 
 # what became of a request with an Origin: a preflight answered 204 or 403, another request from an
