@@ -171,3 +171,18 @@ def test_the_pending_table_is_bounded(monkeypatch):
     for i in range(5):
         learning.decided(_req(str(i)), Decision(ep, "slo"), model)
     assert [rid for rid, _ in learning.pending] == ["2", "3", "4"]
+
+
+def test_an_embedding_with_objectives_is_counted_unmeasured_as_any_whole_answer():
+    """switchyard_slo_routing_requests_total counts every routed request with objectives (a header's,
+    or the model's slo: defaults): an embedding, like a rerank or a non-streamed chat, has no first
+    token to time and is counted unmeasured, teaching nothing."""
+    learning, model, metrics, _ = _setup()
+    (ep,) = endpoints(1)
+    for rid, path in (("e", "/v1/embeddings"), ("r", "/v1/rerank")):
+        req = inference_request(tokens=100, request_id=rid, path=path, slo_ttft_ms=100.0)
+        learning.decided(req, Decision(ep, "least-request"), model)
+        learning.on_request(_rec(rid, None, strategy="least-request"), 0.05)
+    assert _count(metrics, "switchyard_slo_routing_requests_total", model="m", strategy="least-request",
+                  result="unmeasured") == 2
+    assert model.samples(ep) == (0, 0) and not learning.pending
