@@ -108,7 +108,7 @@ class SloLearning:
         pair's only to count them), a streamed whole request; or notes it: a stream's
         continuation, whatever its leg."""
         if ireq.slo_ttft_ms is not None or ireq.slo_tpot_ms is not None:
-            return not ireq.is_embeddings
+            return True
         # a non-streamed request without them: answered at the first tests
         return (ireq.stream and decision.prefill is None and not ireq.is_embeddings) or ireq.continues
 
