@@ -642,3 +642,22 @@ async def test_a_number_beyond_a_doubles_range_in_a_pooling_answer_is_relayed_wi
                                       headers={"x-size": size}) as r:
                         assert r.status == 200 and await r.read() == answers[size], size
         assert [e["prompt_tokens"] for e in logs if e["event"] == "request"] == [11, 11]
+
+
+async def test_bytes_are_relayed_only_to_a_request_that_asked_for_them(gateway):
+    """An engine (or a proxy in front of it) that answers an embeddings request for floats with
+    application/octet-stream gave no answer the client can read: a 502 upstream_bad_response, as a
+    body that is no JSON object is; the same bytes asked for with encoding_format "bytes" pass."""
+    async def engine(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=b"\x00\x01" * 8, content_type="application/octet-stream",
+                            headers={"metadata": '{"usage": {"prompt_tokens": 2, "total_tokens": 2}}'})
+
+    async with fake_engine(engine, paths=("/v1/embeddings",)) as url:
+        gw = await gateway([model_block("llama", "vllm", [url])])
+        for fmt, status in ((None, 502), ("float", 502), ("base64", 502), ("bytes", 200)):
+            body = {"model": "llama", "input": "hi", **({"encoding_format": fmt} if fmt else {})}
+            r = await post(gw, body, path="/v1/embeddings")
+            assert r.status == status, (fmt, r.body[:200])
+            if status == 502:
+                assert r.headers["x-error-upstream"] == "protocol" and r.json()["error"]["code"] == "upstream_bad_response"
