@@ -40,7 +40,7 @@ from gateway.pipeline.sse import (
     usage_tokens,
 )
 from gateway.pipeline.whole import WrittenStream, open_stream, stream_head, write_whole
-from gateway.request import BINARY_PATHS, ROUTED_PATHS
+from gateway.request import BINARY_FORMATS, BINARY_PATHS, ROUTED_PATHS
 from gateway.resilience.outcome import Outcome, key_refused, of_answer, of_status, unsupported_event
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout, UpstreamTooLarge
 from gateway.upstream.upstream import engine_key_refused, key_refused_error, too_large_error
@@ -943,7 +943,8 @@ class Relay:
                                code="upstream_incomplete", header=("x-error-upstream", "reset"),
                                error_class=rec.error_class) from None
         data = None
-        if ctype.startswith("application/octet-stream") and ctx.ireq is not None and ctx.ireq.path in BINARY_PATHS:
+        if (ctype.startswith("application/octet-stream") and ctx.ireq is not None and ctx.ireq.path in BINARY_PATHS
+                and ctx.ireq.data.get("encoding_format") in BINARY_FORMATS):
             return self._binary(ctx, resp, headers, ctype, body)
         if ctx.api is None:
             routed = ctx.ireq is not None and ctx.ireq.path in ROUTED_PATHS
