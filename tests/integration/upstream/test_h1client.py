@@ -593,6 +593,34 @@ async def test_a_head_that_does_not_end_is_a_protocol_error_once_it_outgrows_the
         await pool.close()
 
 
+@on_both_loops
+async def test_the_head_of_a_large_binary_embeddings_answer_is_read():
+    """vLLM's binary embeddings (``encoding_format: "bytes"``) say where each vector is in a
+    ``metadata`` header of some 110 bytes a vector: for a batch of 2048 inputs, OpenAI's own bound,
+    about 230 KB, which comes in many reads. It is an answer, not a head without end."""
+    items = [{"index": i, "embed_dtype": "float32", "endianness": "native", "start": 4096 * i,
+              "end": 4096 * (i + 1), "shape": [1024]} for i in range(2048)]
+    meta = orjson.dumps({"id": "embd-1", "created": 1, "model": "m", "data": items,
+                         "usage": {"prompt_tokens": 2048, "total_tokens": 2048}})
+    assert len(meta) > 200_000
+
+    async def binary(server, req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: 4\r\nmetadata: ")
+        for i in range(0, len(meta), 8192):
+            writer.write(meta[i:i + 8192])
+            await writer.drain()
+            await asyncio.sleep(0)          # the client's read takes what came: the head in pieces
+        writer.write(b"\r\n\r\nabcd")
+        await writer.drain()
+
+    async with Engine(binary) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/v1/embeddings", b"{}", JSON, GUARD)
+        assert resp.status == 200 and resp.headers["metadata"] == meta.decode()
+        assert await resp.read() == b"abcd"
+        await pool.close()
+
+
 async def _head_in_pieces(server, req, writer):
     writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Big: ")
     for _ in range(HEAD_BOUND // 2 // 1024):
