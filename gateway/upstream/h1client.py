@@ -42,10 +42,12 @@ log = structlog.get_logger("switchyard.upstream")
 # unread body bytes above which reading from the engine pauses; it resumes when the reader takes
 # them (``readany`` hands out everything buffered, so the buffer is then empty)
 HIGH_WATER = 256 * 1024
-# bytes an answer's head may take, with any 1xx before it (an engine's is a few hundred): an engine,
-# or a proxy before it, that sends header bytes without end fails the leg here, not at the header
-# timeout with all it sent meanwhile held (the parser keeps a header's bytes until its line ends)
-MAX_HEAD_BYTES = 64 * 1024
+# bytes an answer's head may take, with any 1xx before it (an engine's is a few hundred, but vLLM's
+# binary embeddings carry a metadata header of some 110 bytes a vector: about 230 KB for 2048
+# inputs): an engine, or a proxy before it, that sends header bytes without end fails the leg here,
+# not at the header timeout with all it sent meanwhile held (the parser keeps a header's bytes until
+# its line ends)
+MAX_HEAD_BYTES = 1024 * 1024
 # bodies up to this size go out in one buffer with their head (one write); larger ones beside it
 _JOIN_MAX = 64 * 1024
 _FIELD = "%s: %s\r\n"    # one header line of a request head
