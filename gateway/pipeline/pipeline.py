@@ -386,14 +386,14 @@ class Pipeline:
     async def _serving(self, ctx: RequestContext, spec: str, router: Router,
                        candidates: list[Endpoint]) -> list[Endpoint]:
         """The candidates that can serve the request: its API's state or the endpoints whose engine
-        serves the API; those serving its LoRA adapter (loaded if none does). A request pairs may
-        not serve (an API's, an embedding) is refused on a P/D model."""
+        serves the API; those serving its LoRA adapter (loaded if none does). On a P/D model, a
+        request of an API whose pairs cannot carry it (``pd_refusal``), or an embedding, is a 400."""
         ireq, api = ctx.ireq, ctx.api
         assert ireq is not None
         if router.chooses_pairs and (api is not None or ireq.is_embeddings):
             # an embedding generates nothing: neither engine's embeddings request takes the P/D
             # fields (vLLM's kv_transfer_params, SGLang's bootstrap room), so its prefill leg would
-            # embed the input whole and the decode again, or wait for a room that never comes
+            # embed the input whole and its decode again
             why = api.pd_refusal(ireq.path, {ep.engine for ep in candidates}) if api is not None else ""
             if why is not None:
                 raise GatewayError(400, f"POST {ireq.path} is not served by prefill/decode pairs, and the "
