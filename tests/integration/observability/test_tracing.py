@@ -156,6 +156,28 @@ async def test_retry_is_a_second_leg_and_an_event(sims, gateway, receiver):
     assert [s.name for s in rx.children(retried)].count("route") == 2
 
 
+async def test_a_retried_pd_requests_second_pair_legs_are_its_second_attempt(sims, gateway, receiver):
+    """A P/D request whose decode answers a 5xx is retried on another pair: the trace shows a second
+    route span, and the second pair's prefill and decode legs carry switchyard.attempt 2, as a
+    retried aggregated request's second generate leg does."""
+    rx = receiver
+    p1, d1 = await sims("vllm", "m", role="prefill"), await sims("vllm", "m", role="decode")
+    p2, d2 = await sims("vllm", "m", role="prefill"), await sims("vllm", "m", role="decode")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p1, d1), roleset("vllm", p2, d2, name="rs-2")])],
+                       tracing=traced(rx))
+    # every decode answers 500: the first pair fails, the retry's pair too, and the client gets the 500
+    status, headers, _ = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2},
+                                    {"x-sim-fault": "decode.status=500"})
+    assert status == 500
+    await flush(gw)
+    root = server_span(rx, headers["request-id"])
+    assert root.attributes["switchyard.retries"] == 1 and root.event("retry") is not None
+    legs = sorted((s for s in rx.children(root) if s.name != "route"), key=lambda s: s.start_ns)
+    assert [(s.name, s.attributes.get("switchyard.attempt")) for s in legs] == [
+        ("prefill", None), ("decode", None), ("prefill", 2), ("decode", 2)]
+    assert legs[0].attributes["switchyard.roleset"] != legs[2].attributes["switchyard.roleset"]
+
+
 @pytest.mark.parametrize("fault", ["drop_after=7", "error_after=7"])
 async def test_a_continued_stream_ends_its_broken_leg_as_an_error_and_marks_the_next(sims, gateway, receiver, fault):
     """Mid-stream continuation as a trace viewer shows it: the leg whose stream broke ends there as
