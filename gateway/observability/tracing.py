@@ -299,9 +299,10 @@ class Trace:
         """Routing chose ``decision`` among ``candidates`` endpoints."""
 
     def leg(self, kind: str, ep: Endpoint, attempt: int = 1) -> Leg:
-        """A CLIENT span for one engine leg (``prefill``, ``decode``, ``generate``). Used in a
-        ``with`` block it ends with the block; otherwise it ends when the request finishes, or at
-        ``failed``."""
+        """A CLIENT span for one engine leg (``prefill``, ``decode``, ``generate``). ``attempt``: the
+        request's try the leg belongs to, 1 plus its retries so far (a P/D pair chosen again, a
+        decode sent elsewhere, an aggregated leg rerouted). Used in a ``with`` block it ends with
+        the block; otherwise it ends when the request finishes, or at ``failed``."""
         return NO_LEG
 
     def event(self, name: str, attributes: dict[str, Any] | None = None) -> None:

@@ -188,7 +188,7 @@ class PDOrchestrator:
                 return
             try:
                 body = adapter.decode_body(ireq, resp.whole_body(), prefill=prefill, settings=settings)
-                dleg = ctx.trace.leg("decode", decode)
+                dleg = ctx.trace.leg("decode", decode, attempt=ctx.rec.retries + 1)
                 early.append((dleg, body, self.upstream.begin(decode, ireq.path, body, dleg.inject(headers),
                                                               once=True)))
             except Exception:       # noqa: BLE001 - the task does it again, and reports what fails
@@ -196,7 +196,7 @@ class PDOrchestrator:
 
         try:
             bad: BadPrefillAnswer | None = None
-            with ctx.trace.leg("prefill", prefill) as pleg:
+            with ctx.trace.leg("prefill", prefill, attempt=ctx.rec.retries + 1) as pleg:
                 x = self.upstream.begin(prefill, ireq.path, plan.prefill_body, pleg.inject(
                     ctx.leg_headers(prefill, headers)))
                 x.tell_at_eof(write_decode)
@@ -219,7 +219,7 @@ class PDOrchestrator:
                     except BadPrefillAnswer as e:
                         bad = e
                     else:
-                        leg = ctx.trace.leg("decode", decode)
+                        leg = ctx.trace.leg("decode", decode, attempt=ctx.rec.retries + 1)
                         decode_x = self.upstream.begin(decode, ireq.path, body, leg.inject(headers), once=True)
                 self._prefill_answered(ctx, pleg, x, status, raw, prefill_start, prefill_end)
             if bad is not None:
@@ -254,7 +254,7 @@ class PDOrchestrator:
                     if again is not None:
                         decode = again
                         ctx.use(decode)
-                        leg = ctx.trace.leg("decode", decode, attempt=len(tried))
+                        leg = ctx.trace.leg("decode", decode, attempt=ctx.rec.retries + 1)
                         decode_x = self.upstream.begin(decode, ireq.path, body, leg.inject(headers), once=True)
                         continue
                 self._abort_decode(ctx, plan)
@@ -329,11 +329,11 @@ class PDOrchestrator:
         ireq, prefill, decode = ctx.ireq, ctx.decision.prefill, ctx.decision.endpoint
         # both legs are written before anything else (on idle keep-alive connections, right here);
         # neither is written twice: they meet on a bootstrap room that is used once
-        pleg = ctx.trace.leg("prefill", prefill)
+        pleg = ctx.trace.leg("prefill", prefill, attempt=ctx.rec.retries + 1)
         prefill_x = self.upstream.begin(prefill, ireq.path, plan.prefill_body, pleg.inject(
                     ctx.leg_headers(prefill, headers)), once=True)
         decode_sent = SendState()
-        leg = ctx.trace.leg("decode", decode)
+        leg = ctx.trace.leg("decode", decode, attempt=ctx.rec.retries + 1)
         decode_x = self.upstream.begin(decode, ireq.path, plan.decode_body, leg.inject(headers), decode_sent,
                                        once=True)
         prefill_start = decode_start = time.perf_counter()
@@ -403,7 +403,7 @@ class PDOrchestrator:
                         if ahead:
                             ahead[0] = self.relay.stream_ahead(ctx)     # its headers name this decode
                         decode_sent = SendState()
-                        leg = ctx.trace.leg("decode", decode, attempt=len(tried))
+                        leg = ctx.trace.leg("decode", decode, attempt=ctx.rec.retries + 1)
                         decode_x = self.upstream.begin(decode, ireq.path, plan.decode_body, leg.inject(headers),
                                                        decode_sent, once=True)
                         decode_task = asyncio.create_task(self.upstream.opened(

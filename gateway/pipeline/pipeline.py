@@ -578,7 +578,7 @@ class Pipeline:
                 alone = adapter.continuous_usage_alone
                 body = upstream_body(ireq, alone)[0]
             ctx.use(ep)
-            leg = ctx.trace.leg("generate", ep, attempt=len(tried))
+            leg = ctx.trace.leg("generate", ep, attempt=rec.retries + 1)
             x = self.upstream.begin(ep, ireq.path, body, leg.inject(ctx.leg_headers(ep, headers)))
             ctx.written()                   # the leg is out: now the routing bookkeeping
             # a stream's head for the client, made while the engine computes (an engine that sends
@@ -666,7 +666,7 @@ class Pipeline:
         ctx.use(ep)
         legs = self.legs(cont.model)
         limit = legs.stream_head_timeout if cont.stream else legs.head_timeout
-        leg = ctx.trace.leg("generate", ep, attempt=1)
+        leg = ctx.trace.leg("generate", ep, attempt=ctx.rec.retries + 1)
         ctx.written()
         try:
             resp = await self.upstream.open(ep, cont.path, cont.body, leg.inject(upstream_headers(cont)), limit,
