@@ -258,6 +258,27 @@ async def test_messages_and_responses_requests_are_chat_operations(sims, gateway
         assert span.attributes["gen_ai.usage.output_tokens"] > 0
 
 
+async def test_embedding_requests_are_embeddings_operations_on_either_api(sims, gateway, receiver):
+    """GenAI conventions: "embeddings" is the operation of an embeddings API, OpenAI's
+    /v1/embeddings and vLLM's Cohere-style /v2/embed alike (a well-known value that applies MUST
+    be used); their input tokens are the span's as a chat request's are."""
+    rx = receiver
+    sim = await sims("vllm", "m")
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}], tracing=traced(rx))
+    rids = {}
+    for path, body in (("/v1/embeddings", {"model": "m", "input": "red apple pie"}),
+                       ("/v2/embed", {"model": "m", "texts": ["red apple pie"], "input_type": "search_document",
+                                      "embedding_types": ["float"]})):
+        status, headers, _ = await post(gw, body, path=path)
+        assert status == 200, path
+        rids[path] = headers["request-id"]
+    await flush(gw)
+    for path, rid in rids.items():
+        at = server_span(rx, rid).attributes
+        assert (at.get("gen_ai.operation.name"), at["gen_ai.request.model"]) == ("embeddings", "m"), path
+        assert at["gen_ai.usage.input_tokens"] > 0, path
+
+
 async def test_the_client_headers_as_the_w3c_test_suite_sends_them(sims, gateway, receiver):
     """W3C Trace Context's test suite: a request with two traceparent headers starts a new trace
     (test_traceparent_duplicated), and tracestate headers sent apart are one list joined in order
