@@ -85,9 +85,11 @@ DEFAULT_EXPORT_TIMEOUT_S = 10.0     # the OTLP exporters' own default (OTEL_EXPO
 # the W3C headers a leg's own context replaces (the client's pass through untouched when tracing is off)
 _TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
 # OpenTelemetry's GenAI conventions: a well-known gen_ai.operation.name that applies MUST be used; the
-# Messages and Responses APIs are chat completion operations ("chat"), as the Chat Completions API is
+# Messages and Responses APIs are chat completion operations ("chat"), as the Chat Completions API is,
+# and vLLM's Cohere-style embed API an embeddings operation, as OpenAI's is
 _OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion",
-               "/v1/embeddings": "embeddings", "/v1/messages": "chat", "/v1/responses": "chat"}
+               "/v1/embeddings": "embeddings", "/v2/embed": "embeddings", "/v1/messages": "chat",
+               "/v1/responses": "chat"}
 
 
 class TracingConfig(Block):
