@@ -258,6 +258,33 @@ async def test_messages_and_responses_requests_are_chat_operations(sims, gateway
         assert span.attributes["gen_ai.usage.output_tokens"] > 0
 
 
+async def test_a_responses_call_the_gateway_relays_to_its_engine_is_a_leg_of_its_trace(sims, gateway, receiver):
+    """A GET of a stored response and the replay of a background stream (GET ?stream=true) reach
+    the engine that holds the response: each is a CLIENT span under the request's span, whose
+    traceparent the engine gets, as a generation's leg is (the client's trace continued)."""
+    rx = receiver
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}], tracing=traced(rx))
+    c = openai_client(gw)
+    stream = await c.responses.create(model="m", input="x", background=True, stream=True, max_output_tokens=4)
+    events = [ev async for ev in stream]
+    rid = events[0].response.id
+    got = await c.responses.with_raw_response.retrieve(rid, extra_headers={"traceparent": traceparent()})
+    replay = await c.responses.retrieve(rid, stream=True, starting_after=0)
+    assert [ev async for ev in replay][-1].type == "response.completed"
+    await flush(gw)
+    assert got.http_response.status_code == 200
+    servers = sorted((s for s in gateway_spans(rx) if s.name == "GET /v1/responses/{response_id}"),
+                     key=lambda s: s.start_ns)
+    assert [(s.trace_id == CLIENT_TRACE, s.parent_id == CLIENT_SPAN) for s in servers] == [(True, True), (False, False)]
+    legs = [leg for s in servers for leg in rx.children(s)]
+    assert [(leg.name, leg.kind, leg.attributes["http.request.method"], leg.attributes["http.response.status_code"])
+            for leg in legs] == [("retrieve", "CLIENT", "GET", 200)] * 2
+    engine_parents = [t["traceparent"] for t in (await sim_state(sim.url))["traceparents"]
+                      if t["path"] == f"/v1/responses/{rid}"]
+    assert len(engine_parents) == 2 and all(any(leg.is_parent_of(tp) for leg in legs) for tp in engine_parents)
+
+
 async def test_embedding_requests_are_embeddings_operations_on_either_api(sims, gateway, receiver):
     """GenAI conventions: "embeddings" is the operation of an embeddings API, OpenAI's
     /v1/embeddings and vLLM's Cohere-style /v2/embed alike (a well-known value that applies MUST
