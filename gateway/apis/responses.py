@@ -58,6 +58,7 @@ from gateway.endpoints import Endpoint, EndpointPool, engine_headers
 from gateway.errors import ErrorClass, GatewayError, error_response, normalize_upstream_error
 from gateway.observability.logs import RequestLog
 from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.tracing import NO_TRACE, TRACE_KEY, Leg
 from gateway.pipeline.context import (
     RecordObserver,
     RequestContext,
@@ -907,9 +908,23 @@ class ResponsesApi(ApiShape):
         headers = {"X-Request-Id": rec.request_id}
         if body:
             headers["Content-Type"] = "application/json"
+        # the call is a leg of the request's trace, as a generation's is: its engine gets the leg's context
+        leg = request.get(TRACE_KEY, NO_TRACE).leg(_LEGS.get(request.match_info.get("action") or request.method,
+                                                             "retrieve"), ep, method=request.method)
+        with leg:
+            try:
+                return await self._relayed(rec, ep, request, body, leg.inject(headers), leg, rid)
+            finally:
+                if rec.error_class is not None:
+                    leg.failed(rec.error_class)
+
+    async def _relayed(self, rec: RequestRecord, ep: Endpoint, request: web.Request, body: bytes | None,
+                       headers: dict[str, str], leg: Leg, rid: str | None) -> web.StreamResponse:
+        assert self.session is not None
         try:
             async with self.session.request(request.method, ep.url + request.path_qs, data=body,
                                             headers=engine_headers(ep, headers)) as r:
+                leg.responded(r.status)
                 out_headers = rec.response_headers()
                 if key_refused(r.status, ep.api_key is not None):
                     engine_key_refused(self.metrics, ep, ep.model, r.status, request.path)
@@ -1157,6 +1172,10 @@ def _input_items_page(rid: str, items: list[Any], page: _Page) -> dict[str, Any]
     data = listed[-page.limit:] if page.before is not None and page.after is None else listed[:page.limit]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": more}
+
+
+# the name of a call's leg to the engine holding its response (a GET or a HEAD: "retrieve")
+_LEGS = {"DELETE": "delete", "cancel": "cancel", "input_items": "input_items"}
 
 
 def add_responses(app: web.Application, api: ResponsesApi) -> None:

@@ -300,8 +300,10 @@ class Trace:
     def routed(self, decision: Decision, candidates: int) -> None:
         """Routing chose ``decision`` among ``candidates`` endpoints."""
 
-    def leg(self, kind: str, ep: Endpoint, attempt: int = 1) -> Leg:
-        """A CLIENT span for one engine leg (``prefill``, ``decode``, ``generate``). ``attempt``: the
+    def leg(self, kind: str, ep: Endpoint, attempt: int = 1, method: str = "POST") -> Leg:
+        """A CLIENT span for one engine leg (``prefill``, ``decode``, ``generate``; a call on a
+        stored response relayed to its engine: ``retrieve``, ``delete``, ``cancel``,
+        ``input_items``), made with ``method``. ``attempt``: the
         request's try the leg belongs to, 1 plus its retries so far (a P/D pair chosen again, a
         decode sent elsewhere, an aggregated leg rerouted). Used in a ``with`` block it ends with
         the block; otherwise it ends when the request finishes, or at ``failed``."""
@@ -376,7 +378,8 @@ _ERROR = Status(StatusCode.ERROR)
 def _error_type(exc: BaseException) -> str:
     if isinstance(exc, asyncio.CancelledError):
         return "cancelled"
-    return str(getattr(exc, "kind", None) or getattr(exc, "failure_class", None) or type(exc).__name__)
+    return str(getattr(exc, "kind", None) or getattr(exc, "failure_class", None) or getattr(exc, "error_class", None)
+               or type(exc).__name__)
 
 
 class SpanLeg(Leg):
@@ -484,11 +487,11 @@ class RequestTrace(Trace):
             span.set_attributes(attrs)
         span.end()
 
-    def leg(self, kind: str, ep: Endpoint, attempt: int = 1) -> Leg:
+    def leg(self, kind: str, ep: Endpoint, attempt: int = 1, method: str = "POST") -> Leg:
         if self._unsampled_leg is not None:
             return self._unsampled_leg
         host, _, port = ep.name.rpartition(":")
-        attrs: dict[str, Any] = {"http.request.method": "POST", "server.address": host or ep.name}
+        attrs: dict[str, Any] = {"http.request.method": method, "server.address": host or ep.name}
         if port.isdigit():
             attrs["server.port"] = int(port)
         if ep.roleset:
