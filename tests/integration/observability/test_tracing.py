@@ -285,6 +285,22 @@ async def test_a_responses_call_the_gateway_relays_to_its_engine_is_a_leg_of_its
     assert len(engine_parents) == 2 and all(any(leg.is_parent_of(tp) for leg in legs) for tp in engine_parents)
 
 
+async def test_the_log_line_of_a_call_on_a_stored_response_names_its_trace(sims, gateway, receiver):
+    """A traced request's log line carries its trace_id: a GET of a stored response (its line
+    written by the Responses API, not the pipeline) as a generation's."""
+    rx = receiver
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}], tracing=traced(rx))
+    c = openai_client(gw)
+    with gw.gw.request_log.capture() as logs:
+        created = await c.responses.create(model="m", input="x", max_output_tokens=4)
+        got = await c.responses.with_raw_response.retrieve(created.id, extra_headers={"traceparent": traceparent()})
+        await wait_for(lambda: len([e for e in logs if e["event"] == "request"]) == 2, timeout=10)
+    lines = {e["request_id"]: e for e in logs if e["event"] == "request"}
+    assert lines[got.headers["request-id"]].get("trace_id") == CLIENT_TRACE
+    assert all(len(line.get("trace_id") or "") == 32 for line in lines.values())
+
+
 async def test_embedding_requests_are_embeddings_operations_on_either_api(sims, gateway, receiver):
     """GenAI conventions: "embeddings" is the operation of an embeddings API, OpenAI's
     /v1/embeddings and vLLM's Cohere-style /v2/embed alike (a well-known value that applies MUST
