@@ -782,6 +782,8 @@ class ResponsesApi(ApiShape):
                             route=BY_ID + ("/" + action if action in ("cancel", "input_items") else ""),
                             request_id_replaced=given is not None and given != request_id)
         rec.extra["response_id"] = safe_header_value(rid)
+        if trace_id := request.get(TRACE_KEY, NO_TRACE).trace_id:     # a traced call's line names its trace
+            rec.extra["trace_id"] = trace_id
         try:
             user = None
             if self.tenancy is not None:
