@@ -301,6 +301,27 @@ async def test_the_log_line_of_a_call_on_a_stored_response_names_its_trace(sims,
     assert all(len(line.get("trace_id") or "") == 32 for line in lines.values())
 
 
+async def test_the_log_lines_of_unknown_paths_and_admin_calls_name_their_traces(sims, gateway, receiver):
+    """The lines the gateway writes outside the pipeline for traced requests, an unknown path's 404,
+    a method's 405 and an admin call's audit line, carry their trace_id as a generation's does."""
+    rx = receiver
+    sim = await sims("vllm", "m")
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}], tracing=traced(rx),
+                       auth={"api_keys": [{"key": "sk-alice-0123456789", "user": "alice"}], "admin_token": "adm-1"})
+    asks = [("GET", "/nope", {}, 404), ("DELETE", "/v1/models", {}, 405),
+            ("GET", "/admin/users", {"Authorization": "Bearer adm-1"}, 200)]
+    with gw.gw.request_log.capture() as logs:
+        async with aiohttp.ClientSession() as s:
+            for method, path, headers, status in asks:
+                async with s.request(method, gw.url + path, headers={"traceparent": traceparent(), **headers}) as r:
+                    assert r.status == status, path
+                    await r.read()
+        await wait_for(lambda: len([e for e in logs if e["event"] == "request"]) == len(asks), timeout=10)
+    lines = {e["path"]: e for e in logs if e["event"] == "request"}
+    assert {path: line.get("trace_id") for path, line in lines.items()} == {
+        path: CLIENT_TRACE for _, path, _, _ in asks}
+
+
 async def test_embedding_requests_are_embeddings_operations_on_either_api(sims, gateway, receiver):
     """GenAI conventions: "embeddings" is the operation of an embeddings API, OpenAI's
     /v1/embeddings and vLLM's Cohere-style /v2/embed alike (a well-known value that applies MUST
