@@ -39,6 +39,7 @@ from prometheus_client import CollectorRegistry, Counter
 from gateway.config.schema import UserLimits
 from gateway.errors import ErrorClass, GatewayError, printable
 from gateway.observability.logs import RequestLog
+from gateway.observability.tracing import NO_TRACE, TRACE_KEY
 from gateway.pipeline.context import MAX_LOG_CHARS, RequestRecord, log_answer
 from gateway.request import given_request_id, request_id_from
 from gateway.tenants import Tenancy
@@ -117,6 +118,8 @@ class AdminAudit:
                 request[ADMIN_OBJECT] = obj
             fields = {"method": request.method, "admin_action": action,
                       "admin_token": credential_id(header_field(request.headers, "Authorization"))}
+            if trace_id := request.get(TRACE_KEY, NO_TRACE).trace_id:     # a traced call's line names its trace
+                fields["trace_id"] = trace_id
             status, error, error_class, logged = 499, "client went away", ErrorClass.CLIENT_CANCEL, False
             try:
                 resp = await fn(request)

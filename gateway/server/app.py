@@ -40,7 +40,7 @@ from gateway.observability.merge import counter_rules
 from gateway.observability.metrics import GatewayMetrics, RetiredSeries
 from gateway.observability.status import StatusBoard, StatusSources
 from gateway.observability.status_http import StatusPage, add_status
-from gateway.observability.tracing import Tracing
+from gateway.observability.tracing import NO_TRACE, TRACE_KEY, Tracing
 from gateway.pipeline.context import model_not_found
 from gateway.pipeline.generation import Generation, Services, build_generation, build_services
 from gateway.pipeline.pipeline import Pipeline, not_listed_yet
@@ -109,8 +109,12 @@ def _on_batch_path(path: str) -> bool:
 
 
 def _log_fields(request: web.BaseRequest) -> dict | None:
-    """The fields a request's line adds (a CORS outcome, an admin call's action and credential)."""
-    return getattr(request, "log_fields", None) or request.get(ADMIN_LOG_FIELDS)
+    """The fields a request's line adds (a CORS outcome, an admin call's action and credential; a
+    traced request's trace_id)."""
+    fields = getattr(request, "log_fields", None) or request.get(ADMIN_LOG_FIELDS)
+    if trace_id := request.get(TRACE_KEY, NO_TRACE).trace_id:
+        fields = {**(fields or {}), "trace_id": trace_id}
+    return fields
 
 
 def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_log: RequestLog | None = None,
