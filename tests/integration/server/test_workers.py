@@ -492,6 +492,60 @@ async def test_a_worker_that_served_then_keeps_failing_is_restarted_with_a_growi
     assert not [e for e in events if "stopping" in e["event"]]
 
 
+CRASH_LOOP_SCRIPT = r"""
+import json, os, sys, time
+from gateway.server import workers
+from gateway.server.heartbeat import Heartbeats
+
+workers.RESTART_BACKOFF_S = 0.05       # 0.05, 0.1, 0.2, ... s: the test stays short
+workers.RESTART_STABLE_S = 1.5
+beats = Heartbeats(1)
+starts = sys.argv[1]
+
+def serve_one(index):
+    # every worker gets past its start-up (ticks) and dies a moment later, but the fourth, which
+    # serves longer than RESTART_STABLE_S before it dies
+    with open(starts, "a") as f:
+        f.write("x")
+    n = os.path.getsize(starts)
+    beats.tick(index)
+    time.sleep(1.6 if n == 4 else 0.02)
+    return 3
+
+def log(event, level="info", **fields):
+    print(json.dumps({"event": event, "level": level, "t": time.monotonic(), **fields}), flush=True)
+
+sys.exit(workers.run_workers(1, serve_one, log, heartbeats=beats, stall_timeout=lambda: 0.0))
+"""
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_that_dies_soon_after_each_start_is_restarted_with_a_growing_back_off(tmp_path):
+    """A worker that gets past its start-up and dies a moment later, start after start (a request
+    that crashes it, sent again and again; the OOM killer at each catch-up), is started again after
+    a growing back-off, as one whose start-ups fail is, and once one has served a while, after the
+    shortest again: each start costs its siblings a copy of their whole view."""
+    script = tmp_path / "crash_loop.py"
+    script.write_text(CRASH_LOOP_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(script), str(tmp_path / "starts"),
+                                                stdout=asyncio.subprocess.PIPE, env=env)
+    events: list[dict] = []
+    try:
+        async with asyncio.timeout(30):
+            while len([e for e in events if e["event"] == "worker restarting"]) < 5:
+                line = await proc.stdout.readline()
+                assert line, "the parent ended"
+                events.append(json.loads(line))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            await proc.wait()
+    restarts = [e["restart_in_s"] for e in events if e["event"] == "worker restarting"]
+    assert restarts == [0.05, 0.1, 0.2, 0.05, 0.05], restarts
+    assert not [e for e in events if "stopping" in e["event"]]
+
+
 async def workers_listening(parent: int, port: int, workers: int = 2, timeout: float = 40) -> None:
     """Until ``parent`` has ``workers`` workers each listening on its sibling socket, and the
     gateway on ``port`` answers ``/ready``."""
