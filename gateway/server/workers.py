@@ -52,6 +52,11 @@ RESTART_BACKOFF_S = 1.0
 HELD_AT_FORK = {signal.SIGHUP, signal.SIGTERM, signal.SIGINT}   # the signals the parent handles
 STOPS = {signal.SIGTERM, signal.SIGINT}     # held back in a worker from its fork until it handles them
 RESTART_BACKOFF_MAX_S = 30.0    # a worker whose start-ups keep failing: 1, 2, 4, ... s, at most this
+# a worker that ends sooner than this after its fork counts as a start that failed, whether or not it
+# got past its start-up: one that serves a moment and dies, start after start (a request that crashes
+# it, sent again; the OOM killer at each catch-up), backs off as one whose start-up fails, rather than
+# being started again every second for good, each start costing its siblings a copy of their view
+RESTART_STABLE_S = 10.0
 # how long the parent, its workers stopped, waits for a reload's read the stop ended, so that its
 # refusal is logged (a read waiting for a FIFO's text ends within 0.1 s of a stop)
 STOPPED_READ_WAIT_S = 2.0
@@ -252,8 +257,9 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
     ``heartbeats`` (which the workers tick), a worker that stops ticking for ``stall_timeout()``
     seconds (0: never) is killed and restarted, and a worker that
     fails before any worker ever ticked stops the gateway with its exit code
-    (gateway/server/heartbeat.py). A worker whose start-ups keep failing is started again after
-    1, 2, 4, ... s (at most ``RESTART_BACKOFF_MAX_S``); one that got past its start-up, after 1 s.
+    (gateway/server/heartbeat.py). A worker whose start-ups keep failing, or that keeps ending
+    within ``RESTART_STABLE_S`` of its fork, is started again after 1, 2, 4, ... s (at most
+    ``RESTART_BACKOFF_MAX_S``); one that served longer, after 1 s.
     ``orphaned()`` runs in a worker that stops after the parent died (killed outright: the kernel's
     SIGTERM stopped the worker), in the parent's stead for what it would have cleaned up. The
     caller may hold SIGTERM and SIGINT back until this installs its handlers, which then take
@@ -264,6 +270,7 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
     after the stop (at once after a second stop) is killed: its start-up would otherwise hold the
     stop for as long as it lasts."""
     children: dict[int, int] = {}      # pid → worker index
+    forked: dict[int, float] = {}      # worker index → when its latest worker was forked (time.monotonic)
     stopping = False
     stopped_at = 0.0                   # when the first stop came (time.monotonic)
     watchdog = Watchdog(heartbeats, stall_timeout, log) if heartbeats is not None else None
@@ -271,6 +278,7 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
     parent = os.getpid()
 
     def spawn(index: int) -> None:
+        forked[index] = time.monotonic()
         if watchdog is not None:
             watchdog.spawning(index)
         # the signals the parent handles held back across the fork: the child must not run the
@@ -488,7 +496,10 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
             continue
         if heartbeats is not None:
             heartbeats.restarted(reason)
-        failed[index] = 0 if ticked else failed.get(index, 0) + 1
+        # one that served a while starts the count again; one that ended soon after its fork, served
+        # or not, adds to it
+        lived = time.monotonic() - forked.get(index, 0.0)
+        failed[index] = 0 if ticked and lived >= RESTART_STABLE_S else failed.get(index, 0) + 1
         backoff = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** max(0, failed[index] - 1))
         log("worker restarting", "warning", worker=index, pid=pid, reason=reason, code=code, restart_in_s=backoff)
         pending[index] = time.monotonic() + backoff
