@@ -9,6 +9,7 @@ change the body.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -86,6 +87,21 @@ def header_text(value: str | None) -> str | None:
     if value is None or value.isascii():
         return value
     return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+MAX_USER_CHARS = 128         # a claimed user name longer than this is kept as its digest (as the admin API's names)
+
+
+def claimed_user(name: str | None) -> str | None:
+    """The user a request names itself (without auth: the ``user`` header, else the body's
+    ``user``, or ``metadata.user_id`` on Messages) as the gateway keeps it: as it is up to 128
+    characters, else ``sha256:`` and the 64 hex digits of its SHA-256. Whatever holds the name (the
+    tenancy windows, in memory and in Redis, vtc-basic's counts, admission's fair-share lines, the
+    status page, logs, a 429's message) then holds 71 characters however long a name the client
+    sends, and the same name is the same user from request to request."""
+    if name is None or len(name) <= MAX_USER_CHARS:
+        return name
+    return "sha256:" + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 _CALLER_HEADERS = ("user", "x-session-id", "x-session-key", "x-aibrix-session-key")
@@ -808,6 +824,7 @@ def _parse_named(path: str, body: bytes, headers: dict[str, str], request_id: st
     user, session_id, session_key = caller_headers(headers)
     if user is None and isinstance(data.get("user"), str):
         user = data["user"]
+    user = claimed_user(user)
 
     est = exact_tokens if exact_tokens is not None else max(1, len(prompt_text) // CHARS_PER_TOKEN) + tools_est
     slo_ttft, slo_tpot = slo_objectives(headers)

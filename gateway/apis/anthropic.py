@@ -71,6 +71,7 @@ from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES, as_lf, cr_mode, has_
 from gateway.request import (
     InferenceRequest,
     caller_headers,
+    claimed_user,
     lax_bool,
     lax_float,
     lax_int,
@@ -375,6 +376,7 @@ class AnthropicApi(EngineSpecificApi):
         meta = data.get("metadata")
         if user is None and isinstance(meta, dict) and isinstance(meta.get("user_id"), str):
             user = meta["user_id"]
+        user = claimed_user(user)
         slo_ttft, slo_tpot = slo_objectives(headers)
         return InferenceRequest(
             path=path, body=body, data=data, model=model, stream=stream,

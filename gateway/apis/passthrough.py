@@ -49,6 +49,7 @@ from gateway.request import (
     CHARS_PER_TOKEN,
     InferenceRequest,
     caller_headers,
+    claimed_user,
     lax_bool,
     load_object,
     slo_objectives,
@@ -104,6 +105,7 @@ def _request(path: str, body: bytes, data: dict[str, Any], model: str, stream: b
     user, session_id, session_key = caller_headers(headers)
     if user is None and isinstance(data.get("user"), str):
         user = data["user"]
+    user = claimed_user(user)
     slo_ttft, slo_tpot = slo_objectives(headers)
     return InferenceRequest(
         path=path, body=body, data=data, model=model, stream=stream, include_usage=True,

@@ -21,6 +21,7 @@ from gateway.request import (
     InferenceRequest,
     body_bytes,
     caller_headers,
+    claimed_user,
     int_error,
     lax_bool,
     lax_float,
@@ -217,6 +218,7 @@ def _parse_named(path: str, body: bytes, headers: Any, request_id: str, data: di
     user, session_id, session_key = caller_headers(headers)
     if user is None and isinstance(data.get("user"), str):
         user = data["user"]
+    user = claimed_user(user)
     slo_ttft, slo_tpot = slo_objectives(headers)
     return InferenceRequest(
         path=path, body=body, data=data, model=model, stream=bool(stream),

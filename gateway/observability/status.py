@@ -392,7 +392,8 @@ class StatusBoard:
         for r in rows:
             u = usage.get(r["name"])
             r["usage"] = None if u is None else {**u, "concurrent": held.get(r["name"], 0)}
-            if r["source"] == "default":     # a name a client claimed: cut as the errors ring cuts it
+            if r["source"] == "default":     # a name a client claimed (bounded at parse: claimed_user) is
+                # at most 128 characters already; one charged from an older stored record is cut
                 r["name"] = _cut(r["name"], MAX_NAME)
         out["users"] = rows
         return out

@@ -44,7 +44,7 @@ from gateway.observability.tracing import NO_TRACE, TRACE_KEY, Tracing
 from gateway.pipeline.context import model_not_found
 from gateway.pipeline.generation import Generation, Services, build_generation, build_services
 from gateway.pipeline.pipeline import Pipeline, not_listed_yet
-from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, given_request_id, request_id_from
+from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, claimed_user, given_request_id, request_id_from
 from gateway.server.admin import ADMIN_LOG_FIELDS, AdminAudit, add_tenancy
 from gateway.server.cors import add_vary
 from gateway.server.edge import (
@@ -496,7 +496,7 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
         """The names the caller may ask for (None: every model): with auth on a key is needed to
         list models too (401), and its user's list decides; without, the ``user`` header's."""
         t = await s.tenancy.authenticate(request, None)
-        return s.tenancy.models_for(t, request.headers.get("user"))
+        return s.tenancy.models_for(t, claimed_user(request.headers.get("user")))
 
     def entries_for(allowed: tuple[str, ...] | None) -> list[dict]:
         entries = model_entries()

@@ -45,9 +45,10 @@ async def test_two_workers_lines_stay_whole_on_a_pipe_that_fell_behind(sims, tmp
                                                     "--workers", "2", stderr=w)
     finally:
         os.close(w)
-    # a body's `user` of control characters, which JSON writes as \u0001: 6 bytes each, so the line
-    # (the user cut at 1024 characters) is over 6 KB
-    user = "\x01" * 2000
+    # a body's `model` of control characters, which JSON writes as \u0001: 6 bytes each, so the
+    # error line (the model and the error naming it cut at 1024 characters) is over 12 KB. (A
+    # claimed `user` that long is logged as its digest.)
+    model = "\x01" * 2000
     n = 48
     try:
         await workers_listening(proc.pid, port)     # nothing read from the pipe yet: the start-up lines fit in it
@@ -55,12 +56,13 @@ async def test_two_workers_lines_stay_whole_on_a_pipe_that_fell_behind(sims, tmp
         async def one(i: int, room: asyncio.Semaphore) -> None:
             async with room, openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                                 max_retries=0, timeout=30) as client:    # a connection each
-                await client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1, user=user,
-                                                     extra_headers={"x-request-id": f"line-{i}"})
+                with pytest.raises(openai.NotFoundError):
+                    await client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1,
+                                                         extra_headers={"x-request-id": f"line-{i}"})
 
         room = asyncio.Semaphore(8)
         await asyncio.gather(*(one(i, room) for i in range(n)))
-        served = [metric(await own_metrics(path), "switchyard_requests_total", status="200")
+        served = [metric(await own_metrics(path), "switchyard_requests_total", status="404")
                   for path in sibling_sockets(children_of(proc.pid)).values()]
         assert sorted(served)[0] >= 1 and sum(served) == n        # both workers wrote lines
         # the collector catches up: the pipe is read to its end while the gateway stops (its
@@ -82,6 +84,6 @@ async def test_two_workers_lines_stay_whole_on_a_pipe_that_fell_behind(sims, tmp
     requests = [d for d in map(json.loads, lines) if d.get("event") == "request"]
     assert sorted(d["request_id"] for d in requests) == sorted(f"line-{i}" for i in range(n))
     for d in requests:
-        assert d["status"] == 200 and d["model"] == "m"
-        assert d["user"].startswith("\x01") and d["user"].endswith("… (2000 characters)")
+        assert d["status"] == 404 and d["error_class"] == "model_not_found"
+        assert d["model"].startswith("\x01") and d["model"].endswith("… (2000 characters)")
     assert all(len(line) + 1 <= PIPE_BUF for line in lines)
