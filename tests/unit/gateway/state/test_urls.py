@@ -74,3 +74,23 @@ def test_config_accepts_sentinel_and_cluster_urls(monkeypatch):
     assert c.state.sentinel_password == "sentinel-secret"
     assert "sentinel-secret" not in repr(c.state)
     assert parse_config(MODELS + "state: {redis_url: 'redis+cluster://n1:7000,n2:7001'}\n").state.redis_url
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("redis://localhost:99999", "port"),
+    ("redis://localhost:abc/0", "port"),
+    ("rediss://:pw@localhost:6379a", "port"),
+    ("redis://localhost:6379?db=x", "db"),
+    ("redis://localhost:6379/abc", "database number"),
+    ("redis://localhost:6379/0/1", "database number"),
+])
+def test_a_single_server_url_the_client_would_refuse_is_refused_at_load(url, says):
+    """``redis://`` and ``rediss://`` URLs go to the Redis client as they are: one it cannot read
+    (a port out of range, a database that is no number) must be a config error naming the key, as
+    --check-config and a start give it, not a line at the start naming neither key nor file (or a
+    database silently taken as 0)."""
+    with pytest.raises(ConfigError) as ei:
+        parse_config(MODELS + f"state: {{redis_url: '{url}'}}\n")
+    assert ei.value.key_path == "state.redis_url", str(ei.value)
+    assert says in str(ei.value).lower()
+    assert "pw@" not in str(ei.value)
