@@ -3,7 +3,8 @@
 Forms (a password in the URL is percent-encoded; ``user:password@`` for an ACL user):
 
 - ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` (TLS), ``unix:///path[?db=N]``:
-  one server (or a primary whose failover is someone else's business). Handed to redis-py as is.
+  one server (or a primary whose failover is someone else's business). Handed to redis-py as is,
+  once its port and database number are checked as redis-py reads them.
 - ``redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/<service>[/<db>]`` and
   ``rediss+sentinel://...``: the Sentinels (port 26379 unless given) that know the primary
   called ``<service>``; the client asks them where it is and follows a failover.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import unquote
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 Mode = Literal["standalone", "sentinel", "cluster"]
 
@@ -59,6 +60,7 @@ def redis_mode(url: str) -> Mode:
 def parse_redis_url(url: str) -> RedisTarget:
     """The deployment ``url`` names; ``ValueError`` says what is wrong with it."""
     if url.startswith(PLAIN_SCHEMES):
+        _check_plain(url)
         return RedisTarget("standalone", url, tls=url.startswith("rediss://"))
     mode = redis_mode(url)
     if mode == "standalone":
@@ -93,6 +95,22 @@ def parse_redis_url(url: str) -> RedisTarget:
         raise ValueError(f"a Redis Cluster has only database 0: no path after the nodes, got {_redact(url)!r}")
     return RedisTarget(mode, url, tls=scheme.startswith("rediss+"), nodes=nodes, service=service, db=db,
                        username=username, password=password)
+
+
+def _check_plain(url: str) -> None:
+    """What redis-py would refuse in a one-server URL when the gateway starts, as a ``ValueError``
+    now: a port that is no number or out of range, a database (the path, or ``?db=``) that is no
+    number (a path redis-py cannot read as one it drops, and uses database 0)."""
+    try:
+        parts = urlsplit(url)
+        parts.port      # noqa: B018 (raises ValueError for a port that is not 0..65535)
+    except ValueError as e:
+        raise ValueError(f"{e}, in {_redact(url)!r}") from None
+    if not url.startswith("unix://") and parts.path not in ("", "/") and not re.fullmatch(r"/[0-9]+", parts.path):
+        raise ValueError(f"the path is a database number (/0, /1, ...), got {parts.path!r} in {_redact(url)!r}")
+    for name, value in parse_qsl(parts.query):
+        if name == "db" and not value.isdigit():
+            raise ValueError(f"db must be a database number, got {value!r} in {_redact(url)!r}")
 
 
 def _node(text: str, default_port: int, url: str) -> tuple[str, int]:
