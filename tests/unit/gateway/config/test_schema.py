@@ -278,3 +278,22 @@ def test_a_structure_nested_hundreds_deep_is_a_config_error_naming_where(nested)
     with pytest.raises(ConfigError) as e:
         parse_config(GOOD + "limits:\n  users:\n    u: " + nested + "\n", source="gw.yaml")
     assert e.value.key_path.startswith("limits.users.u") and "nested more than 64 deep" in str(e.value), e.value
+
+
+@pytest.mark.parametrize(("block", "key_path"), [
+    ("server: {header_timeout_s: .inf}", "server.header_timeout_s"),
+    ("upstream: {connect_timeout_s: .Inf}", "upstream.connect_timeout_s"),
+    ("health: {timeout_s: 1.0e+400}", "health.timeout_s"),
+    ("models: [{name: m, endpoints: [http://127.0.0.1:1], watchdog: {first_chunk_timeout_s: .inf}}]",
+     "models[0].watchdog.first_chunk_timeout_s"),
+    ("routing: {slo_margin: .inf}", "routing.slo_margin"),
+])
+def test_an_infinite_number_is_refused_naming_its_key(block, key_path):
+    """YAML's .inf (or a number past a double's range, 1.0e+400) is no duration: the timers and
+    timeouts given it fail at run time (aiohttp's timeouts raise OverflowError, every health probe
+    and scrape round failed with a traceback). 0 is what turns a limit off."""
+    text = block if block.startswith("models") else f"models: [{{name: m, endpoints: [http://127.0.0.1:1]}}]\n{block}"
+    with pytest.raises(ConfigError) as ei:
+        parse_config(text, source="c.yaml")
+    assert ei.value.key_path == key_path, str(ei.value)
+    assert "finite" in str(ei.value) and str(ei.value).startswith("c.yaml: ")
