@@ -253,7 +253,10 @@ and, as the first line of the config file:
   seconds a megabyte; a reload parses in a thread, so requests are answered meanwhile).
 - **null means the default.** Writing `key: null` is the same as leaving the key out.
 - **Durations** are in seconds, in keys ending in `_s`; for most timeouts and intervals, 0 turns
-  the limit or the feature off (each key says so).
+  the limit or the feature off (each key says so). A number is finite: YAML's `.inf` and `.nan`,
+  and a number past a double's range (`1.0e+400`), are errors naming the key. YAML reads a
+  number with an exponent as one only with a dot and a sign (`1.0e+6`); `1e6` is a string, and an
+  error for a key that takes a number.
 - **Unknown keys are errors**, not silently ignored: a typo cannot fall back to a default.
   So is a key written twice in one mapping (YAML would keep the last silently).
 - **YAML anchors, aliases and merge keys** work: `&name` marks a node where it is first written,

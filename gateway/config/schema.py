@@ -48,6 +48,7 @@ from gateway.config.strict import (
     did_you_mean,
     laid_over,
     nested_beyond,
+    non_finite,
     self_reference,
     without_nulls,
 )
@@ -925,6 +926,9 @@ def config_from_dict(raw: Any, source: str | None = None, deprecations: list[Dep
         raise ConfigError(big[0], f"YAML aliases expand the config to {big[1]:,} values, more than "
                                   f"{ALIAS_EXPANSION_LIMIT:,} beyond those the file writes out (anchors naming "
                                   "anchors, each repeated: an alias bomb)", source)
+    if (bad := non_finite(raw)) is not None:
+        raise ConfigError(bad[0], f"must be a finite number, got {_yaml_number(bad[1])} (0 turns most limits and "
+                                  "timeouts off; each key says so)", source)
     data = without_nulls(raw or {})
     notes = deprecations if deprecations is not None else []
     if isinstance(data.get("upstream"), dict) and RETRY_FLAG in data["upstream"]:
@@ -945,6 +949,10 @@ def config_from_dict(raw: Any, source: str | None = None, deprecations: list[Dep
     if deprecations is None:
         log_deprecations(notes, source)
     return config
+
+
+def _yaml_number(x: float) -> str:
+    return ".nan" if x != x else ".inf" if x > 0 else "-.inf"
 
 
 def check_strategies(config: Config, registry: RouterRegistry | None = None, source: str | None = None) -> None:

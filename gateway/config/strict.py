@@ -11,6 +11,7 @@ path ``models[0].pd.x`` and a short message. A mapping's key is not in msgspec's
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import types
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
@@ -217,6 +218,28 @@ def nested_beyond(root: Any, limit: int) -> str | None:
             else ((f"{path}[{i}]", v) for i, v in enumerate(node))
         path, node = max(((p, v) for p, v in pairs if isinstance(v, dict | list)), key=lambda pv: height[id(pv[1])])
     return path
+
+
+def non_finite(root: Any) -> tuple[str, float] | None:
+    """The key path and value of the first number in ``root`` that is infinite or not a number
+    (YAML's ``.inf`` and ``.nan``, or a number past a double's range such as ``1.0e+400``), or
+    None. No key takes one: a timer or a timeout given infinity fails when it is armed, and 0 is
+    what turns a limit off. Acyclic ``root`` (see ``self_reference``); each node walked once."""
+    seen: set[int] = set()
+    stack: list[tuple[Any, str]] = [(root, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, float):
+            if not math.isfinite(node):
+                return path or "<root>", node
+            continue
+        if not isinstance(node, dict | list) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        pairs = [(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()] if isinstance(node, dict) \
+            else [(v, f"{path}[{i}]") for i, v in enumerate(node)]
+        stack.extend(reversed(pairs))
+    return None
 
 
 def without_nulls(v: Any) -> Any:
