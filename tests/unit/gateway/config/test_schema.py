@@ -297,3 +297,26 @@ def test_an_infinite_number_is_refused_naming_its_key(block, key_path):
         parse_config(text, source="c.yaml")
     assert ei.value.key_path == key_path, str(ei.value)
     assert "finite" in str(ei.value) and str(ei.value).startswith("c.yaml: ")
+
+
+@pytest.mark.parametrize(("model", "key_path", "first"), [
+    ("endpoints: [http://127.0.0.1:1, 'http://127.0.0.1:1/']", "models[0].endpoints[1].url", "endpoints[0]"),
+    ("endpoints: [http://Engine-A:80, http://engine-a]", "models[0].endpoints[1].url", "endpoints[0]"),
+    ("endpoints: [http://127.0.0.1:1], rolesets: [{combined: [http://127.0.0.1:1]}]",
+     "models[0].rolesets[0].combined[0].url", "endpoints[0]"),
+    ("rolesets: [{prefill: [http://p:1], decode: [http://d:1]}, {prefill: [http://p:1], decode: [http://d:2]}]",
+     "models[0].rolesets[1].prefill[0].url", "rolesets[0].prefill[0]"),
+])
+def test_one_engine_declared_twice_for_a_model_is_refused(model, key_path, first):
+    """Two entries of one model at one URL are two endpoints of the pool with the engine's load
+    split between their counters, and the same labels on two series of every per-endpoint metric
+    (switchyard_endpoint_ready{endpoint, model} written twice: Prometheus refuses such a scrape)."""
+    with pytest.raises(ConfigError) as ei:
+        parse_config(f"models: [{{name: m, {model}}}]\n", source="c.yaml")
+    assert ei.value.key_path == key_path, str(ei.value)
+    assert f"also {first}" in str(ei.value)
+
+
+def test_one_engine_may_serve_two_models():
+    c = parse_config("models: [{name: a, endpoints: [http://127.0.0.1:1]}, {name: b, endpoints: [http://127.0.0.1:1]}]")
+    assert [m.endpoints[0].url for m in c.models] == ["http://127.0.0.1:1"] * 2
