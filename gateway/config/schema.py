@@ -304,6 +304,12 @@ class EndpointConfig(Block):
         force_setattr(self, "url", self.url.rstrip("/"))
 
 
+def _engine_identity(url: str) -> tuple:
+    """The engine a checked endpoint URL names: its host in any case, its scheme's port if none."""
+    parts = urlsplit(url)
+    return parts.scheme, parts.hostname, parts.port or int(_DEFAULT_PORTS[parts.scheme]), parts.path.rstrip("/")
+
+
 class RolesetConfig(Block):
     name: Annotated[str, Meta(description="Name of the group; prefill and decode are only paired within one roleset. Default: rs-0, rs-1, ... by position.")]
     prefill: Annotated[tuple[EndpointConfig, ...], Meta(description="Prefill endpoints: URL strings or endpoint objects.")] = ()
@@ -318,7 +324,7 @@ class ModelConfig(Block):
     engine: Annotated[Engine, Meta(description="Engine serving the model's endpoints: vllm or sglang.")] = "vllm"
     strategy: Annotated[str | None, Meta(description="This model's default routing strategy (a name or a weighted list); null: the pods' annotation, else pd for a model with prefill/decode endpoints, else routing.strategy.")] = None
     lock_strategy: Annotated[str | None, Meta(description="A strategy that always applies to this model, whatever the routing-strategy header says; null: no lock.")] = None
-    endpoints: Annotated[tuple[EndpointConfig, ...], Meta(description="Aggregated engines (one engine serves a whole request): URL strings or endpoint objects.")] = ()
+    endpoints: Annotated[tuple[EndpointConfig, ...], Meta(description="Aggregated engines (one engine serves a whole request): URL strings or endpoint objects. An engine is one endpoint of a model: a URL written twice for one model (here or in its rolesets, a trailing slash, a host's capitals and a scheme's own port aside) is an error; one engine may serve several models.")] = ()
     rolesets: Annotated[tuple[RolesetConfig, ...], Meta(description="Prefill/decode groups for disaggregated serving.")] = ()
     watchdog: Annotated[WatchdogConfig | None, Meta(description="Keys laid over the global watchdog block for this model.")] = None
     pd: Annotated[PDConfig | None, Meta(description="Keys laid over the global pd block for this model.")] = None
@@ -341,6 +347,13 @@ class ModelConfig(Block):
             raise ValueError("an endpoint's kv_events: needs the model's tokenizer directory (tokenizer: <dir>)")
         if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
             raise ValueError(f"tokenizer: no tokenizer.json in {self.tokenizer!r}")
+        seen: dict[tuple, str] = {}
+        for key, e in self._declared():
+            first = seen.setdefault(_engine_identity(e.url), key)
+            if first != key:
+                raise ValueError(f"{key}.url: {e.url} is also {first} of this model: one engine is one endpoint of a "
+                                 "model (two would split its load between their counters, and write every "
+                                 "per-endpoint metric twice)")
         for e in (*self.endpoints, *(e for rs in self.rolesets for e in (*rs.prefill, *rs.decode, *rs.combined))):
             if e.kv_events is not None:          # an entry's ports with the model's ranks, or the other way
                 try:
@@ -348,6 +361,15 @@ class ModelConfig(Block):
                 except ValueError as err:
                     raise ValueError(f"endpoint {e.url} kv_events: {err}") from None
 
+
+    def _declared(self) -> Iterator[tuple[str, EndpointConfig]]:
+        """Each endpoint of the model with its key, ``endpoints[0]``, ``rolesets[1].prefill[0]``."""
+        for i, e in enumerate(self.endpoints):
+            yield f"endpoints[{i}]", e
+        for r, rs in enumerate(self.rolesets):
+            for role in ("prefill", "decode", "combined"):
+                for i, e in enumerate(getattr(rs, role)):
+                    yield f"rolesets[{r}].{role}[{i}]", e
 
     @property
     def wants_kv_events(self) -> bool:
