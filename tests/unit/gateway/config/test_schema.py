@@ -87,6 +87,23 @@ def test_invalid_yaml_and_missing_file(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
+@pytest.mark.parametrize(("text", "where", "says"), [
+    ("models:\n\t- name: m\n", "line 2, column 1", "(a tab: YAML indents with spaces)"),
+    ("server: {workers: 1}\nmodels: []\nserver: {workers: 2}\n", "line 3, column 1",
+     "found the key 'server' a second time (first at line 1, column 1)"),
+    ("models: [{name: m, endpoints: [${URL}]}]\n", "line 1, column 33",
+     "did not find expected ',' or ']' (while parsing a flow sequence at line 1, column 31)"),
+])
+def test_invalid_yaml_is_one_line_naming_the_file_line_and_column(text, where, says):
+    """A YAML error is one line (a log field, a line of --check-config's output) that names the
+    file and where in it, as every other config error: not PyYAML's lines naming "<unicode string>"."""
+    with pytest.raises(ConfigError) as ei:
+        parse_config(text, source="x.yaml")
+    message = str(ei.value)
+    assert message.startswith(f"x.yaml: <yaml>: invalid YAML, {where}: "), message
+    assert says in message and "\n" not in message and "unicode string" not in message, message
+
+
 def test_empty_config_has_defaults():
     c = parse_config("")
     assert c.listen.port == 8888 and c.routing.strategy == "least-request" and c.models == ()
