@@ -258,7 +258,9 @@ and, as the first line of the config file:
   number with an exponent as one only with a dot and a sign (`1.0e+6`); `1e6` is a string, and an
   error for a key that takes a number.
 - **Unknown keys are errors**, not silently ignored: a typo cannot fall back to a default.
-  So is a key written twice in one mapping (YAML would keep the last silently).
+  So is a key written twice in one mapping (YAML would keep the last silently). A file that is
+  not valid YAML is refused on one line naming where (`gateway.yaml: <yaml>: invalid YAML, line 2,
+  column 1: found character that cannot start any token (a tab: YAML indents with spaces)`).
 - **YAML anchors, aliases and merge keys** work: `&name` marks a node where it is first written,
   `*name` repeats it, and `<<: *name` lays a mapping under the keys written beside it (those win,
   and are not a key written twice). Since unknown keys are errors, there is no spare key to hold

@@ -912,8 +912,7 @@ def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> Iterator
             continue
         if first is not None:
             raise yaml.constructor.ConstructorError(
-                "while reading a mapping", node.start_mark,
-                f"found the key {key!r} a second time (first {first.start_mark.line + 1}:{first.start_mark.column + 1})",
+                None, None, f"found the key {key!r} a second time (first at {_at(first.start_mark)})",
                 key_node.start_mark)
         seen[key] = key_node
     data.update(loader.construct_mapping(node))
@@ -922,11 +921,31 @@ def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> Iterator
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
 
 
+def _at(mark: Any) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
+def _yaml_problem(e: yaml.YAMLError, text: str) -> str:
+    """PyYAML's error on one line, where in the file first: ``line 2, column 1: found character
+    that cannot start any token (a tab: YAML indents with spaces)``. PyYAML's own spreads over
+    lines and calls the file "<unicode string>"."""
+    if not isinstance(e, yaml.MarkedYAMLError) or e.problem_mark is None:
+        return " ".join(str(e).split())
+    mark = e.problem_mark
+    out = f"{_at(mark)}: {e.problem}"
+    if e.context and e.context_mark is not None and _at(e.context_mark) != _at(mark):
+        out += f" ({e.context} at {_at(e.context_mark)})"
+    lines = text.split("\n")
+    if mark.line < len(lines) and lines[mark.line][mark.column:mark.column + 1] == "\t":
+        out += " (a tab: YAML indents with spaces)"
+    return " ".join(out.split())
+
+
 def parse_config(text: str, source: str | None = None, deprecations: list[Deprecation] | None = None) -> Config:
     try:
         raw = yaml.load(text, Loader=_UniqueKeyLoader)     # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
-        raise ConfigError("<yaml>", f"invalid YAML: {e}", source) from None
+        raise ConfigError("<yaml>", f"invalid YAML, {_yaml_problem(e, text)}", source) from None
     return config_from_dict(raw, source, deprecations)
 
 
