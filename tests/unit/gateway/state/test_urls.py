@@ -94,3 +94,25 @@ def test_a_single_server_url_the_client_would_refuse_is_refused_at_load(url, say
     assert ei.value.key_path == "state.redis_url", str(ei.value)
     assert says in str(ei.value).lower()
     assert "pw@" not in str(ei.value)
+
+
+@pytest.mark.parametrize(("ca", "says"), [
+    ("missing.pem", "cannot read"),
+    (".", "cannot read"),
+    ("garbage.pem", "no CA certificate"),
+])
+def test_a_ca_file_that_cannot_verify_is_refused_at_load(tmp_path, ca, says):
+    """state.tls_ca_file is read when the first TLS connection to Redis is made: a path that is
+    no file, or a file with no certificate, is a config error naming the key, not a Redis taken
+    for unreachable (Error 2 connecting to host:port. No such file or directory)."""
+    (tmp_path / "garbage.pem").write_text("not a certificate\n")
+    with pytest.raises(ConfigError) as ei:
+        parse_config(MODELS + f"state: {{redis_url: 'rediss://h:6380', tls_ca_file: '{tmp_path / ca}'}}\n")
+    assert ei.value.key_path == "state.tls_ca_file", str(ei.value)
+    assert says in str(ei.value)
+
+
+def test_a_ca_bundle_is_taken():
+    import certifi
+    c = parse_config(MODELS + f"state: {{redis_url: 'rediss://h:6380', tls_ca_file: '{certifi.where()}'}}\n")
+    assert c.state.tls_ca_file == certifi.where()
