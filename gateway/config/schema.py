@@ -20,6 +20,7 @@ import hashlib
 import os
 import re
 import select
+import ssl
 import stat
 import threading
 import time
@@ -462,7 +463,7 @@ class StateConfig(Block):
     redis_url: Annotated[str | None, Meta(description="Redis holding the state shared by replicas and workers; null: state in this process only. One server: redis://[:password@]host:port/db, rediss:// (TLS) or unix:///path. A Sentinel-managed primary: redis+sentinel://[:password@]host:port[,host:port...]/<service>[/<db>] (the Sentinels; rediss+sentinel:// for TLS). A Redis Cluster: redis+cluster://[:password@]host:port[,host:port...] (any of its nodes; rediss+cluster:// for TLS).")] = None
     password: Annotated[Name | None, Meta(description="Redis password; null: the URL's, if any.")] = None
     password_env: Annotated[Name | None, Meta(description="Name of an environment variable holding the Redis password (instead of password).")] = None
-    tls_ca_file: Annotated[str | None, Meta(description="CA bundle to verify the servers of a rediss://, rediss+sentinel:// or rediss+cluster:// URL; null: the system's.")] = None
+    tls_ca_file: Annotated[str | None, Meta(description="CA bundle to verify the servers of a rediss://, rediss+sentinel:// or rediss+cluster:// URL, read when the config is (a path that is no file, or a file without a PEM certificate, is a config error); null: the system's.")] = None
     sentinel_password: Annotated[Name | None, Meta(description="Password of the Sentinels themselves (redis+sentinel:// URLs), when they require one; null: they are asked without.")] = None
     sentinel_password_env: Annotated[Name | None, Meta(description="Name of an environment variable holding the Sentinels' password (instead of sentinel_password).")] = None
     key_prefix: Annotated[_ID, Meta(description="Prefix of every Redis key the gateway writes.")] = "switchyard"
@@ -486,11 +487,25 @@ class StateConfig(Block):
             raise ValueError("replica_ttl_s: must be at least twice state.sync_interval_s")
         if self.tls_ca_file is not None and not (target and target.tls):
             raise ValueError("tls_ca_file: needs a rediss://, rediss+sentinel:// or rediss+cluster:// state.redis_url")
+        if self.tls_ca_file is not None:
+            _check_ca_file(self.tls_ca_file, "tls_ca_file")
         force_setattr(self, "password", _from_env(self.password, self.password_env, "password"))
         force_setattr(self, "sentinel_password", _from_env(self.sentinel_password, self.sentinel_password_env,
                                                            "sentinel_password"))
         if self.sentinel_password is not None and not (target and target.mode == "sentinel"):
             raise ValueError("sentinel_password: needs a redis+sentinel:// or rediss+sentinel:// state.redis_url")
+
+
+def _check_ca_file(path: str, key: str) -> None:
+    """``path`` holds a CA certificate TLS can verify a server with, as the connection will read
+    it (a wrong path otherwise shows only when a connection fails, as a server that is down)."""
+    try:
+        ssl.create_default_context(cafile=path)
+    except OSError as e:
+        if not isinstance(e, ssl.SSLError):
+            raise ValueError(f"{key}: cannot read {path!r}: {e.strerror or e}") from None
+        raise ValueError(f"{key}: no CA certificate in {path!r} (a PEM file of BEGIN CERTIFICATE blocks): "
+                         f"{e.reason or e}") from None
 
 
 class StatusConfig(Block):

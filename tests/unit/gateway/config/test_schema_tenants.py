@@ -2,6 +2,7 @@
 
 import hashlib
 
+import certifi
 import pytest
 
 from gateway.config.schema import ConfigError, parse_config
@@ -22,7 +23,7 @@ limits:
 state:
   redis_url: rediss://redis.example:6380/1
   password_env: SY_TEST_REDIS_PW
-  tls_ca_file: /etc/ssl/ca.pem
+  tls_ca_file: CA_FILE
   failure_policy: closed
   timeout_s: 0.1
   sync_interval_s: 0.05
@@ -30,7 +31,7 @@ state:
   share_in_flight: false
   key_prefix: "{sy}"
   replica_id: gw-0
-""".replace("BOB_DIGEST", hashlib.sha256(b"sk-bob-1").hexdigest())
+""".replace("BOB_DIGEST", hashlib.sha256(b"sk-bob-1").hexdigest()).replace("CA_FILE", certifi.where())
 
 
 def test_full_tenancy_config(monkeypatch):

@@ -1,5 +1,6 @@
 """``state.redis_url``: the forms the gateway accepts, and errors that name the key."""
 
+import certifi
 import pytest
 
 from gateway.config.schema import ConfigError, parse_config
@@ -69,7 +70,7 @@ def test_config_errors_name_the_key(state, key):
 
 def test_config_accepts_sentinel_and_cluster_urls(monkeypatch):
     monkeypatch.setenv("SY_TEST_SENTINEL_PW", "sentinel-secret")
-    c = parse_config(MODELS + "state: {redis_url: 'rediss+sentinel://s1,s2/mymaster', tls_ca_file: /ca.pem, "
+    c = parse_config(MODELS + f"state: {{redis_url: 'rediss+sentinel://s1,s2/mymaster', tls_ca_file: {certifi.where()}, "
                               "sentinel_password_env: SY_TEST_SENTINEL_PW}\n")
     assert c.state.sentinel_password == "sentinel-secret"
     assert "sentinel-secret" not in repr(c.state)
@@ -113,6 +114,5 @@ def test_a_ca_file_that_cannot_verify_is_refused_at_load(tmp_path, ca, says):
 
 
 def test_a_ca_bundle_is_taken():
-    import certifi
     c = parse_config(MODELS + f"state: {{redis_url: 'rediss://h:6380', tls_ca_file: '{certifi.where()}'}}\n")
     assert c.state.tls_ca_file == certifi.where()
