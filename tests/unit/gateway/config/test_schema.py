@@ -337,3 +337,23 @@ def test_one_engine_declared_twice_for_a_model_is_refused(model, key_path, first
 def test_one_engine_may_serve_two_models():
     c = parse_config("models: [{name: a, endpoints: [http://127.0.0.1:1]}, {name: b, endpoints: [http://127.0.0.1:1]}]")
     assert [m.endpoints[0].url for m in c.models] == ["http://127.0.0.1:1"] * 2
+
+
+@pytest.mark.parametrize(("block", "says"), [
+    ("listen: {port: '8080'}", "listen.port: Expected `int`, got `str` '8080' (a number in quotes is a string: "
+                               "write it without them)"),
+    ("server: {fast_lane: 'true'}", "server.fast_lane: Expected `bool`, got `str` 'true' (true or false in quotes is "
+                                    "a string: write it without them)"),
+    ("server: {max_body_bytes: 1e6}", "server.max_body_bytes: Expected `int`, got `str` '1e6' (YAML reads a number "
+                                      "with an exponent as one only with a dot and a sign, 1.0e+6: write 1000000)"),
+    ("server: {shutdown_grace_s: 1e3}", "server.shutdown_grace_s: Expected `float`, got `str` '1e3' (YAML reads a "
+                                        "number with an exponent as one only with a dot and a sign, 1.0e+3: "
+                                        "write 1000)"),
+])
+def test_a_number_or_boolean_that_yaml_read_as_a_string_says_so(block, says):
+    """A value that reads as a number or a boolean but is a string to YAML (quoted, or 1e6, which
+    YAML 1.1 takes for a number only as 1.0e+6) says what was written and why it is a string:
+    "got `str`" alone sends a user looking for a string they never wrote."""
+    with pytest.raises(ConfigError) as ei:
+        parse_config(f"models: [{{name: m, endpoints: [http://127.0.0.1:1]}}]\n{block}\n", source="c.yaml")
+    assert str(ei.value) == f"c.yaml: {says}"
