@@ -58,7 +58,31 @@ def convert(data: Any, cls: type[T], path: str = "") -> T:
             message = f"must be {' or '.join([*others, f'one of {words}'] if words else others)}, got {m[1]}"
         elif m := _OWN.fullmatch(message):
             path, message = _join(path, m[1]), m[2]
+        elif message.endswith(", got `str`") and isinstance(node, str) and (why := _read_as_string(node)):
+            message = f"{message} {node!r} ({why})"
         raise StrictError(path or "<root>", message) from None
+
+
+_EXPONENT = re.compile(r"([-+]?[0-9]+(?:\.[0-9]*)?)[eE]([-+]?[0-9]+)")
+
+
+def _read_as_string(text: str) -> str | None:
+    """Why YAML read ``text``, which looks like a number or a boolean, as a string; None when it
+    looks like neither."""
+    if m := _EXPONENT.fullmatch(text):
+        mantissa, exponent = m[1], m[2]
+        written = f"{mantissa if '.' in mantissa else mantissa + '.0'}e{exponent if exponent[0] in '+-' else '+' + exponent}"
+        why = f"YAML reads a number with an exponent as one only with a dot and a sign, {written}"
+        value = float(text)
+        return f"{why}: write {int(value)}" if value.is_integer() and abs(value) < 1e16 else why
+    if text.strip().lower() in ("true", "false"):
+        return "true or false in quotes is a string: write it without them"
+    try:
+        if not math.isfinite(float(text)):
+            return None
+    except ValueError:
+        return None
+    return "a number in quotes is a string: write it without them"
 
 
 def did_you_mean(word: str, known: list[str]) -> str:
