@@ -252,6 +252,10 @@ and, as the first line of the config file:
 - **The file** is UTF-8 text of at most 4 MiB (a larger one is refused unread: parsing YAML takes
   seconds a megabyte; a reload parses in a thread, so requests are answered meanwhile).
 - **null means the default.** Writing `key: null` is the same as leaving the key out.
+- **The file is read as it is written:** no environment variable is expanded (`${{ENGINE_URL}}` is
+  those characters, and an error where a URL goes). Secrets come from the environment through the
+  keys ending in `_env` (`api_key_env`, `admin_token_env`, `password_env`); a template tool
+  (envsubst, Helm) fills anything else in before the gateway reads the file.
 - **Durations** are in seconds, in keys ending in `_s`; for most timeouts and intervals, 0 turns
   the limit or the feature off (each key says so). A number is finite: YAML's `.inf` and `.nan`,
   and a number past a double's range (`1.0e+400`), are errors naming the key. YAML reads a
