@@ -357,3 +357,20 @@ def test_a_number_or_boolean_that_yaml_read_as_a_string_says_so(block, says):
     with pytest.raises(ConfigError) as ei:
         parse_config(f"models: [{{name: m, endpoints: [http://127.0.0.1:1]}}]\n{block}\n", source="c.yaml")
     assert str(ei.value) == f"c.yaml: {says}"
+
+
+@pytest.mark.parametrize(("block", "says"), [
+    ("limits: {users: {1: {rpm: 1}}}", "limits.users: the key 1 is a number to YAML, where a name goes: "
+                                       "write it in quotes"),
+    ("models: [{name: m, endpoints: [http://127.0.0.1:1], adapters: {yes: /a}}]",
+     "models[0].adapters: the key true is a boolean to YAML (as yes, no, on and off are), where a name goes: "
+     "write it in quotes"),
+    ("8080: x", "<root>: the key 8080 is a number to YAML, where a name goes: write it in quotes"),
+])
+def test_a_key_yaml_read_as_no_string_is_named(block, says):
+    """A user or adapter named 1 (or yes) is a number (or a boolean) to YAML: the error names the
+    key and what to write, where it said Expected `str`, got `int` of the whole mapping."""
+    text = block if block.startswith("models") else f"models: [{{name: m, endpoints: [http://127.0.0.1:1]}}]\n{block}"
+    with pytest.raises(ConfigError) as ei:
+        parse_config(text, source="c.yaml")
+    assert str(ei.value) == f"c.yaml: {says}"
