@@ -60,7 +60,20 @@ def convert(data: Any, cls: type[T], path: str = "") -> T:
             path, message = _join(path, m[1]), m[2]
         elif message.endswith(", got `str`") and isinstance(node, str) and (why := _read_as_string(node)):
             message = f"{message} {node!r} ({why})"
+        elif "`key` in" in str(e) and isinstance(node, dict) and (key := _not_a_name(node)) is not None:
+            message = key
         raise StrictError(path or "<root>", message) from None
+
+
+def _not_a_name(mapping: dict) -> str | None:
+    """What is wrong with the first key of ``mapping`` YAML read as no string, or None."""
+    for key in mapping:
+        if isinstance(key, bool):
+            return (f"the key {str(key).lower()} is a boolean to YAML (as yes, no, on and off are), where a name "
+                    "goes: write it in quotes")
+        if isinstance(key, int | float):
+            return f"the key {key} is a number to YAML, where a name goes: write it in quotes"
+    return None
 
 
 _EXPONENT = re.compile(r"([-+]?[0-9]+(?:\.[0-9]*)?)[eE]([-+]?[0-9]+)")
