@@ -374,3 +374,18 @@ def test_a_key_yaml_read_as_no_string_is_named(block, says):
     with pytest.raises(ConfigError) as ei:
         parse_config(text, source="c.yaml")
     assert str(ei.value) == f"c.yaml: {says}"
+
+
+@pytest.mark.parametrize(("rolesets", "says"), [
+    ("[{name: x, prefill: [http://p:1], decode: [http://d:1]}, {name: x, prefill: [http://p:2], decode: [http://d:2]}]",
+     "models[0].rolesets[1].name: 'x' is also the name of rolesets[0]"),
+    ("[{prefill: [http://p:1], decode: [http://d:1]}, {name: rs-0, prefill: [http://p:2], decode: [http://d:2]}]",
+     "models[0].rolesets[1].name: 'rs-0' is also the name of rolesets[0]"),
+])
+def test_two_rolesets_of_a_model_with_one_name_are_refused(rolesets, says):
+    """Prefill and decode are paired within a roleset, told by its name: two of one name (written
+    twice, or written as the name another takes by default) would be one group, a prefill of one
+    paired with a decode of the other."""
+    with pytest.raises(ConfigError) as ei:
+        parse_config(f"models: [{{name: m, rolesets: {rolesets}}}]\n", source="c.yaml")
+    assert str(ei.value).startswith(f"c.yaml: {says}"), str(ei.value)
