@@ -312,7 +312,7 @@ def _engine_identity(url: str) -> tuple:
 
 
 class RolesetConfig(Block):
-    name: Annotated[str, Meta(description="Name of the group; prefill and decode are only paired within one roleset. Default: rs-0, rs-1, ... by position.")]
+    name: Annotated[str, Meta(description="Name of the group; prefill and decode are only paired within one roleset. Default: rs-0, rs-1, ... by position. Two rolesets of one model may not have one name.")]
     prefill: Annotated[tuple[EndpointConfig, ...], Meta(description="Prefill endpoints: URL strings or endpoint objects.")] = ()
     decode: Annotated[tuple[EndpointConfig, ...], Meta(description="Decode endpoints: URL strings or endpoint objects.")] = ()
     combined: Annotated[tuple[EndpointConfig, ...], Meta(description="Endpoints that serve whole requests beside the pairs (the pd strategy's fallback): URL strings or endpoint objects.")] = ()
@@ -348,6 +348,12 @@ class ModelConfig(Block):
             raise ValueError("an endpoint's kv_events: needs the model's tokenizer directory (tokenizer: <dir>)")
         if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
             raise ValueError(f"tokenizer: no tokenizer.json in {self.tokenizer!r}")
+        names: dict[str, int] = {}
+        for r, rs in enumerate(self.rolesets):
+            if (first := names.setdefault(rs.name, r)) != r:
+                # prefill and decode are paired within a roleset, told by its name (routers/pd.py)
+                raise ValueError(f"rolesets[{r}].name: {rs.name!r} is also the name of rolesets[{first}]: "
+                                 "one name is one roleset, whose prefills pair only with its decodes")
         seen: dict[tuple, str] = {}
         for key, e in self._declared():
             first = seen.setdefault(_engine_identity(e.url), key)
