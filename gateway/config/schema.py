@@ -325,7 +325,7 @@ class ModelConfig(Block):
     engine: Annotated[Engine, Meta(description="Engine serving the model's endpoints: vllm or sglang.")] = "vllm"
     strategy: Annotated[str | None, Meta(description="This model's default routing strategy (a name or a weighted list); null: the pods' annotation, else pd for a model with prefill/decode endpoints, else routing.strategy.")] = None
     lock_strategy: Annotated[str | None, Meta(description="A strategy that always applies to this model, whatever the routing-strategy header says; null: no lock.")] = None
-    endpoints: Annotated[tuple[EndpointConfig, ...], Meta(description="Aggregated engines (one engine serves a whole request): URL strings or endpoint objects. An engine is one endpoint of a model: a URL written twice for one model (here or in its rolesets, a trailing slash, a host's capitals and a scheme's own port aside) is an error; one engine may serve several models.")] = ()
+    endpoints: Annotated[tuple[EndpointConfig, ...], Meta(description="Aggregated engines (one engine serves a whole request): URL strings or endpoint objects. An engine is one endpoint of a model in a role: a URL written twice for one model (here and in its rolesets' combined lists, or in their prefill lists, or in their decode lists; a trailing slash, a host's capitals and a scheme's own port aside) is an error; one engine may serve several models, and be both a prefill and a decode.")] = ()
     rolesets: Annotated[tuple[RolesetConfig, ...], Meta(description="Prefill/decode groups for disaggregated serving.")] = ()
     watchdog: Annotated[WatchdogConfig | None, Meta(description="Keys laid over the global watchdog block for this model.")] = None
     pd: Annotated[PDConfig | None, Meta(description="Keys laid over the global pd block for this model.")] = None
@@ -356,10 +356,13 @@ class ModelConfig(Block):
                                  "one name is one roleset, whose prefills pair only with its decodes")
         seen: dict[tuple, str] = {}
         for key, e in self._declared():
-            first = seen.setdefault(_engine_identity(e.url), key)
+            # in one role (whole requests: endpoints and combined); a vLLM engine with kv_both may
+            # be both a prefill and a decode
+            role = next((r for r in ("prefill", "decode") if f".{r}[" in key), "whole")
+            first = seen.setdefault((role, *_engine_identity(e.url)), key)
             if first != key:
                 raise ValueError(f"{key}.url: {e.url} is also {first} of this model: one engine is one endpoint of a "
-                                 "model (two would split its load between their counters, and write every "
+                                 "model in a role (two would split its load between their counters, and write every "
                                  "per-endpoint metric twice)")
         for e in (*self.endpoints, *(e for rs in self.rolesets for e in (*rs.prefill, *rs.decode, *rs.combined))):
             if e.kv_events is not None:          # an entry's ports with the model's ranks, or the other way

@@ -389,3 +389,8 @@ def test_two_rolesets_of_a_model_with_one_name_are_refused(rolesets, says):
     with pytest.raises(ConfigError) as ei:
         parse_config(f"models: [{{name: m, rolesets: {rolesets}}}]\n", source="c.yaml")
     assert str(ei.value).startswith(f"c.yaml: {says}"), str(ei.value)
+
+
+def test_one_engine_may_be_a_prefill_and_a_decode_of_a_model():
+    c = parse_config("models: [{name: m, rolesets: [{prefill: [http://127.0.0.1:1], decode: [http://127.0.0.1:1]}]}]")
+    assert c.models[0].rolesets[0].prefill[0].url == c.models[0].rolesets[0].decode[0].url
