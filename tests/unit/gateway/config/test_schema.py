@@ -394,3 +394,25 @@ def test_two_rolesets_of_a_model_with_one_name_are_refused(rolesets, says):
 def test_one_engine_may_be_a_prefill_and_a_decode_of_a_model():
     c = parse_config("models: [{name: m, rolesets: [{prefill: [http://127.0.0.1:1], decode: [http://127.0.0.1:1]}]}]")
     assert c.models[0].rolesets[0].prefill[0].url == c.models[0].rolesets[0].decode[0].url
+
+
+@pytest.mark.parametrize(("host", "says"), [
+    ("0.0.0.0:8080", "no port"),
+    ("http://0.0.0.0", "no scheme"),
+    ("[::1]", "without brackets"),
+    ("", "empty"),
+])
+def test_a_listen_host_that_is_no_address_is_refused(host, says):
+    """listen.host is handed to the listener at start: a host with a port or a scheme passed
+    --check-config and failed the start with a line naming no key (cannot listen on
+    0.0.0.0:8080:8888: Name or service not known), and an empty one listened on every interface."""
+    with pytest.raises(ConfigError) as ei:
+        parse_config(f"models: [{{name: m, endpoints: [http://127.0.0.1:1]}}]\nlisten: {{host: '{host}'}}\n")
+    assert ei.value.key_path == "listen.host", str(ei.value)
+    assert says in str(ei.value)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "::1", "localhost", "gw-0.example.internal", "10.1.2.3"])
+def test_a_listen_host_that_is_an_address_or_a_name_loads(host):
+    assert parse_config(f"models: [{{name: m, endpoints: [http://127.0.0.1:1]}}]\nlisten: {{host: '{host}'}}\n") \
+        .listen.host == host
