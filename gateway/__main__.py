@@ -34,6 +34,7 @@ from gateway.config.schema import (  # noqa: E402
     load_config,
     log_no_effect,
     no_effect,
+    not_a_listen_host,
     read_config_file,
     read_settled,
     read_within,
@@ -62,6 +63,12 @@ def _port_arg(v: str) -> int:
     return port
 
 
+def _host_arg(v: str) -> str:
+    if why := not_a_listen_host(v):
+        raise argparse.ArgumentTypeError(why)
+    return v
+
+
 def say(line: str) -> None:
     """One line to stderr in one write. With --workers the parent and its workers share stderr (a
     pipe, for a container runtime); ``print`` writes a line's text and its newline apart, so another
@@ -81,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--print-config-schema", action="store_true",
                      help="print the config file's JSON Schema and exit")
     p.add_argument("--version", action="version", version=f"switchyard {version()}")
-    p.add_argument("--host", help="listen host (overrides listen.host)")
+    p.add_argument("--host", type=_host_arg, help="listen host (overrides listen.host)")
     p.add_argument("--port", type=_port_arg, help="listen port (overrides listen.port)")
     p.add_argument("--log-format", choices=("auto", "json", "console"), help="overrides server.log_format")
     p.add_argument("--workers", type=_workers_arg,

@@ -126,8 +126,27 @@ def _engine_key(inline: str | None, env: str | None) -> str | None:
 
 
 class ListenConfig(Block):
-    host: Annotated[str, Meta(description="Address to listen on; 0.0.0.0 listens on every IPv4 interface. --host overrides it.")] = "127.0.0.1"
+    host: Annotated[str, Meta(description="Address to listen on, or a host name, without scheme, port or brackets; 0.0.0.0 listens on every IPv4 interface, :: on every interface. --host overrides it.")] = "127.0.0.1"
     port: Annotated[Port, Meta(description="TCP port to listen on; 0 picks a free port. --port overrides it.")] = 8888
+
+    def __post_init__(self) -> None:
+        if why := not_a_listen_host(self.host):
+            raise ValueError(f"host: {why}")
+
+
+def not_a_listen_host(host: str) -> str | None:
+    """What makes ``host`` no address or host name a listener can bind, or None."""
+    if not host:
+        return "is empty (0.0.0.0 listens on every IPv4 interface, 127.0.0.1 on this host only)"
+    if "://" in host:
+        return f"{host!r}: an address or a host name, no scheme"
+    if host.startswith("["):
+        return f"{host!r}: an IPv6 address is written without brackets (::1, ::)"
+    if host.count(":") == 1:
+        return f"{host!r}: an address or a host name, no port (listen.port is the port)"
+    if "/" in host or any(c.isspace() for c in host):
+        return f"{host!r}: an address or a host name"
+    return None
 
 
 # an origin as a browser serializes it (RFC 6454 §6.2): scheme://host[:port], lower case; the host a
