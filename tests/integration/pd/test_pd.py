@@ -596,6 +596,35 @@ async def test_client_disconnect_during_decode(sims, gateway, engine):
     assert (await sim_state(d.url))["counts"]["aborted"] >= 1
 
 
+@pytest.mark.parametrize("client", ["continuable", "http10"])
+async def test_a_client_leaving_before_a_vllm_decodes_first_bytes_closes_the_decode(sims, gateway, client):
+    """A stream whose decode's first bytes the request's task awaits itself (one that may continue
+    elsewhere, with migration_limit; an HTTP/1.0 client, whose head aiohttp writes) and whose
+    client leaves before they come: the decode's connection is closed, which is how vLLM learns to
+    abort it, and given back to no one, as on every other path a client leaves."""
+    p, d = await pd_pair(sims, "vllm")
+    extra = {"migration_limit": 1} if client == "continuable" else {}
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)], **extra)])
+    payload = orjson.dumps(body(stream=True, max_tokens=50))
+    version = "1.0" if client == "http10" else "1.1"
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    writer.write(f"POST /v1/chat/completions HTTP/{version}\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\nx-sim-fault: decode.stall_before_first=inf\r\n\r\n".encode()
+                 + payload)
+    await until(lambda: _running(d.url))             # the decode leg is in, its first token held
+    writer.transport.abort()                          # the client goes away
+    await until(lambda: quiet(d.url), timeout=10)
+    assert (await sim_state(d.url))["counts"]["aborted"] == 1
+    await until(lambda: gw.gw.lifecycle.in_flight == 0)
+    text = await gw.metrics_text()
+    assert 'switchyard_upstream_connections{state="busy"} 0.0' in text
+    assert 'switchyard_client_cancels_total{model="m",stage="before_headers"} 1.0' in text
+
+
+async def _running(url) -> bool:
+    return bool((await sim_state(url))["running"])
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 async def test_a_stream_its_client_leaves_after_its_first_token_logs_its_kv_transfer(sims, gateway, engine):
     """The stream had its first token when its client went: its line has kv_transfer_ms, and the
