@@ -545,6 +545,10 @@ class PDOrchestrator:
                 cause, message = self._first_bytes_cause(ctx, f)
                 raise self._first_bytes_bad(ctx, plan, resp, cause, message) from None
         except asyncio.CancelledError:
+            # the client left: a relay that was under way closed the decode's connection itself,
+            # but one left while this task awaited the first bytes (a stream that may continue,
+            # an HTTP/1.0 client) had no relay yet, and vLLM learns of the abort only from the close
+            resp.close()
             self._abort_decode(ctx, plan)
             self._observe_left(ctx, prefill_start, prefill_end, decode_start)
             raise
