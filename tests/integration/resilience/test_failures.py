@@ -241,6 +241,45 @@ async def test_client_disconnect_while_waiting_for_a_non_stream_answer(sims, gat
     assert await wait_for(lambda: _aborted(sim.url), timeout=8)
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("continuable", [False, True])
+async def test_a_client_reset_read_with_the_engines_head_is_a_client_cancel(sims, gateway, monkeypatch, engine,
+                                                                           continuable):
+    """The client's reset comes in the loop turn that brings the engine's head, read after it: its
+    connection is closing when the request's task goes on to open the client's stream, and the
+    cancel that ``connection_lost`` brings has not reached the task yet. The request is the
+    client's cancel (a 499 ``client_cancel``, the engine's request ended), not a gateway bug."""
+    from gateway.upstream import h1client
+
+    sim = await sims(engine, "m")
+    gw = await gateway([model_block("m", engine, [sim.url], **({"migration_limit": 1} if continuable else {}))])
+    server = gw.runner.server
+    received = h1client._Conn.data_received
+
+    def head_then_reset(conn, data: bytes) -> None:
+        received(conn, data)
+        if data.startswith(b"HTTP/1.1 200"):
+            for transport in list(server._connections.values()):
+                transport.abort()       # as a reset read now does: closing, connection_lost to come
+    monkeypatch.setattr(h1client._Conn, "data_received", head_then_reset)
+    payload = orjson.dumps(body(stream=True, max_tokens=50))
+    with gw.gw.request_log.capture() as lines:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                     b"x-sim-fault: stall_after=2:inf\r\nContent-Length: %d\r\n\r\n%b" % (len(payload), payload))
+        assert await reader.read() == b""       # the gateway dropped the connection
+        writer.close()
+        line = (await until(lambda: [e for e in lines if e["event"] == "request"]))[0]
+    assert (line["status"], line["error_class"]) == (499, "client_cancel"), line
+    assert metric(await gw.metrics_text(), "switchyard_internal_errors_total") == 0
+    await until(lambda: _quiet(sim.url))
+
+
+async def _quiet(url) -> bool:
+    st = await sim_state(url)
+    return not st["running"] and not st["waiting"]
+
+
 async def _running(url) -> bool:
     return bool((await sim_state(url))["running"])
 
