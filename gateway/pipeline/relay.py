@@ -374,17 +374,22 @@ async def open_sse(ctx: RequestContext, headers: dict[str, str], whole: bool = F
     ``hold``: it may then wait for the first write, to go out with it (``open_stream``);
     ``ahead``: the headers and head, made already (``Relay.head_ahead``); ``begin``: False for a
     held head whose answer begins later (``began``), when its first bytes are known good."""
-    if ahead is not None:
-        written = open_stream(ctx.http, ahead.headers, SSE_TYPE, hold, ahead.made)
-    else:
-        written = open_stream(ctx.http, {**headers, **SSE_HEADERS}, SSE_TYPE, hold) if whole else None
-    if written is not None:
-        out: web.StreamResponse = written      # type: ignore[assignment]   # the relay's part of its API
-    else:
-        out = web.StreamResponse(status=200, headers={**headers, **SSE_HEADERS})
-        out.content_type = "text/event-stream"
-        out.charset = "utf-8"
-        await out.prepare(ctx.http)
+    try:
+        if ahead is not None:
+            written = open_stream(ctx.http, ahead.headers, SSE_TYPE, hold, ahead.made)
+        else:
+            written = open_stream(ctx.http, {**headers, **SSE_HEADERS}, SSE_TYPE, hold) if whole else None
+        if written is not None:
+            out: web.StreamResponse = written      # type: ignore[assignment]   # the relay's part of its API
+        else:
+            out = web.StreamResponse(status=200, headers={**headers, **SSE_HEADERS})
+            out.content_type = "text/event-stream"
+            out.charset = "utf-8"
+            await out.prepare(ctx.http)
+    except ConnectionResetError:
+        # the client's connection is closing (its reset read in this loop turn, after what woke
+        # this task), and the cancel its connection_lost brings has not come yet: the client left
+        raise asyncio.CancelledError from None
     if begin:
         began(ctx, out)
     return out
