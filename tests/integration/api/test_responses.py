@@ -19,7 +19,7 @@ from tests.support.factories import model_block
 from tests.support.fake_engine import cutting_stream, fake_engine
 from tests.support.http import openai_client, sim_state
 from tests.support.tenancy import ALICE, BOB, KEYS
-from tests.support.waiting import wait_for
+from tests.support.waiting import until, wait_for
 
 
 def posts(state: dict) -> list[dict]:
@@ -508,6 +508,47 @@ async def test_a_background_stream_its_client_left_is_resumed_through_the_gatewa
     assert (await c.responses.retrieve(rid)).status == "incomplete"
     again = await c.responses.retrieve(rid, stream=True, starting_after=-1)    # the whole stream, from the start
     assert [e.sequence_number async for e in again][0] == 0
+
+
+@pytest.mark.parametrize("at", ["head", "event"])
+async def test_a_replay_whose_client_resets_as_the_engine_answers_is_the_clients_cancel(sims, gateway, monkeypatch, at):
+    """A background stream's replay (``GET ?stream=true``) whose client's reset is read in the loop
+    turn that brings the engine's head, or one of its events, after it: the client's connection is
+    closing before the cancel of its connection_lost reaches the call. The line is the client's
+    cancel, a 499 ``client_cancel``, as for a client that left at any other moment; the head's
+    write was answered as the engine's failure, a 502 ``upstream_connect`` naming the engine, and
+    an event's raised out of the call, a 200 on the line."""
+    from aiohttp import client_proto
+
+    sim = await sims("vllm", "m", enable_responses_store=True, itl_ms=20.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    c = openai_client(gw)
+    created = await c.responses.create(model="m", input="tell me a long story", background=True, stream=True,
+                                       max_output_tokens=2000)     # 40 s of events: still going at the replay
+    async for event in created:
+        rid = event.response.id
+        break
+    await created.close()
+    server = gw.runner.server
+    received = client_proto.ResponseHandler.data_received
+
+    def then_reset(proto, data: bytes) -> None:
+        received(proto, data)
+        if (data.startswith(b"HTTP/1.1 200") and b"event-stream" in data) if at == "head" \
+                else not data.startswith(b"HTTP/") and b"response.output_text.delta" in data:
+            for transport in list(server._connections.values()):
+                transport.abort()       # as a reset read now does: closing, connection_lost to come
+    monkeypatch.setattr(client_proto.ResponseHandler, "data_received", then_reset)
+    with gw.gw.request_log.capture() as lines:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(f"GET /v1/responses/{rid}?stream=true&starting_after=-1 HTTP/1.1\r\nHost: gw\r\n\r\n".encode())
+        await asyncio.wait_for(reader.read(), 30)      # the gateway drops the connection
+        writer.close()
+        line = (await until(lambda: [e for e in lines if e["event"] == "request" and e["path"] != "/v1/responses"]))[0]
+    monkeypatch.undo()
+    assert (line["status"], line["error_class"]) == (499, "client_cancel"), line
+    assert "upstream_errors_total{" not in await gw.metrics_text()
+    await c.responses.cancel(rid)
 
 
 @pytest.mark.parametrize("backend", ["memory", "redis"])
