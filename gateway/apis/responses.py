@@ -950,7 +950,7 @@ class ResponsesApi(ApiShape):
                     return resp
                 out = web.StreamResponse(status=r.status, headers={**out_headers, "Cache-Control": "no-cache"})
                 out.content_type = "text/event-stream"
-                await out.prepare(request)
+                await _to_client(out.prepare(request))
                 rec.headers_sent = True
                 return await self._replay(rec, ep, request, r, out, rid)
         except (aiohttp.ClientError, TimeoutError) as e:
@@ -976,7 +976,7 @@ class ResponsesApi(ApiShape):
         code = "upstream_incomplete"
         while True:
             # only the engine's read is a failure of the engine's: a write to a client that left
-            # raises as it did (aiohttp's ClientConnectionResetError is a ClientError too)
+            # is its cancel (``_to_client``)
             try:
                 chunk = await r.content.readany()
             except TimeoutError as e:       # upstream.first_byte_timeout_s between two reads, or total_timeout_s
@@ -990,10 +990,10 @@ class ResponsesApi(ApiShape):
                 break
             data = scanner.feed(chunk, time.perf_counter())
             if data:
-                await out.write(data)
+                await _to_client(out.write(data))
         tail = scanner.finish()
         if tail:
-            await out.write(tail)
+            await _to_client(out.write(tail))
         if not scanner.done and scanner.error is None:
             # the relay's words and metric class for the same failures (gateway/pipeline/relay.py)
             error_class, message = failure or (ErrorClass.UPSTREAM_EOF, "the engine closed the stream before it completed")
@@ -1004,10 +1004,10 @@ class ResponsesApi(ApiShape):
                 after = int(request.query.get("starting_after", "-1"))
             except ValueError:
                 after = -1
-            await out.write(error_event(max(after, -1) + 1 + scanner.events, message, code))
+            await _to_client(out.write(error_event(max(after, -1) + 1 + scanner.events, message, code)))
         elif scanner.done and self.tenancy is not None and rid is not None:
             await self._charge_ended(rid, scanner.final)
-        await out.write_eof()
+        await _to_client(out.write_eof())
         return out
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -1201,3 +1201,14 @@ def _only(api: ResponsesApi):
 
 def _any_endpoint(_ep: Endpoint) -> bool:
     return True
+
+
+async def _to_client(write: Awaitable[object]) -> None:
+    """A write to a stored-response call's client. One to a connection already closing (its reset
+    read in the loop turn that woke the call, after what woke it, the cancel of its
+    connection_lost still to come) is the client's cancel, as the pipeline takes it: aiohttp's
+    ClientConnectionResetError is a ClientError too, which the call takes for the engine's."""
+    try:
+        await write
+    except ConnectionResetError:
+        raise asyncio.CancelledError from None
