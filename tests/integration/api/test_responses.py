@@ -1252,3 +1252,41 @@ async def test_a_stream_its_client_left_logs_the_response_id_it_announced(sims, 
     with pytest.raises(openai.BadRequestError) as ei:
         await c.responses.create(model="m", input="go on", previous_response_id=rid, max_output_tokens=2)
     assert ei.value.body["code"] == "previous_response_not_found"
+
+
+async def test_a_background_stream_on_sglang_is_refused_up_front_naming_background(sims, gateway):
+    """SGLang answers a ``background`` request with its queued response whole, ``stream`` or not
+    (its ``create_responses`` returns it before it looks at ``stream``), and it keeps no stream's
+    events to replay. A ``background: true, stream: true`` request for a model only SGLang serves is
+    a 400 naming ``background`` before any engine is asked; a model that also has vLLM endpoints
+    sends it to them, and a follow-up whose previous response an SGLang engine holds is refused the
+    same way. Nothing is counted against the engine."""
+    s = await sims("sglang", "m")
+    v = await sims("vllm", "mix", enable_responses_store=True)
+    s2 = await sims("sglang", "mix")
+    gw = await gateway([model_block("m", "sglang", [s.url]),
+                        model_block("mix", "vllm", [v.url, {"url": s2.url, "engine": "sglang"}])])
+    c = openai_client(gw)
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.responses.create(model="m", input="hi", background=True, stream=True, max_output_tokens=4)
+    assert ei.value.body["param"] == "background" and "SGLang" in ei.value.body["message"]
+    assert posts(await sim_state(s.url)) == []
+    # the same request without stream is SGLang's to serve: its queued response, then its GET
+    queued = await c.responses.create(model="m", input="hi", background=True, max_output_tokens=4)
+    assert queued.status in ("queued", "in_progress")
+    # a model that mixes engines streams it from vLLM, every time
+    for _ in range(3):
+        events = [ev async for ev in await c.responses.create(model="mix", input="hi", background=True,
+                                                               stream=True, max_output_tokens=4)]
+        assert events[-1].type == "response.completed"
+    assert posts(await sim_state(s2.url)) == []
+    # a follow-up of a response the SGLang engine holds can only go there: refused too
+    held = await c.responses.create(model="m", input="hi", max_output_tokens=3)
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.responses.create(model="m", input="more", previous_response_id=held.id, background=True,
+                                 stream=True, max_output_tokens=3)
+    assert ei.value.body["param"] == "background"
+    assert len(posts(await sim_state(s.url))) == 2
+    text = await gw.metrics_text()
+    assert "switchyard_upstream_errors_total{" not in text
+    assert 'switchyard_requests_total{model="m",status="400"' in text
