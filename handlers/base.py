@@ -113,6 +113,11 @@ class EngineAdapter(Protocol):
     # or None when they can: its Messages request must take the P/D fields its legs need
     messages_pd_refusal: str | None
 
+    # whether the engine streams a ``background`` Responses request and keeps its events for a
+    # ``GET ?stream=true`` replay (vLLM), rather than answering it with its queued response whole
+    # whatever its ``stream`` says, and reading a GET's ``stream`` not at all (SGLang)
+    streams_background_responses: bool
+
     # whether the ``input_tokens`` of the engine's Messages usage already counts the prompt tokens
     # it read from its cache (SGLang's: the whole prompt), rather than leaving them to
     # ``cache_read_input_tokens`` as Anthropic's does (gateway/apis/anthropic.py)

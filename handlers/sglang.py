@@ -280,6 +280,10 @@ class SGLangAdapter:
     # drops unknown ones, so neither leg would meet the other on a bootstrap room
     messages_pd_refusal = ("SGLang's Anthropic Messages request has no bootstrap_host, bootstrap_port or "
                            "bootstrap_room, so its prefill and decode servers cannot pair on it")
+    # its create_responses returns a background request's queued response before it looks at
+    # ``stream``, and its retrieve_responses takes no query: no background stream, no replay
+    # (srt/entrypoints/openai/serving_responses.py)
+    streams_background_responses = False
 
     def lora_load(self, name: str, path: str) -> tuple[str, bytes]:
         return "/load_lora_adapter", orjson.dumps({"lora_name": name, "lora_path": path})

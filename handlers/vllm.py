@@ -208,6 +208,9 @@ class VLLMAdapter:
     # builds, and its answer carries the chat answer's (vllm/entrypoints/anthropic/): context-first
     # P/D runs on /v1/messages as on chat
     messages_pd_refusal = None
+    # a background stream's events are made by its background task and kept for the replays of
+    # GET /v1/responses/{id}?stream=true&starting_after=N (entrypoints/openai/serving_responses.py)
+    streams_background_responses = True
 
     def lora_load(self, name: str, path: str) -> tuple[str, bytes]:
         # needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=true on the engine

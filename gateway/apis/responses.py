@@ -78,6 +78,7 @@ from gateway.upstream.upstream import (
     no_socket_error,
     too_large_error,
 )
+from handlers import adapter_for
 from routers.session_map import RESPONSE, SessionMap
 
 log = structlog.get_logger("switchyard.responses")
@@ -426,11 +427,12 @@ class ResponsesApi(ApiShape):
         return user if self.auth_on else None
 
     def when_queued(self, ctx: RequestContext) -> Callable[[Endpoint], bool] | None:
-        """Any endpoint of the model, unless an engine holds the previous response: then only it."""
+        """Any endpoint of the model, unless an engine holds the previous response: then only it;
+        a background stream's, those whose engine streams one."""
         assert ctx.ireq is not None
         if not self.gateway_held and ctx.ireq.data.get("previous_response_id") is not None:
             return None
-        return _any_endpoint
+        return _streams_background if _background_stream(ctx.ireq) else _any_endpoint
 
     async def prepare(self, ctx: RequestContext, candidates: list[Endpoint]) -> list[Endpoint]:
         ireq, rec = ctx.ireq, ctx.rec
@@ -462,17 +464,35 @@ class ResponsesApi(ApiShape):
             ex.input = with_history(ireq, history)
             return candidates
         if prev is None:
-            return candidates
+            return self._background_streamers(ireq, candidates) if _background_stream(ireq) else candidates
         owner = await _as_previous(prev, self._owner(prev, rec.user))
         _not_failed(prev, owner.get("failed"))
         if owner["model"] != ireq.model:
             raise GatewayError(400, f"Response '{prev}' was produced by model '{owner['model']}'; continue it "
                                "with the same model", param="previous_response_id", error_class=ErrorClass.VALIDATION)
         ep = self._owner_endpoint(prev, owner)
+        if _background_stream(ireq) and not _streams_background(ep):
+            raise _no_background_stream(f"the endpoint {ep.name} that holds response '{prev}' runs {ep.engine}, "
+                                        "which")
         if ep not in candidates:
             raise self._owner_not_ready(prev, owner, ep)
         ex.owner = owner
         return [ep]
+
+    def _background_streamers(self, ireq: Any, candidates: list[Endpoint]) -> list[Endpoint]:
+        """A background stream's candidates: those whose engine streams one (SGLang answers a
+        background request whole, and replays none), a 400 naming ``background`` for a model none
+        of whose endpoints does, a 503 when none of those is ready."""
+        ok = [ep for ep in candidates if _streams_background(ep)]
+        if ok:
+            return ok
+        eps = self.pool.endpoints(ireq.model)
+        if not any(_streams_background(ep) for ep in eps):
+            engines = ", ".join(sorted({ep.engine for ep in eps}))
+            raise _no_background_stream(f"model '{ireq.model}' is served by {engines}, which")
+        raise GatewayError(503, f"no ready endpoint of model {ireq.model} streams a background response",
+                           code="service_unavailable", headers={"Retry-After": "5"},
+                           header=("x-error-no-model-backends", "true"), error_class=ErrorClass.NO_ENDPOINT)
 
     def unserved_while_queued(self, ctx: RequestContext) -> GatewayError | None:
         """A follow-up that waited while the engine holding its previous response left the pool (409)
@@ -1201,6 +1221,24 @@ def _only(api: ResponsesApi):
 
 def _any_endpoint(_ep: Endpoint) -> bool:
     return True
+
+
+def _background_stream(ireq: Any) -> bool:
+    return ireq.stream and ireq.data.get("background") is True
+
+
+def _streams_background(ep: Endpoint) -> bool:
+    """Whether the engine at ``ep`` streams a background response and replays its events (vLLM)."""
+    return adapter_for(ep.engine).streams_background_responses
+
+
+def _no_background_stream(who: str) -> GatewayError:
+    """The 400 of a background stream that would go to an engine that streams none (``who``
+    ends with the subject of the message's verb)."""
+    return GatewayError(400, f"{who} does not stream a background response (SGLang answers a background "
+                        "request with its queued response whole, and replays no events): send 'background: "
+                        "true' without 'stream' and poll GET /v1/responses/{id}, or stream without "
+                        "'background'", param="background", error_class=ErrorClass.VALIDATION)
 
 
 async def _to_client(write: Awaitable[object]) -> None:
