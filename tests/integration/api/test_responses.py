@@ -1290,3 +1290,25 @@ async def test_a_background_stream_on_sglang_is_refused_up_front_naming_backgrou
     text = await gw.metrics_text()
     assert "switchyard_upstream_errors_total{" not in text
     assert 'switchyard_requests_total{model="m",status="400"' in text
+
+
+async def test_streaming_a_response_sglang_holds_is_refused_naming_stream(sims, gateway):
+    """SGLang's GET of a stored response takes no query and no SGLang response was a background
+    stream (the gateway refuses those): ``GET ?stream=true`` of one it holds, background or not, is
+    the 400 naming ``stream`` that OpenAI and vLLM answer, where the engine's JSON object went out
+    as the answer, which the openai SDK reads as a stream of no events. Without ``stream`` the GET
+    is the engine's."""
+    sim = await sims("sglang", "m")
+    gw = await gateway([model_block("m", "sglang", [sim.url])])
+    c = openai_client(gw)
+    done = await c.responses.create(model="m", input="hi", max_output_tokens=3)
+    queued = await c.responses.create(model="m", input="hi", background=True, max_output_tokens=3)
+    for rid in (done.id, queued.id):
+        with pytest.raises(openai.BadRequestError) as ei:
+            [ev async for ev in await c.responses.retrieve(rid, stream=True)]
+        assert ei.value.body["param"] == "stream" and "background=true" in ei.value.body["message"]
+    assert (await c.responses.retrieve(done.id)).output_text == done.output_text
+
+    async def completed():
+        return (await c.responses.retrieve(queued.id)).status == "completed"
+    await until(completed, timeout=10.0, interval=0.05)
