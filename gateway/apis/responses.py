@@ -163,7 +163,8 @@ def _not_failed(rid: str, response: Any) -> None:
 def _not_streamed(query: Any) -> None:
     """A GET with ``stream=true`` replays a background stream's events; a response the gateway
     answers itself (a failed one, gateway-held history) was never one, as a background response is
-    left to its engine: refused as OpenAI and vLLM refuse it, where its JSON read as an empty stream."""
+    left to its engine, nor is one an engine that streams none holds (SGLang, which reads no query):
+    refused as OpenAI and vLLM refuse it, where its JSON read as an empty stream."""
     if query.get("stream", "").lower() in ("true", "1", "yes", "on"):
         raise GatewayError(400, "stream=true replays a response's events only when it was created with "
                            "background=true; leave stream out to read this one.", param="stream",
@@ -864,6 +865,8 @@ class ResponsesApi(ApiShape):
                                "(unhealthy or draining); retry later", code="response_owner_unavailable",
                                headers={"Retry-After": "5"}, error_class=ErrorClass.RESPONSE_OWNER_UNAVAILABLE)
         rec.endpoint = ep.name
+        if request.method == "GET" and not request.match_info.get("action") and not _streams_background(ep):
+            _not_streamed(request.query)    # SGLang reads no query: its JSON would read as no events
         return await self._proxy(rec, ep, request, rid)
 
     async def _failed_call(self, rec: RequestRecord, rid: str, failed: dict[str, Any],
