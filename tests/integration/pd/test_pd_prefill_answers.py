@@ -1,0 +1,93 @@
+"""vLLM prefill engines that answer strangely: a 200 the decode leg cannot be built from, an
+answer larger than ``upstream.max_response_bytes``, a connection closed in the middle of the
+answer. A fake prefill on loopback answers each way, beside enginesim engines."""
+
+from __future__ import annotations
+
+import asyncio
+from functools import partial
+
+import orjson
+from aiohttp import web
+
+from tests.support.factories import pd_model, pd_pair
+from tests.support.fake_engine import fake_engine
+from tests.support.http import chat_body, post, sim_state
+from tests.support.metrics import metric
+
+MSG = [{"role": "user", "content": "Disaggregated serving splits prefill from decode. " * 8}]
+body = partial(chat_body, MSG, stream=False, max_tokens=8)
+ANSWER = {"id": "p", "object": "chat.completion", "model": "m",
+          "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"}]}
+
+
+def answering(kind: str):
+    """A prefill engine's handler: ``not_an_object`` a 200 whose kv_transfer_params is a string;
+    ``huge`` one of about 200 kB; ``cut`` a 200 whose body stops in the middle and the connection
+    closes (its engine died while it answered)."""
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if kind == "not_an_object":
+            return web.json_response({**ANSWER, "kv_transfer_params": "remote"})
+        if kind == "huge":
+            return web.json_response({**ANSWER, "kv_transfer_params": {"remote_block_ids": list(range(40000))}})
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = 1000
+        await resp.prepare(request)
+        await resp.write(b'{"id":"p","kv_transfer_')
+        await asyncio.sleep(0.02)
+        assert request.transport is not None
+        request.transport.abort()
+        return resp
+
+    return handler
+
+
+def _pod(url: str) -> str:
+    return url.split("//")[1]
+
+
+async def _until_retried(gw, bad: str, p, d, cause: str) -> None:
+    """Requests until one's pair named the strange prefill ``bad`` (pairs are picked at random among
+    equal ones): every answer whole, that one's once more, on the good pair."""
+    seen = []
+    for _ in range(20):
+        st, hdrs, raw = await post(gw, body())
+        seen.append((st, hdrs.get("x-retries"), hdrs.get("x-error-pd-prefill")))
+        if hdrs.get("x-retries"):
+            break
+    assert seen[-1] == (200, "1", None) and all(st == 200 for st, _, _ in seen), seen
+    assert hdrs["prefill-target-pod"] == _pod(p.url) and hdrs["target-pod"] == _pod(d.url)
+    assert orjson.loads(raw)["usage"]["completion_tokens"] == 8
+    page = await gw.metrics_text()
+    assert metric(page, "switchyard_retry_causes_total", cause=cause) == 1, cause
+    # the strange prefill's breaker heard a fault, the decode's nothing but its own answers
+    assert metric(page, "switchyard_upstream_errors_total", endpoint=_pod(d.url)) == 0
+    assert (await sim_state(d.url))["counts"]["completed"] == len(seen)
+
+
+async def test_a_prefill_whose_200_is_unusable_is_charged_and_another_pair_serves(sims, gateway):
+    """A prefill that answers 200 with ``kv_transfer_params`` that are not an object: no decode leg
+    can be built from it. It is that prefill's fault, not a success: its breaker hears a fault, the
+    decode's nothing, and the request runs again on another prefill, as for one that died, since
+    nothing reached the client or a decode. With no other prefill, the client gets 502
+    ``bad_response``."""
+    p, d = await pd_pair(sims, "vllm")
+    async with fake_engine(answering("not_an_object")) as bad:
+        rs = {"name": "rs", "prefill": [bad, p.url], "decode": [d.url]}
+        gw = await gateway([pd_model("vllm", [rs])], health={"interval_s": 60},
+                           breaker={"consecutive_faults": 100, "fault_rate": 0},
+                           pd={"prefill_score_policy": "least_request"})
+        await _until_retried(gw, bad, p, d, "prefill_bad_response")
+        page = await gw.metrics_text()
+        assert metric(page, "switchyard_upstream_outcomes_total", endpoint=_pod(bad), outcome="fault") == 1
+        assert metric(page, "switchyard_upstream_outcomes_total", endpoint=_pod(bad), outcome="success") == 0
+        assert metric(page, "switchyard_upstream_outcomes_total", endpoint=_pod(d.url), outcome="fault") == 0
+
+        alone = {"name": "rs", "prefill": [bad], "decode": [d.url]}
+        gw = await gateway([pd_model("vllm", [alone])], health={"interval_s": 60})
+        st, hdrs, raw = await post(gw, body())
+        assert st == 502 and hdrs["x-error-pd-prefill"] == "bad_response", raw[:300]
+        assert "kv_transfer_params is not an object" in orjson.loads(raw)["error"]["message"]
+        assert metric(await gw.metrics_text(), "switchyard_upstream_outcomes_total", endpoint=_pod(bad),
+                      outcome="fault") == 1
