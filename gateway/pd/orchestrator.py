@@ -221,9 +221,7 @@ class PDOrchestrator:
                     else:
                         leg = ctx.trace.leg("decode", decode, attempt=ctx.rec.retries + 1)
                         decode_x = self.upstream.begin(decode, ireq.path, body, leg.inject(headers), once=True)
-                self._prefill_answered(ctx, pleg, x, status, raw, prefill_start, prefill_end)
-            if bad is not None:
-                raise PrefillFailed("bad_response", str(bad))
+                self._prefill_answered(ctx, pleg, x, status, raw, prefill_start, prefill_end, bad)
         except PrefillFailed as f:
             if decode_x is not None:        # (a decode written early for an answer that then failed)
                 decode_x.discard()
@@ -479,19 +477,28 @@ class PDOrchestrator:
         return status, raw, time.perf_counter()
 
     def _prefill_answered(self, ctx: RequestContext, leg: Leg, x: Exchange, status: int, raw: bytes, start: float,
-                          end: float) -> None:
+                          end: float, bad: BadPrefillAnswer | None = None) -> None:
         """Account a prefill's answer (breaker, trace, metrics, log fields); ``PrefillFailed``
-        unless it is a 200 (with the Retry-After of ``x``'s answer)."""
+        unless it is a 200 (with the Retry-After of ``x``'s answer), or when it is one no decode
+        leg can be built from (``bad``): the prefill's fault, and another prefill may serve, since
+        neither the client nor a decode got anything of it."""
         assert ctx.decision is not None and ctx.decision.prefill is not None
         rec = ctx.rec
         rec.extra["prefill_ms"] = round((end - start) * 1000, 3)
         prefill = ctx.decision.prefill
         keyed = prefill.api_key is not None
         outcome = of_status(status, keyed)
-        self.upstream.record(prefill, outcome, f"status_{status}")
+        if bad is not None:
+            # as an aggregated engine's 200 that no client could read: its protocol fault
+            self.upstream.record(prefill, Outcome.FAULT, "protocol")
+            self.metrics.child(self.metrics.upstream_errors, rec.model, prefill.name, "protocol").inc()
+        else:
+            self.upstream.record(prefill, outcome, f"status_{status}")
         leg.responded(status)
         self.metrics.child(self.metrics.pd_prefill_time, rec.model).observe(end - start)
         rec.extra["prefill_status"] = status
+        if bad is not None:
+            raise PrefillFailed("bad_response", str(bad), kind="bad_response", retryable=True)
         if key_refused(status, keyed):      # the gateway's key is wrong: its body is not passed on
             engine_key_refused(self.metrics, prefill, rec.model, status, ctx.ireq.path if ctx.ireq else "")
             raise PrefillFailed("http_status", f"the engine refused the gateway's credentials for it (status {status})",
