@@ -91,3 +91,18 @@ async def test_a_prefill_whose_200_is_unusable_is_charged_and_another_pair_serve
         assert "kv_transfer_params is not an object" in orjson.loads(raw)["error"]["message"]
         assert metric(await gw.metrics_text(), "switchyard_upstream_outcomes_total", endpoint=_pod(bad),
                       outcome="fault") == 1
+
+
+async def test_a_prefill_that_dies_in_the_middle_of_its_answer_has_the_pair_chosen_again(sims, gateway):
+    """A prefill whose connection closes in the middle of its 200 answer (its engine died while it
+    answered): its KV is gone with it, nothing reached the client and no decode was asked, so the
+    request runs again on another prefill (cause ``prefill_reset``), as for one that closed before
+    its answer's head."""
+    p, d = await pd_pair(sims, "vllm")
+    async with fake_engine(answering("cut")) as bad:
+        rs = {"name": "rs", "prefill": [bad, p.url], "decode": [d.url]}
+        gw = await gateway([pd_model("vllm", [rs])], health={"interval_s": 60},
+                           breaker={"consecutive_faults": 100, "fault_rate": 0},
+                           pd={"prefill_score_policy": "least_request"})
+        await _until_retried(gw, bad, p, d, "prefill_reset")
+
