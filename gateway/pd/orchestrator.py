@@ -79,7 +79,7 @@ class PrefillFailed(Exception):
         self.message = message
         self.status = status
         self.kind = kind
-        self.retryable = retryable      # refused, or reset with nothing received
+        self.retryable = retryable      # refused, reset (its engine died), or an answer no decode can use
         # the engine's client error (``status`` a 4xx other than backpressure, or 501), normalized:
         # the request's own fault, answered as the engine answered it
         self.refusal = refusal
@@ -117,7 +117,8 @@ _BUSY_STATUSES = {503: 529, 529: 529, 429: 429}
 
 class PairFailed(GatewayError):
     """A P/D leg failed before the client saw anything: its connection was refused, or reset with
-    nothing received (its engine died), or its stream failed before its first token. The legs were
+    nothing received (its engine died; a prefill's, before its answer was whole), a prefill's 200
+    could not be used, or a decode's stream failed before its first token. The legs were
     closed and aborted as for any failure, so the pipeline may choose the pair again without
     ``endpoint``, and without ``suspect`` too while another endpoint of its role is ready
     (gateway/pipeline/pipeline.py ``_forward_pd``); ``cause`` is the retry's cause. Unretried, it is
@@ -472,8 +473,10 @@ class PDOrchestrator:
             ctx.rec.extra["prefill_ms"] = round((time.perf_counter() - start) * 1000, 3)
             if f.local:             # this process could make no socket: no prefill failed
                 raise no_socket_error(f, ctx.rec) from None
+            # a reset once some of the answer came is retried too: the prefill's engine died as it
+            # answered, its KV with it, and neither the client nor a decode got anything of it
             raise PrefillFailed("timeout" if f.kind == "timeout" else "transport", f.message, kind=f.kind,
-                                retryable=f.retryable) from None
+                                retryable=f.retryable or f.kind == "reset") from None
         return status, raw, time.perf_counter()
 
     def _prefill_answered(self, ctx: RequestContext, leg: Leg, x: Exchange, status: int, raw: bytes, start: float,
