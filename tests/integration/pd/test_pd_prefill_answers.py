@@ -106,3 +106,26 @@ async def test_a_prefill_that_dies_in_the_middle_of_its_answer_has_the_pair_chos
                            pd={"prefill_score_policy": "least_request"})
         await _until_retried(gw, bad, p, d, "prefill_reset")
 
+
+
+async def test_a_prefill_answer_over_max_response_bytes_is_a_502_upstream_too_large(sims, gateway):
+    """A prefill's answer larger than ``upstream.max_response_bytes`` is the 502 ``upstream_too_large``
+    the setting promises for a prefill leg's answer, not a 503 telling the client the engine is busy
+    and to come back in 5 s; no decode leg is sent."""
+    d = await sims("vllm", "m", role="decode")
+    async with fake_engine(answering("huge")) as bad:
+        rs = {"name": "rs", "prefill": [bad], "decode": [d.url]}
+        gw = await gateway([pd_model("vllm", [rs])], health={"interval_s": 60},
+                           upstream={"max_response_bytes": 100_000})
+        with gw.gw.request_log.capture() as lines:
+            st, hdrs, raw = await post(gw, body())
+        err = orjson.loads(raw)["error"]
+        assert st == 502 and err["code"] == "upstream_too_large", raw[:300]
+        assert "Retry-After" not in hdrs and err["type"] != "overloaded_error"
+        assert hdrs["x-error-pd-prefill"] == "bad_response"
+        assert (await sim_state(d.url))["counts"]["started"] == 0
+        # the log line and the metrics say what an aggregated answer over the bound says
+        assert lines[0]["error_class"] == "upstream_too_large" and lines[0]["upstream_bytes"] > 100_000
+        assert lines[0]["prefill_failure"] == "bad_response"
+        page = await gw.metrics_text()
+        assert metric(page, "switchyard_upstream_errors_total", endpoint=_pod(bad), error_class="too_large") == 1
