@@ -73,7 +73,7 @@ class PrefillFailed(Exception):
 
     def __init__(self, failure_class: str, message: str, status: int | None = None, kind: str = "",
                  retryable: bool = False, refusal: dict[str, Any] | None = None,
-                 retry_after: str | None = None) -> None:
+                 retry_after: str | None = None, too_large: int | None = None) -> None:
         super().__init__(message)
         self.failure_class = failure_class
         self.message = message
@@ -84,6 +84,7 @@ class PrefillFailed(Exception):
         # the request's own fault, answered as the engine answered it
         self.refusal = refusal
         self.retry_after = retry_after  # the engine's Retry-After, on its answer of ``status``
+        self.too_large = too_large      # the answer passed upstream.max_response_bytes, this one
 
     def client_error(self, prefill: Endpoint) -> GatewayError:
         if self.refusal is not None and self.status is not None:
@@ -97,6 +98,10 @@ class PrefillFailed(Exception):
         kw: dict[str, Any] = {"code": f"pd_prefill_{self.failure_class}",
                               "header": ("x-error-pd-prefill", self.failure_class),
                               "error_class": ErrorClass.pd_prefill(self.failure_class)}
+        if self.too_large is not None:      # as any whole answer over the bound is answered
+            kw.update(code="upstream_too_large", error_class=ErrorClass.UPSTREAM_TOO_LARGE)
+            message = (f"prefill request to {prefill.name} failed: the engine's answer is larger than "
+                       f"{self.too_large} bytes (upstream.max_response_bytes)")
         if status == 503:       # no prefill left to try: as the 503 of a model with no ready endpoint
             kw["headers"] = {"Retry-After": "5"}
         if self.retryable:
@@ -473,6 +478,14 @@ class PDOrchestrator:
             ctx.rec.extra["prefill_ms"] = round((time.perf_counter() - start) * 1000, 3)
             if f.local:             # this process could make no socket: no prefill failed
                 raise no_socket_error(f, ctx.rec) from None
+            if f.kind in ("protocol", "too_large"):
+                # an answer that is not one (not HTTP, or over the bound read whole): the engine's
+                # fault, a 502 as an aggregated engine's is, not a busy 503 to come back to
+                too = f.too_large
+                if too is not None:
+                    ctx.rec.extra["upstream_bytes"] = too.declared if too.declared is not None else too.received
+                raise PrefillFailed("bad_response", f.message, kind=f.kind,
+                                    too_large=too.limit if too is not None else None) from None
             # a reset once some of the answer came is retried too: the prefill's engine died as it
             # answered, its KV with it, and neither the client nor a decode got anything of it
             raise PrefillFailed("timeout" if f.kind == "timeout" else "transport", f.message, kind=f.kind,

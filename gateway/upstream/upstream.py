@@ -52,6 +52,7 @@ from gateway.upstream.h1client import (
     UpstreamPool,
     UpstreamResponse,
     UpstreamTimeout,
+    UpstreamTooLarge,
 )
 
 if TYPE_CHECKING:
@@ -87,7 +88,8 @@ class UpstreamFailure(Exception):
     """A leg failed before a response status arrived.
 
     ``kind``: connect (refused/unreachable/connect timeout), reset (connection dropped before the
-    answer's head), timeout (no response head in time), protocol (not a valid HTTP answer).
+    answer's head), timeout (no response head in time), protocol (not a valid HTTP answer),
+    too_large (an answer read whole, ``Upstream.answer``, over ``upstream.max_response_bytes``).
     ``retryable`` is true when no byte came back, so no engine produced output for the client.
     ``local``: a connect that failed in this process (no file descriptor or socket buffer to make
     the socket with): no engine was asked, none is at fault, and another would fail the same way.
@@ -103,6 +105,7 @@ class UpstreamFailure(Exception):
         self.retryable = retryable
         self.local = local
         self.cause = cause or kind
+        self.too_large: UpstreamTooLarge | None = None     # kind ``too_large``: a whole answer over its bound
 
 
 def classify(e: UpstreamError, url: str) -> UpstreamFailure:
@@ -319,6 +322,11 @@ class Upstream:
         except TimeoutError:
             self.failed(ep, model, "timeout", report)
             raise UpstreamFailure("timeout", f"no answer from {x.url} within {timeout:g}s", retryable=False) from None
+        except UpstreamTooLarge as e:       # counted as the relay counts a whole answer over the bound
+            self.failed(ep, model, "too_large", report)
+            f = UpstreamFailure("too_large", f"bad answer from {x.url}: {e}", retryable=False)
+            f.too_large = e
+            raise f from None
         except UpstreamError as e:
             f = classify(e, x.url)
             if not f.local:
