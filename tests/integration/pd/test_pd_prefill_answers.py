@@ -14,6 +14,7 @@ from tests.support.factories import pd_model, pd_pair
 from tests.support.fake_engine import fake_engine
 from tests.support.http import chat_body, post, sim_state
 from tests.support.metrics import metric
+from tests.support.waiting import until
 
 MSG = [{"role": "user", "content": "Disaggregated serving splits prefill from decode. " * 8}]
 body = partial(chat_body, MSG, stream=False, max_tokens=8)
@@ -129,3 +130,53 @@ async def test_a_prefill_answer_over_max_response_bytes_is_a_502_upstream_too_la
         assert lines[0]["prefill_failure"] == "bad_response"
         page = await gw.metrics_text()
         assert metric(page, "switchyard_upstream_errors_total", endpoint=_pod(bad), error_class="too_large") == 1
+
+
+async def test_an_sglang_prefill_that_fails_after_the_decodes_head_and_before_its_first_token_fails_the_request(
+        gateway):
+    """An SGLang decode that answers its stream's head before its first token (a server that does
+    not hold its head back for it, a proxy in front of it): its prefill then fails (a 500) while
+    the client has seen nothing. The request fails as for a prefill that fails first: the client
+    gets the prefill's 502 at once, not the decode's first-chunk 504 once the watchdog fires; the
+    prefill failure counts before the response; the decode is closed and aborted, and its breaker
+    hears no fault of it."""
+    closed = asyncio.Event()
+    aborted: list[dict] = []
+
+    async def prefill(request: web.Request) -> web.Response:
+        await request.read()
+        await asyncio.sleep(0.2)        # after the decode's head
+        return web.json_response({"error": {"message": "prefill out of memory", "code": 500}}, status=500)
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)     # its head at once; no token comes: the KV never does
+        for _ in range(1000):
+            if request.transport is None or request.transport.is_closing():
+                closed.set()
+                break
+            await asyncio.sleep(0.02)
+        return resp
+
+    async def abort(request: web.Request) -> web.Response:
+        aborted.append(await request.json())
+        return web.json_response({})
+
+    routes = (web.post("/abort_request", abort),)
+    async with fake_engine(prefill, routes=routes) as p, fake_engine(decode, routes=routes) as d:
+        rs = {"name": "rs", "prefill": [{"url": p, "bootstrap_port": 9}], "decode": [d]}
+        gw = await gateway([pd_model("sglang", [rs])], health={"interval_s": 60},
+                           watchdog={"first_chunk_timeout_s": 5})
+        with gw.gw.request_log.capture() as lines:
+            st, hdrs, raw = await asyncio.wait_for(post(gw, body(stream=True)), 20)
+        assert st == 502 and hdrs["x-error-pd-prefill"] == "http_status", raw[:300]
+        assert "prefill out of memory" in orjson.loads(raw)["error"]["message"]
+        assert lines[0]["prefill_failure"] == "http_status" and lines[0]["error_class"] == "pd_prefill_http_status"
+        await asyncio.wait_for(closed.wait(), 10)
+        assert await until(lambda: len(aborted) >= 1, timeout=10)
+        page = await gw.metrics_text()
+        assert metric(page, "switchyard_pd_prefill_failures_total", stage="before_response") == 1
+        assert metric(page, "switchyard_pd_prefill_failures_total", stage="after_response") == 0
+        assert metric(page, "switchyard_upstream_outcomes_total", endpoint=_pod(d), outcome="fault") == 0
+        assert metric(page, "switchyard_watchdog_fires_total") == 0
