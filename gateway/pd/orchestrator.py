@@ -163,6 +163,7 @@ class PDOrchestrator:
             ctx.after_write.append(partial(ctx.rec.extra.update, plan.log))
         headers = upstream_headers(ireq)
         ctx.pd_plan = plan                  # a continuation elsewhere first stops this decode (abandon)
+        ctx.pd_prefill_failed = None        # (a pair chosen again starts afresh)
         ctx.after_write.append(partial(self.retries.request, ireq.model))   # the retry budget counts it
         if plan.concurrent:
             return await self._concurrent(ctx, adapter, plan, headers)
@@ -417,7 +418,7 @@ class PDOrchestrator:
                 # the decode answered first (its headers come with its first token): the prefill's
                 # answer may still be on its way; let it finish in the background
                 resp = decode_task.result()
-                self.spawn(self._late_prefill(ctx, prefill_task))
+                self.spawn(self._late_prefill(ctx, prefill_task, resp if ireq.stream else None))
                 break
         except UpstreamFailure as f:
             self._abort(ctx, prefill, plan.abort)
@@ -620,19 +621,37 @@ class PDOrchestrator:
             return "decode_empty", f"decode endpoint {name} ended its stream before its first token"
         return "decode_error", f"decode endpoint {name} failed before its first token: {f.detail}"
 
+    def _prefill_first(self, ctx: RequestContext, plan: PDPlan, resp: UpstreamResponse) -> GatewayError | None:
+        """The prefill's failure when it failed before the decode's first bytes (``_late_prefill``),
+        the request's answer: the decode is stopped, and its breaker hears no fault of it."""
+        f = ctx.pd_prefill_failed
+        if f is None:
+            return None
+        assert ctx.decision is not None
+        ctx.pd_prefill_failed = None
+        resp.close()
+        self._abort_decode(ctx, plan)
+        self.upstream.record(ctx.decision.endpoint, Outcome.NONE, "prefill_failed")
+        return self._prefill_failed(ctx, f, "before_response")
+
     def _first_bytes_late(self, ctx: RequestContext, plan: PDPlan, resp: UpstreamResponse,
                           limit: float | None) -> GatewayError:
         """No first bytes within the first-chunk watchdog: the decode is stopped, the client gets 504."""
         assert ctx.decision is not None
+        if (failed := self._prefill_first(ctx, plan, resp)) is not None:
+            return failed
         resp.close()
         self._abort_decode(ctx, plan)
         self.upstream.record(ctx.decision.endpoint, Outcome.FAULT, ErrorClass.WATCHDOG_FIRST_CHUNK)
         return self._watchdog_error(ctx, limit)
 
     def _first_bytes_bad(self, ctx: RequestContext, plan: PDPlan, resp: UpstreamResponse, cause: str,
-                         message: str) -> PairFailed:
-        """A decode that failed before its first token: stopped, and a pair the pipeline may choose again."""
+                         message: str) -> GatewayError:
+        """A decode that failed before its first token: stopped, and a pair the pipeline may choose
+        again; or the prefill's failure, when that came first and closed the decode."""
         assert ctx.decision is not None
+        if (failed := self._prefill_first(ctx, plan, resp)) is not None:
+            return failed
         decode = ctx.decision.endpoint
         resp.close()
         self._abort_decode(ctx, plan)
@@ -716,10 +735,21 @@ class PDOrchestrator:
         if ctx.rec.ttft is not None:
             self._observe_phases(ctx, prefill_start, prefill_end, decode_start)
 
-    async def _late_prefill(self, ctx: RequestContext, task: asyncio.Task) -> None:
+    async def _late_prefill(self, ctx: RequestContext, task: asyncio.Task,
+                            decode: UpstreamResponse | None = None) -> None:
+        """A concurrent prefill that answers after its decode's head. One that fails once the
+        client's stream began is logged and the stream runs on; one that fails while the stream
+        ``decode`` has not begun (a decode that sent its head before its first token), whose KV
+        will then never come, fails the request: the decode's answer is closed, which ends the
+        wait for its first bytes, and that wait's end answers the prefill's failure
+        (``_prefill_first``)."""
         try:
             await task
         except PrefillFailed as f:
+            if decode is not None and not ctx.rec.headers_sent:
+                ctx.pd_prefill_failed = f
+                decode.close()
+                return
             self._prefill_failed(ctx, f, "after_response")
             log.warning("prefill failed after the decode started streaming; the stream continues",
                         request_id=ctx.rec.request_id, failure_class=f.failure_class, error=f.message)

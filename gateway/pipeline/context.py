@@ -187,6 +187,9 @@ class RequestContext:
     api_state: Any = None                            # what that API keeps between its hooks (gateway/apis)
     migration: Any = None                            # a stream's continuation state (gateway/pipeline/migration.py)
     pd_plan: PDPlan | None = None                    # the P/D legs in flight (gateway/pd/orchestrator.py), to abort them
+    # a concurrent prefill that failed after its decode's head and before the client saw anything
+    # (gateway/pd/orchestrator.py ``_late_prefill``): the request fails on it
+    pd_prefill_failed: Any = None
     # the endpoints that serve the request when its API or its LoRA adapter narrowed the model's
     # (gateway/pipeline/pipeline.py ``_serving``): a P/D leg's other decode is one of them
     serving: list[Endpoint] | None = None
