@@ -8,6 +8,7 @@ import asyncio
 from functools import partial
 
 import orjson
+import pytest
 from aiohttp import web
 
 from tests.support.factories import pd_model, pd_pair
@@ -132,14 +133,15 @@ async def test_a_prefill_answer_over_max_response_bytes_is_a_502_upstream_too_la
         assert metric(page, "switchyard_upstream_errors_total", endpoint=_pod(bad), error_class="too_large") == 1
 
 
+@pytest.mark.parametrize("stream", [True, False])
 async def test_an_sglang_prefill_that_fails_after_the_decodes_head_and_before_its_first_token_fails_the_request(
-        gateway):
-    """An SGLang decode that answers its stream's head before its first token (a server that does
-    not hold its head back for it, a proxy in front of it): its prefill then fails (a 500) while
-    the client has seen nothing. The request fails as for a prefill that fails first: the client
-    gets the prefill's 502 at once, not the decode's first-chunk 504 once the watchdog fires; the
-    prefill failure counts before the response; the decode is closed and aborted, and its breaker
-    hears no fault of it."""
+        gateway, stream):
+    """An SGLang decode that answers its head before its first token (a server that does not hold
+    its head back for it, a proxy in front of it): its prefill then fails (a 500) while the client
+    has seen nothing. The request fails as for a prefill that fails first: the client gets the
+    prefill's 502 at once, not the decode's 504 once the watchdog fires (a whole answer's, off by
+    default, would wait until the client gave up); the prefill failure counts before the response;
+    the decode is closed and aborted, and its breaker hears no fault of it."""
     closed = asyncio.Event()
     aborted: list[dict] = []
 
@@ -150,7 +152,9 @@ async def test_an_sglang_prefill_that_fails_after_the_decodes_head_and_before_it
 
     async def decode(request: web.Request) -> web.StreamResponse:
         await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream" if stream else "application/json"})
+        if not stream:
+            resp.content_length = 1000
         await resp.prepare(request)     # its head at once; no token comes: the KV never does
         for _ in range(1000):
             if request.transport is None or request.transport.is_closing():
@@ -167,9 +171,9 @@ async def test_an_sglang_prefill_that_fails_after_the_decodes_head_and_before_it
     async with fake_engine(prefill, routes=routes) as p, fake_engine(decode, routes=routes) as d:
         rs = {"name": "rs", "prefill": [{"url": p, "bootstrap_port": 9}], "decode": [d]}
         gw = await gateway([pd_model("sglang", [rs])], health={"interval_s": 60},
-                           watchdog={"first_chunk_timeout_s": 5})
+                           watchdog={"first_chunk_timeout_s": 5, "response_timeout_s": 5})
         with gw.gw.request_log.capture() as lines:
-            st, hdrs, raw = await asyncio.wait_for(post(gw, body(stream=True)), 20)
+            st, hdrs, raw = await asyncio.wait_for(post(gw, body(stream=stream)), 20)
         assert st == 502 and hdrs["x-error-pd-prefill"] == "http_status", raw[:300]
         assert "prefill out of memory" in orjson.loads(raw)["error"]["message"]
         assert lines[0]["prefill_failure"] == "http_status" and lines[0]["error_class"] == "pd_prefill_http_status"
