@@ -418,7 +418,7 @@ class PDOrchestrator:
                 # the decode answered first (its headers come with its first token): the prefill's
                 # answer may still be on its way; let it finish in the background
                 resp = decode_task.result()
-                self.spawn(self._late_prefill(ctx, prefill_task, resp if ireq.stream else None))
+                self.spawn(self._late_prefill(ctx, prefill_task, resp))
                 break
         except UpstreamFailure as f:
             self._abort(ctx, prefill, plan.abort)
@@ -568,6 +568,10 @@ class PDOrchestrator:
                     raise self._first_bytes_late(ctx, plan, resp, f.detail) from None   # type: ignore[arg-type]
                 cause, message = self._first_bytes_cause(ctx, f)
                 raise self._first_bytes_bad(ctx, plan, resp, cause, message) from None
+            except GatewayError:        # a whole answer that broke: its prefill's failure closed it
+                if (failed := self._prefill_first(ctx, plan, resp)) is not None:
+                    raise failed from None
+                raise
         except asyncio.CancelledError:
             # the client left: a relay that was under way closed the decode's connection itself,
             # but one left while this task awaited the first bytes (a stream that may continue,
@@ -629,6 +633,7 @@ class PDOrchestrator:
             return None
         assert ctx.decision is not None
         ctx.pd_prefill_failed = None
+        ctx.rec.error_class = None          # (the broken answer's, when its relay set one)
         resp.close()
         self._abort_decode(ctx, plan)
         self.upstream.record(ctx.decision.endpoint, Outcome.NONE, "prefill_failed")
@@ -738,15 +743,15 @@ class PDOrchestrator:
     async def _late_prefill(self, ctx: RequestContext, task: asyncio.Task,
                             decode: UpstreamResponse | None = None) -> None:
         """A concurrent prefill that answers after its decode's head. One that fails once the
-        client's stream began is logged and the stream runs on; one that fails while the stream
-        ``decode`` has not begun (a decode that sent its head before its first token), whose KV
-        will then never come, fails the request: the decode's answer is closed, which ends the
-        wait for its first bytes, and that wait's end answers the prefill's failure
-        (``_prefill_first``)."""
+        decode's answer began (the client's stream, or any of its bytes come) is logged and the
+        answer runs on; one that fails while the answer ``decode`` has sent nothing but its head (a
+        decode that sent it before its first token), whose KV will then never come, fails the
+        request: the decode's answer is closed, which ends the wait for its bytes, and that wait's
+        end answers the prefill's failure (``_prefill_first``)."""
         try:
             await task
         except PrefillFailed as f:
-            if decode is not None and not ctx.rec.headers_sent:
+            if decode is not None and not ctx.rec.headers_sent and not decode.buffered and not decode.at_eof():
                 ctx.pd_prefill_failed = f
                 decode.close()
                 return

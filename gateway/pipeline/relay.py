@@ -553,7 +553,9 @@ class Relay:
             return      # it ended as a continuation's leg silent before its head, whose breaker heard it
         if self.record is not None and ctx.decision is not None and not unstarted:
             rec, ep = ctx.rec, ctx.decision.endpoint
-            outcome = (Outcome.NONE if cancelled else of_status(resp.status, ep.api_key is not None)
+            # (a P/D decode closed for its prefill's failure, ``ctx.pd_prefill_failed``: not its fault)
+            outcome = (Outcome.NONE if cancelled or ctx.pd_prefill_failed is not None
+                       else of_status(resp.status, ep.api_key is not None)
                        if resp.status != 200 else of_answer(rec.status, rec.error_class))
             cause = rec.error_class or ""
             broke = ctx.migration.broke_whole if ctx.migration is not None else None
@@ -943,7 +945,8 @@ class Relay:
                                header=("x-error-upstream", "timeout"), error_class=rec.error_class) from None
         except UpstreamError as e:
             rec.error_class = ErrorClass.UPSTREAM_BROKEN
-            self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "broken_body").inc()
+            if ctx.pd_prefill_failed is None:   # (else closed for its prefill's failure: not its fault)
+                self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "broken_body").inc()
             raise GatewayError(502, f"the engine connection broke before the answer was complete: {type(e).__name__}",
                                code="upstream_incomplete", header=("x-error-upstream", "reset"),
                                error_class=rec.error_class) from None

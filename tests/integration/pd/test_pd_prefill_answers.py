@@ -183,4 +183,5 @@ async def test_an_sglang_prefill_that_fails_after_the_decodes_head_and_before_it
         assert metric(page, "switchyard_pd_prefill_failures_total", stage="before_response") == 1
         assert metric(page, "switchyard_pd_prefill_failures_total", stage="after_response") == 0
         assert metric(page, "switchyard_upstream_outcomes_total", endpoint=_pod(d), outcome="fault") == 0
+        assert metric(page, "switchyard_upstream_errors_total", endpoint=_pod(d)) == 0
         assert metric(page, "switchyard_watchdog_fires_total") == 0
