@@ -25,12 +25,19 @@ ANSWER = {"id": "p", "object": "chat.completion", "model": "m",
 
 def answering(kind: str):
     """A prefill engine's handler: ``not_an_object`` a 200 whose kv_transfer_params is a string;
+    ``error`` and ``object_error`` a 200 that is an error object, in OpenAI's form and vLLM's older one;
     ``huge`` one of about 200 kB; ``cut`` a 200 whose body stops in the middle and the connection
     closes (its engine died while it answered)."""
     async def handler(request: web.Request) -> web.StreamResponse:
         await request.read()
         if kind == "not_an_object":
             return web.json_response({**ANSWER, "kv_transfer_params": "remote"})
+        if kind == "error":             # an error object in a 200 (a proxy's, or an engine's own form)
+            return web.json_response({"error": {"message": "KV connector failed", "type": "InternalServerError",
+                                                "code": 500}})
+        if kind == "object_error":
+            return web.json_response({"object": "error", "message": "KV connector failed",
+                                      "type": "InternalServerError", "code": 500})
         if kind == "huge":
             return web.json_response({**ANSWER, "kv_transfer_params": {"remote_block_ids": list(range(40000))}})
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
@@ -94,6 +101,28 @@ async def test_a_prefill_whose_200_is_unusable_is_charged_and_another_pair_serve
         assert metric(await gw.metrics_text(), "switchyard_upstream_outcomes_total", endpoint=_pod(bad),
                       outcome="fault") == 1
 
+
+
+@pytest.mark.parametrize("kind", ["error", "object_error"])
+async def test_a_prefill_whose_200_is_an_error_object_failed(sims, gateway, kind):
+    """A prefill that answers 200 with an error object in place of its answer did not prefill: it
+    is not a prefill without a KV connector (``kv_transfer_params: null``), whose decode computes the
+    prompt itself. It is that prefill's failure, as an answer no decode leg can be built from: the
+    client gets 502 ``bad_response`` naming the engine's message, no decode leg is sent, and the
+    prefill's breaker hears a fault, not a success."""
+    d = await sims("vllm", "m", role="decode")
+    async with fake_engine(answering(kind)) as bad:
+        rs = {"name": "rs", "prefill": [bad], "decode": [d.url]}
+        gw = await gateway([pd_model("vllm", [rs])], health={"interval_s": 60})
+        with gw.gw.request_log.capture() as lines:
+            st, hdrs, raw = await post(gw, body())
+        assert st == 502 and hdrs["x-error-pd-prefill"] == "bad_response", raw[:300]
+        assert "KV connector failed" in orjson.loads(raw)["error"]["message"]
+        assert lines[0]["prefill_failure"] == "bad_response"
+        assert (await sim_state(d.url))["counts"]["started"] == 0
+        page = await gw.metrics_text()
+        assert metric(page, "switchyard_upstream_outcomes_total", endpoint=_pod(bad), outcome="fault") == 1
+        assert metric(page, "switchyard_upstream_outcomes_total", endpoint=_pod(bad), outcome="success") == 0
 
 async def test_a_prefill_that_dies_in_the_middle_of_its_answer_has_the_pair_chosen_again(sims, gateway):
     """A prefill whose connection closes in the middle of its 200 answer (its engine died while it
