@@ -79,6 +79,10 @@ def kv_params_from_answer(raw: bytes) -> dict[str, Any] | None:
         raise BadPrefillAnswer("prefill answer is not JSON") from None
     if not isinstance(data, dict):
         raise BadPrefillAnswer("prefill answer is not a JSON object")
+    if data.get("error") is not None or data.get("object") == "error":
+        # an error object in a 200 (a proxy's, or vLLM's older ErrorResponse): the prefill did not
+        # run, which is not an engine without a KV connector (``kv_transfer_params: null``)
+        raise BadPrefillAnswer(f"prefill answered an error: {engine_message(raw, 256)}")
     kv = data.get("kv_transfer_params")
     if kv is None:
         return None

@@ -42,6 +42,7 @@ def test_vllm_decode_body_carries_params_with_rewritten_host():
 def test_vllm_prefill_answers():
     assert vl.kv_params_from_answer(b'{"choices":[],"kv_transfer_params":null}') is None
     assert orjson.loads(vl.decode_body(CLIENT, None, "h")) == CLIENT   # no params: the original request
-    for bad in (b"not json", b"[1]", b'{"kv_transfer_params": 5}'):
+    for bad in (b"not json", b"[1]", b'{"kv_transfer_params": 5}', b'{"error": {"message": "kv failed"}}',
+                b'{"object": "error", "message": "kv failed", "code": 500}'):
         with pytest.raises(vl.BadPrefillAnswer):
             vl.kv_params_from_answer(bad)
