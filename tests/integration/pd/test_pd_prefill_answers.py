@@ -176,7 +176,7 @@ async def test_an_sglang_prefill_that_fails_after_the_decodes_head_and_before_it
 
     async def prefill(request: web.Request) -> web.Response:
         await request.read()
-        await asyncio.sleep(0.2)        # after the decode's head
+        await asyncio.sleep(0.5)        # well after the decode's head
         return web.json_response({"error": {"message": "prefill out of memory", "code": 500}}, status=500)
 
     async def decode(request: web.Request) -> web.StreamResponse:
