@@ -214,3 +214,53 @@ async def test_an_sglang_prefill_that_fails_after_the_decodes_head_and_before_it
         assert metric(page, "switchyard_upstream_outcomes_total", endpoint=_pod(d), outcome="fault") == 0
         assert metric(page, "switchyard_upstream_errors_total", endpoint=_pod(d)) == 0
         assert metric(page, "switchyard_watchdog_fires_total") == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_sglang_prefill_that_fails_once_its_decodes_answer_began_leaves_the_answer_whole(gateway, stream):
+    """The other side of the test above: a prefill that fails once its decode's answer began (its
+    first token came, the KV with it) is a late failure: the answer runs on whole, and the failure
+    is counted after the response."""
+    chunk = b'data: {"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,' \
+            b'"delta":{"content":"tok "},"finish_reason":null}]}\n\n'
+
+    async def prefill(request: web.Request) -> web.Response:
+        await request.read()
+        await asyncio.sleep(0.3)
+        return web.json_response({"error": {"message": "prefill out of memory", "code": 500}}, status=500)
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if not stream:
+            await asyncio.sleep(0.05)
+            return web.json_response({**ANSWER, "usage": {"prompt_tokens": 5, "completion_tokens": 1,
+                                                          "total_tokens": 6}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(6):          # its first token at once, the last well after the prefill failed
+            await resp.write(chunk)
+            await asyncio.sleep(0.1)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def abort(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    routes = (web.post("/abort_request", abort),)
+    async with fake_engine(prefill, routes=routes) as p, fake_engine(decode, routes=routes) as d:
+        rs = {"name": "rs", "prefill": [{"url": p, "bootstrap_port": 9}], "decode": [d]}
+        gw = await gateway([pd_model("sglang", [rs])], health={"interval_s": 60})
+        st, _, raw = await asyncio.wait_for(post(gw, body(stream=stream)), 20)
+        assert st == 200, raw[:300]
+        if stream:
+            assert raw.count(b"tok ") == 6 and raw.endswith(b"data: [DONE]\n\n")
+        else:
+            assert orjson.loads(raw)["choices"][0]["message"]["content"] == "x"
+        page = await gw.metrics_text()
+        assert await until(lambda: _late_counted(gw), timeout=10)
+        assert metric(page, "switchyard_upstream_outcomes_total", endpoint=_pod(d), outcome="fault") == 0
+
+
+async def _late_counted(gw) -> bool:
+    return metric(await gw.metrics_text(), "switchyard_pd_prefill_failures_total", stage="after_response") == 1
