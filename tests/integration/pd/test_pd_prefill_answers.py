@@ -1,6 +1,7 @@
-"""vLLM prefill engines that answer strangely: a 200 the decode leg cannot be built from, an
-answer larger than ``upstream.max_response_bytes``, a connection closed in the middle of the
-answer. A fake prefill on loopback answers each way, beside enginesim engines."""
+"""Prefill engines that answer strangely. vLLM: a 200 the decode leg cannot be built from (an
+error object among them), an answer larger than ``upstream.max_response_bytes``, a connection closed
+in the middle of the answer. SGLang: a prefill that fails after its decode's head, before or after
+the decode's answer began. Fake engines on loopback answer each way, beside enginesim engines."""
 
 from __future__ import annotations
 
