@@ -1007,3 +1007,26 @@ async def test_a_model_a_reload_removed_leaves_the_admission_gauges(sims, gatewa
     await client.chat.completions.create(**body(model="gone"))
     assert len(series(await gw.metrics_text(), "gone")) == 5
     await client.close()
+
+
+async def test_a_background_response_holds_its_endpoint_until_it_ends_on_its_engine(sims, gateway):
+    """A ``background: true`` response is answered ``queued`` at once and goes on on its engine: it
+    is one of the gateway's requests on that endpoint until it ends there, so with
+    ``max_in_flight_per_endpoint: 1`` the next request waits in the queue meanwhile, and goes once
+    the gateway's poll finds the response ended (here, cancelled)."""
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": "engine"},
+                       admission={"enabled": True, "max_in_flight_per_endpoint": 1, "initial_capacity": 8})
+    client = openai_client(gw)
+    bg = await client.responses.create(model="m", input="Tell me about switchyards.", max_output_tokens=100,
+                                       background=True, extra_headers=HOLD)
+    assert bg.status in ("queued", "in_progress")
+    ep = gw.gw.pool.endpoints("m")[0]
+    assert ep.in_flight == 1                 # going on on its engine after its answer
+    after = asyncio.create_task(post(gw.url, body()))
+    assert await wait_for(lambda: len(queue(gw)) == 1 or after.done())
+    assert not after.done()
+    assert (await client.responses.cancel(bg.id)).status == "cancelled"
+    assert (await after)[0] == 200           # served once the poll found the response ended
+    assert await wait_for(lambda: ep.in_flight == 0)
+    assert gw.gw.admission._models["m"].granted == 0
