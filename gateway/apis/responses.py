@@ -32,7 +32,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
@@ -67,6 +67,7 @@ from gateway.pipeline.context import (
     safe_header_value,
     take_edge_answer,
 )
+from gateway.pipeline.ledger import InFlight
 from gateway.request import given_request_id, request_id_from
 from gateway.resilience.outcome import key_refused
 from gateway.state.redis import redis_client
@@ -80,6 +81,9 @@ from gateway.upstream.upstream import (
 )
 from handlers import adapter_for
 from routers.session_map import RESPONSE, SessionMap
+
+if TYPE_CHECKING:
+    from gateway.admission.service import Admission
 
 log = structlog.get_logger("switchyard.responses")
 UNREACHABLE_LOG_S = 10.0
@@ -229,6 +233,8 @@ class ResponsesApi(ApiShape):
         self.metrics = metrics
         self.request_log = request_log
         self.tenancy = tenancy
+        # admission control, whose bounds a background response counts against until it ends
+        self.admission: Admission | None = None
         self.observers = observers
         self.gateway_held = cfg.state == "gateway"
         self.auth_on = config.auth.on
@@ -544,37 +550,54 @@ class ResponsesApi(ApiShape):
         failed = final if isinstance(final, dict) and final.get("status") == "failed" and \
             ireq.data.get("background") is not True else None
         await self._record_owner(ctx, rid, failed)
-        if self.tenancy is not None and ex.scanner is None and ireq.data.get("background") is True \
+        if ex.scanner is None and ireq.data.get("background") is True \
                 and isinstance(ex.body, dict) and ex.body.get("status") in ("queued", "in_progress"):
-            await self._owe_usage(ctx, rid)
+            if self.tenancy is not None:
+                await self._owe_usage(ctx, rid)
             self._watch_background(ctx, rid)
 
     def _watch_background(self, ctx: RequestContext, rid: str) -> None:
         """A background response answered ``queued`` goes on generating on its engine: it keeps its
-        request's concurrency slot (the ticket's, given back at settlement no more) and is polled on
-        its engine until it ends, when the slot is given back and its usage charged, if no read
-        charged it first (``_charge_ended``: the owed entry's delete decides, once)."""
-        t = ctx.http.get(TICKET)
-        if t is not None and t.user is not None and ctx.decision is not None and len(rid) <= 200 and \
-                self._start_watch(rid, ctx.decision.endpoint, t, t.held):
+        request's concurrency slot (the ticket's, given back at settlement no more) and, where
+        admission control is on for its model, a place among the gateway's requests on its endpoint
+        (``max_in_flight_per_endpoint``, the engine's estimated queue), and is polled on its engine
+        until it ends, when both are given back and its usage charged, if no read charged it first
+        (``_charge_ended``: the owed entry's delete decides, once)."""
+        if ctx.decision is None or len(rid) > 200:
+            return
+        t = ctx.http.get(TICKET) if self.tenancy is not None else None
+        if t is not None and t.user is None:
+            t = None
+        ep = ctx.decision.endpoint
+        occupy = self.admission is not None and ctx.ireq is not None \
+            and self.admission.settings(ctx.ireq.model) is not None
+        if self._start_watch(rid, ep, t, t is not None and t.held, occupy=occupy) and t is not None:
             t.held = False
 
-    def _start_watch(self, rid: str, ep: Endpoint, t: Ticket, hold: bool,
-                     first: Awaitable[None] | None = None) -> bool:
+    def _start_watch(self, rid: str, ep: Endpoint, t: Ticket | None, hold: bool,
+                     first: Awaitable[None] | None = None, occupy: bool = False) -> bool:
         """The poll of a background response still generating, started (True) unless a worker polls
         ``MAX_WATCHED`` already or there is nothing to hold or charge (no concurrency slot, no TPM
-        window: its reads charge it). ``first`` (its owed entry's write) is awaited before the poll."""
-        if len(self._watched) >= MAX_WATCHED or t.user is None or \
-                not (hold or (t.limits is not None and t.limits.tpm)):
+        window: its reads charge it; no place on its endpoint, ``occupy``, admission being off).
+        ``first`` (its owed entry's write) is awaited before the poll. With ``occupy`` the response
+        counts among the gateway's requests on ``ep`` until the poll ends, taken here, before its
+        request gives back its own."""
+        if t is None or t.user is None:
+            hold = False
+        owes = t is not None and t.user is not None and (hold or (t.limits is not None and t.limits.tpm))
+        if len(self._watched) >= MAX_WATCHED or not (owes or occupy):
             return False
-        task = asyncio.get_running_loop().create_task(self._watch(rid, ep, t.user, hold, first))
+        place = InFlight(ep) if occupy else None
+        user = t.user if t is not None else None
+        task = asyncio.get_running_loop().create_task(self._watch(rid, ep, user, hold, first, place, owes))
         self._watched.add(task)
         task.add_done_callback(self._watched.discard)
         return True
 
-    async def _watch(self, rid: str, ep: Endpoint, user: str, hold: bool,
-                     first: Awaitable[None] | None = None) -> None:
-        assert self.session is not None and self.tenancy is not None
+    async def _watch(self, rid: str, ep: Endpoint, user: str | None, hold: bool,
+                     first: Awaitable[None] | None = None, place: InFlight | None = None,
+                     owes: bool = True) -> None:
+        assert self.session is not None
         delay, failures = WATCH_FIRST_S, 0
         deadline = time.monotonic() + WATCH_MAX_S
         url = f"{ep.url}{RESPONSES}/{rid}"
@@ -599,13 +622,18 @@ class ResponsesApi(ApiShape):
                     continue
                 failures = 0
                 if isinstance(body, dict) and body.get("status") in _ENDED:
-                    await self._charge_ended(rid, body)
+                    if owes and self.tenancy is not None:
+                        await self._charge_ended(rid, body)
                     return
         finally:
             if first is not None and asyncio.iscoroutine(first):
                 first.close()               # cancelled (the gateway stopping) before it ran
-            if hold:
+            if hold and user is not None and self.tenancy is not None:
                 self.tenancy.release(user)
+            if place is not None:
+                place.release()
+                if self.admission is not None:      # room for the model's queue
+                    self.admission.on_endpoint(ep)
 
     async def _poll_body(self, r: aiohttp.ClientResponse) -> bytes | None:
         """A poll's answer: the engine's 200 body, at most ``upstream.max_response_bytes`` of it."""

@@ -124,6 +124,8 @@ def build_services(config: Config, pool: EndpointPool, slot: WorkerSlot | None =
         observers.append(view.on_request)             # and of its release within view.load_interval_s
     slo = SloLearning(metrics)                   # what routed requests saw, for the latency models
     observers.append(slo.on_request)
+    admission = Admission(config, pool, metrics)
+    responses.admission = admission              # a background response holds its place until it ends
     return Services(
         pool=pool, metrics=metrics, lifecycle=lifecycle, upstream=upstream, relay=relay, breakers=breakers,
         request_log=request_log, kv_events=kv_events,
@@ -131,7 +133,7 @@ def build_services(config: Config, pool: EndpointPool, slot: WorkerSlot | None =
         tracing=tracing if tracing is not None else NO_TRACING,
         lora=Lora(config, pool, upstream, LoraMetrics(metrics.registry)),
         pd_decision_metrics=PDDecisionMetrics(metrics.registry),
-        admission=Admission(config, pool, metrics),
+        admission=admission,
         retries=Retries(config.retry_for, metrics.registry, config.routing.metrics_max_age_s),
         responses=responses, apis=apis, alias_metrics=AliasMetrics(metrics.registry), observers=observers,
         decision_observers=[], decision_claims=claims, model_in_flight={}, view=view, slo=slo)
