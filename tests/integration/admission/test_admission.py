@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from functools import partial
 
@@ -13,6 +14,7 @@ import openai
 import orjson
 import pytest
 
+from enginesim.tiny_tokenizer import TINY_DIR
 from tests.support.factories import model_block
 from tests.support.http import chat_body, openai_client, post
 from tests.support.waiting import until, wait_for
@@ -1029,4 +1031,39 @@ async def test_a_background_response_holds_its_endpoint_until_it_ends_on_its_eng
     assert (await client.responses.cancel(bg.id)).status == "cancelled"
     assert (await after)[0] == 200           # served once the poll found the response ended
     assert await wait_for(lambda: ep.in_flight == 0)
+    assert gw.gw.admission._models["m"].granted == 0
+
+
+async def test_a_request_whose_prompt_is_tokenized_off_the_loop_takes_its_room_as_it_routes(sims, gateway):
+    """With KV-event routing a long prompt segment is tokenized in a thread before the request
+    routes; admission lets a request go only when it will charge its endpoint in the same step, so
+    one still tokenizing when another finds the room free is not counted through it: with
+    ``max_in_flight_per_endpoint: 1`` the second of two requests waits in the queue."""
+    tok = str(TINY_DIR)
+    sim = await sims("vllm", "m", tokenizer=tok, kv_events_port=0, kv_blocks=4096)
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url], "tokenizer": tok,
+                         "strategy": "prefix-cache", "kv_events": {"enabled": True, "port": sim.engine.kv_events.port}}],
+                       admission={"enabled": True, "max_in_flight_per_endpoint": 1})
+    kv = gw.gw.routing.ctx.precise_index
+    await until(lambda: kv.subscribers and sim.engine.kv_events.subscriptions >= 1)
+    system = {"role": "system", "content": "You are a careful assistant. " + " ".join(f"rule {i} is kqz" for i in range(120))}
+    assert (await post(gw.url, chat_body([system, {"role": "user", "content": "hi"}])))[0] == 200
+    ep = gw.gw.pool.endpoints("m")[0]
+    # the engine's blocks of it are indexed: a segment after them is worth tokenizing
+    assert await wait_for(lambda: ep.in_flight == 0 and all(sub.st.emap for sub in kv.subscribers[ep]))
+    gate = threading.Event()
+    kv.executor.submit(gate.wait, 10)        # the tokenizer thread busy: a long segment waits for it
+    try:
+        long = [system, {"role": "user", "content": " ".join(f"word{i} zq" for i in range(400))}]
+        first = asyncio.create_task(post(gw.url, chat_body(long), HOLD))
+        assert await wait_for(lambda: kv.tokenizers["m"]._pending)
+        second = asyncio.create_task(post(gw.url, body(), HOLD))
+        assert await wait_for(lambda: ep.in_flight == 1 or len(queue(gw)) == 1)
+    finally:
+        gate.set()
+    assert await wait_for(lambda: len(queue(gw)) == 1)
+    assert ep.in_flight == 1
+    await cancel(first)
+    await cancel(second)
+    assert await wait_for(lambda: ep.in_flight == 0 and len(queue(gw)) == 0)
     assert gw.gw.admission._models["m"].granted == 0
