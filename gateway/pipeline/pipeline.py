@@ -359,6 +359,11 @@ class Pipeline:
         adapter = adapter_for(candidates[0].engine)
         checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
         self._objectives(ireq, rec, slo)
+        kv = self.routing.ctx.precise_index           # tokenized off the loop, so the match finds it cached
+        if kv is not None and (router.reads_kv_events or router.chooses_pairs) and kv.covers(ireq.model):
+            # before admission, whose room is the request's only if it routes and charges its endpoint
+            # in the step admission lets it go in: awaited after it, the room stayed free for others
+            await kv.prepare(ireq, candidates)
         candidates = await self.admission.admit(ctx, candidates, router.chooses_pairs)
         value = self.admission.engine_priority(ctx) if self.admission.writes_priority else None
         if value is not None:                   # the class, in the engine's queue order
@@ -366,9 +371,6 @@ class Pipeline:
             if ireq.data.get("priority") != value:
                 data = {**ireq.data, "priority": value}
                 ireq.data, ireq.body = data, body_bytes(data, ireq.body)
-        kv = self.routing.ctx.precise_index           # tokenized off the loop, so the match finds it cached
-        if kv is not None and (router.reads_kv_events or router.chooses_pairs) and kv.covers(ireq.model):
-            await kv.prepare(ireq, candidates)
         return adapter, checked, candidates
 
     def _objectives(self, ireq: InferenceRequest, rec, slo: SLOConfig | None) -> None:
