@@ -1067,3 +1067,33 @@ async def test_a_request_whose_prompt_is_tokenized_off_the_loop_takes_its_room_a
     await cancel(second)
     assert await wait_for(lambda: ep.in_flight == 0 and len(queue(gw)) == 0)
     assert gw.gw.admission._models["m"].granted == 0
+
+
+async def test_a_request_bound_to_a_busy_engine_does_not_hold_the_queue_back_from_an_idle_one(sims, gateway):
+    """A Responses follow-up whose previous response an engine holds can wait for that engine only;
+    while it waits, a request any engine may serve goes to the idle one rather than waiting behind
+    it (for as long as the busy engine stays busy, up to ``queue_timeout_s``)."""
+    s1 = await sims("vllm", "m", enable_responses_store=True)
+    s2 = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [s1.url, s2.url])], scrape={"enabled": False},
+                       admission={"enabled": True, "max_in_flight_per_endpoint": 1})
+    first = await post(gw.url, {"model": "m", "input": "hello there", "max_output_tokens": 4}, path="/v1/responses")
+    eps = gw.gw.pool.endpoints("m")
+    owner = next(ep for ep in eps if ep.name == first.headers["target-pod"])
+    holds = [asyncio.create_task(post(gw.url, body(), HOLD))]
+    assert await wait_for(lambda: sum(ep.in_flight for ep in eps) == 1)
+    if owner.in_flight == 0:                 # it went to the other engine: the next goes to the owner
+        holds.append(asyncio.create_task(post(gw.url, body(), HOLD)))
+        assert await wait_for(lambda: owner.in_flight == 1)
+        await cancel(holds.pop(0))
+    assert await wait_for(lambda: sum(ep.in_flight for ep in eps) == 1 and owner.in_flight == 1)
+    follow_up = asyncio.create_task(post(gw.url, {"model": "m", "input": "and then?", "max_output_tokens": 4,
+                                                  "previous_response_id": first.json()["id"]}, path="/v1/responses"))
+    assert await wait_for(lambda: len(queue(gw)) == 1)
+    status, headers, _ = await asyncio.wait_for(post(gw.url, body()), 5)
+    assert status == 200 and headers["target-pod"] != owner.name
+    assert not follow_up.done() and len(queue(gw)) == 1
+    await cancel(holds[0])
+    status, headers, _ = await follow_up
+    assert status == 200 and headers["target-pod"] == owner.name
+    assert gw.gw.admission._models["m"].granted == 0
