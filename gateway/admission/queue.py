@@ -53,6 +53,8 @@ class Waiter:
     slo_ms: float | None = None          # the TTFT objective its deadline comes from
     seq: int = 0                         # arrival order (set by the queue)
     rec: Any = None                      # its request's record: the log fields of how its wait ended
+    # granted past waiters that could not go: the endpoints it must leave to them (their only room)
+    reserved: Any = None
 
     def key(self) -> tuple[float, int]:
         return self.deadline, self.seq
@@ -140,12 +142,27 @@ class FairQueue:
             return None
         return min(lines, key=lambda u: (self.counter(rank, u), lines[u].since))
 
-    def peek(self) -> Waiter | None:
+    def peek(self, skip: set[int] | None = None) -> Waiter | None:
+        """The next request to dispatch; with ``skip`` (ids of waiters that cannot go now), the
+        first of the others in the same order."""
+        if not skip:
+            for rank in range(len(self._classes) - 1, -1, -1):
+                user = self._next_user(rank)
+                if user is not None:
+                    return self._classes[rank][user].items[0]
+            return None
         for rank in range(len(self._classes) - 1, -1, -1):
-            user = self._next_user(rank)
-            if user is not None:
-                return self._classes[rank][user].items[0]
+            lines = self._classes[rank]
+            for user in sorted(lines, key=lambda u: (self.counter(rank, u), lines[u].since)):
+                for w in lines[user].items:
+                    if id(w) not in skip:
+                        return w
         return None
+
+    def take(self, w: Waiter) -> None:
+        """Dispatch ``w``: out of the queue, its cost on its user's counter."""
+        if self.remove(w):
+            self.charge(w.rank, w.user, w.cost)
 
     def pop(self) -> Waiter | None:
         """The next request to dispatch; its cost goes on its user's counter."""

@@ -10,6 +10,10 @@ A granted request is counted in ``granted`` until its task resumes and, in the s
 step, routes and charges an endpoint; so one pump never hands out more slots than there is room,
 and a waiter whose client went away before it resumed gives its slot back.
 
+A waiter whose endpoints its state chose (a LoRA adapter's, a response's owner) and have no room
+keeps them for itself: the pump goes on to the waiters after it, which it lets go only to the
+other endpoints, so one bound to a busy engine does not hold the queue back from an idle one.
+
 Shedding (all 429, with ``Retry-After`` and ``retry-after-ms`` from the position and the drain
 rate, ``x-ratelimit-*-queue`` headers and the reason in the error's ``code``):
 
@@ -314,6 +318,8 @@ class Admission:
         ctx.admission_cost = cost           # put on its user's counter when the pump granted it
         self._waited(model, rank, "dispatched", w)
         eps = self._ready(model, w)
+        if w.reserved:                      # left to waiters before it bound to them
+            eps = [ep for ep in eps if ep not in w.reserved] or eps
         if not eps:
             self._pump(model)
             raise self._unserved(ctx, model, w)
@@ -474,7 +480,12 @@ class Admission:
             by_class = [Thresholds(max_waiting=1 << 30, max_kv=2.0, max_age=math.inf, engine_signals=False)] * len(PRIORITIES)
         now = self.clock()
         q = mq.queue
-        while (w := q.peek()) is not None:
+        # a waiter whose endpoints have no room keeps them for itself, and the waiters after it may
+        # go to the others: one bound to a busy engine (a LoRA adapter's, a response's owner) does
+        # not hold the queue back from an idle one. Once every endpoint is kept, nobody can go.
+        skip: set[int] = set()
+        reserved: set[Endpoint] = set()
+        while (w := q.peek(skip)) is not None:
             if w.deadline <= now and not w.fut.done() and (s := self.settings(model)) is not None:
                 # its deadline passed before its timer ran (a busy event loop ran the release that
                 # frees a slot first): shed now, never served late
@@ -487,13 +498,19 @@ class Admission:
                 q.remove(w)
                 continue
             eps = self._ready(model, w)
-            if eps and total_headroom(eps, w.pairs, by_class[w.rank], now) - mq.granted < 1:
-                return
             if not eps:
                 q.remove(w)
                 w.fut.set_exception(_no_endpoint(model))
                 continue
-            q.pop()                         # dispatched: its cost goes on its user's counter
+            free = [ep for ep in eps if ep not in reserved] if reserved else eps
+            if not free or total_headroom(free, w.pairs, by_class[w.rank], now) - mq.granted < 1:
+                reserved.update(eps)
+                if not w.widen and not reserved.issuperset(self.pool.ready(model)):
+                    skip.add(id(w))         # bound to endpoints of its own: the others may serve the rest
+                    continue
+                return
+            q.take(w)                       # dispatched: its cost goes on its user's counter
+            w.reserved = frozenset(reserved) if reserved else None
             w.state = GRANTED
             mq.granted += 1
             w.fut.set_result(None)
