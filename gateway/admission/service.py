@@ -10,8 +10,8 @@ A granted request is counted in ``granted`` until its task resumes and, in the s
 step, routes and charges an endpoint; so one pump never hands out more slots than there is room,
 and a waiter whose client went away before it resumed gives its slot back.
 
-A waiter whose endpoints its state chose (a LoRA adapter's, a response's owner) and have no room
-keeps them for itself: the pump goes on to the waiters after it, which it lets go only to the
+A waiter whose endpoints its state or API chose (a LoRA adapter's, a response's owner, the engines
+serving the Messages API) and have no room keeps them for itself: the pump goes on to the waiters after it, which it lets go only to the
 other endpoints, so one bound to a busy engine does not hold the queue back from an idle one.
 
 Shedding (all 429, with ``Retry-After`` and ``retry-after-ms`` from the position and the drain
@@ -67,6 +67,7 @@ WHOLE_REQUEST_ROLES = ("aggregated", "combined")     # as gateway.pipeline.routi
 REASONS = ("queue_full", "displaced", "fair_share", "shed", "queue_timeout", "deadline")
 OUTPUT_WEIGHT = 2.0          # an output token costs two prompt tokens in a user's counter (VTC's weights)
 OBJECTIVES = ("ttft", "tpot")
+MAX_SKIPPED = 32             # waiters a pump passes over that their own endpoints hold back, at most
 ENGINE_TTFT_ALPHA = 0.2      # weight of the newest request in the engine-side TTFT average
 _MESSAGES = {
     "queue_full": "model {model} is at capacity and its admission queue is full",
@@ -505,7 +506,8 @@ class Admission:
             free = [ep for ep in eps if ep not in reserved] if reserved else eps
             if not free or total_headroom(free, w.pairs, by_class[w.rank], now) - mq.granted < 1:
                 reserved.update(eps)
-                if not w.widen and not reserved.issuperset(self.pool.ready(model)):
+                if (not w.widen or w.accepts is not None) and len(skip) < MAX_SKIPPED \
+                        and not reserved.issuperset(self.pool.ready(model)):
                     skip.add(id(w))         # bound to endpoints of its own: the others may serve the rest
                     continue
                 return
