@@ -8,6 +8,7 @@ import contextlib
 import aiohttp
 
 from routers.session import encode_session_id
+from enginesim.faults import parse_fault
 from tests.support.enginesim import restart_sim
 from tests.support.factories import model_block
 from tests.support.metrics import metric
@@ -139,3 +140,31 @@ async def test_a_cache_salt_keys_its_prompts_apart_on_the_approximate_index(sims
             _, data = await chat(s, gw.url, messages, **other)
             assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert await no_match() == 3
+
+
+async def test_a_retry_off_a_sessions_engine_counts_the_session_once_and_moves_it(sims, gateway):
+    """A session's turn kept on its engine, which fails it (a 500, retried elsewhere): the
+    request's session is counted once, kept, not again as gone at the retry's decision (the
+    engine is up and ready, only left out of this request's retry), and the session moves
+    with the turn to the engine that answered it."""
+    e, f = await sims("vllm", "m"), await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [e.url, f.url], strategy="prefix-cache")])
+    key = {"x-session-key": "agent-7"}
+
+    async def outcomes() -> tuple[float, ...]:
+        text = await gw.metrics_text()
+        return tuple(metric(text, "switchyard_routing_session_total", model="m", outcome=o)
+                     for o in ("kept", "overloaded", "gone"))
+    async with aiohttp.ClientSession() as s:
+        holder, _ = await chat(s, gw.url, [{"role": "user", "content": "hi 0"}], key)
+        sim = e if holder.endswith(f":{e.port}") else f
+        sim.engine.default_fault = parse_fault("status=500")
+        try:
+            moved, _ = await chat(s, gw.url, [{"role": "user", "content": "hi 1"}], key)
+        finally:
+            sim.engine.default_fault = parse_fault("")
+        assert moved != holder
+        assert await outcomes() == (1, 0, 0)
+        pod, _ = await chat(s, gw.url, [{"role": "user", "content": "hi 2"}], key)
+        assert pod == moved
+        assert await outcomes() == (2, 0, 0)
