@@ -7,8 +7,8 @@ import contextlib
 
 import aiohttp
 
-from routers.session import encode_session_id
 from enginesim.faults import parse_fault
+from routers.session import encode_session_id
 from tests.support.enginesim import restart_sim
 from tests.support.factories import model_block
 from tests.support.metrics import metric
@@ -168,3 +168,36 @@ async def test_a_retry_off_a_sessions_engine_counts_the_session_once_and_moves_i
         pod, _ = await chat(s, gw.url, [{"role": "user", "content": "hi 2"}], key)
         assert pod == moved
         assert await outcomes() == (2, 0, 0)
+
+
+async def test_a_responses_follow_up_bound_to_its_engine_is_not_counted_gone_for_its_session_header(sims, gateway):
+    """Engine-held Responses state: a follow-up goes to the engine holding its previous response,
+    whatever its x-session-key says. When the key's last turn went to the other engine (up, ready),
+    the follow-up is not counted gone (that engine is there), and the key moves with the turn."""
+    engines = [await sims("vllm", "m", enable_responses_store=True) for _ in range(2)]
+    gw = await gateway([model_block("m", "vllm", [e.url for e in engines], strategy="prefix-cache")])
+    key = {"x-session-key": "agent-9"}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/responses", json={"model": "m", "input": "one", "max_output_tokens": 2}) as r:
+            assert r.status == 200, await r.text()
+            owner, first = r.headers["target-pod"], await r.json()
+        ep = next(e for e in gw.gw.pool.endpoints() if e.name == owner)
+        pin = {"routing-strategy": "session-affinity", "x-session-id": encode_session_id(ep.address),
+               "x-sim-fault": "stall_before_first=inf"}
+        stuck = asyncio.create_task(chat(s, gw.url, [{"role": "user", "content": "block"}], pin))
+        try:
+            await until(lambda: ep.in_flight == 1, timeout=15)
+            other, _ = await chat(s, gw.url, [{"role": "user", "content": "hi"}], key)   # the least loaded
+        finally:
+            stuck.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await stuck
+        assert other != owner
+        await until(lambda: ep.in_flight == 0, timeout=15)
+        async with s.post(gw.url + "/v1/responses", headers=key, json={
+                "model": "m", "input": "two", "previous_response_id": first["id"], "max_output_tokens": 2}) as r:
+            assert r.status == 200, await r.text()
+            assert r.headers["target-pod"] == owner
+        assert metric(await gw.metrics_text(), "switchyard_routing_session_total", outcome="gone") == 0
+        pod, _ = await chat(s, gw.url, [{"role": "user", "content": "hi again"}], key)
+        assert pod == owner                      # the key went with the follow-up
