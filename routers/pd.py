@@ -45,7 +45,8 @@ continues a session (an ``x-session-key``/``x-session-id`` header, Messages' ``m
 its prompt's KV is, unless that prefill is gone or loaded beyond the prefill score's load filter
 (or a fast path moved the request elsewhere); the pair's decode is the best of that roleset. The
 decision's reason is ``session``, and the outcome is counted as ``prefix-cache`` counts its own
-(``kept``, ``overloaded``, ``gone``). A Responses ``previous_response_id`` names the engine that
+(``kept``, ``overloaded``, ``gone``; a ready prefill the candidates leave out, a retry's, is none of
+them: the request's first decision counted it). A Responses ``previous_response_id`` names the engine that
 answered (the decode), so P/D follows it by prefix match only.
 
 Settings: ``PDRouteSettings`` (routers/pd_settings.py), per model through ``ctx.pd_settings``.
@@ -262,6 +263,8 @@ class PDRouter(Router):
         if ep is None:
             return P, D
         if ep not in candidates:
+            if ep.ready:    # up, left out by the request itself (a retry off it): not the session's outcome
+                return P, D
             outcome = "gone"
         elif ep in P and ep.prefill_in_flight <= self._load_limit(P, cfg):
             same = [d for d in D if d.roleset == ep.roleset]

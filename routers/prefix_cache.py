@@ -22,7 +22,10 @@ least when the spread exceeds ``prefix_imbalance_abs``, and within mean + ``pref
 stddev over the candidates); the decision's reason is ``session``. Each such request is counted
 (``RouterContext.on_session``) as ``kept``, ``overloaded`` or ``gone``; in the last two cases the
 strategy decides as above. A Responses chain continued with another model (gateway state) starts
-a session of that model, neither kept nor counted. Every decision records the session's endpoint
+a session of that model, neither kept nor counted; so does a request whose candidates leave out a
+session endpoint that is ready (a retry off the engine that failed it, a follow-up bound to the
+engine holding its previous response): the request's first decision counted it, and the engine is
+not gone. Every decision records the session's endpoint
 (``prefix_session`` turns this off).
 
 The load (``prefix_load``): ``local`` is this gateway's in-flight count, plus what other replicas
@@ -185,6 +188,8 @@ class PrefixCacheRouter(ScoringRouter):
             return None
         load = by_ep.get(ep)
         if load is None:
+            if ep.ready:    # up, left out by the request itself: a retry off it, a follow-up bound elsewhere
+                return None
             outcome = "gone"
         elif (high - low > self.imbalance_abs and load > low) or load > self._limit(loads):
             outcome = "overloaded"

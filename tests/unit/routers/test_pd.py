@@ -259,8 +259,13 @@ def test_a_session_goes_back_to_its_prefill_unless_it_is_overloaded_or_gone():
     rest = [e for e in (p1, d1, p2, d2, p5, d5) if e.roleset != moved.roleset]
     for e in rest:
         e.prefill_in_flight = 0
-    d = r.route(_session_req("agent-1"), rest)
-    assert d.prefill is not moved and outcomes[-1] == "gone"
+    n = len(outcomes)
+    d = r.route(_session_req("agent-1"), rest)      # up and ready, left out (a retry off it): not counted
+    assert d.prefill is not moved and len(outcomes) == n
+    moved = d.prefill
+    moved.healthy = False                           # down: gone
+    d = r.route(_session_req("agent-1"), [e for e in (p1, d1, p2, d2, p5, d5, p7, d7) if e.roleset != moved.roleset])
+    assert d.prefill is not moved and outcomes[-1] == "gone" and len(outcomes) == n + 1
 
 
 @pytest.mark.parametrize("settings, pd", [({"prefix_session": False}, {}),

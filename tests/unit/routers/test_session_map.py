@@ -118,8 +118,13 @@ def test_a_session_goes_where_it_went_last_unless_overloaded_or_gone():
     assert d.endpoint is not first.endpoint and d.reason == "" and outcomes[-1] == "overloaded"
     moved = d.endpoint                    # the session follows the new decision
     others = [ep for ep in eps if ep is not moved]
+    n = len(outcomes)
     d = r.route(inference_request("and again", session_key="agent-1"), others)
-    assert d.endpoint is not moved and outcomes[-1] == "gone"
+    assert d.endpoint is not moved and len(outcomes) == n      # ready, left out (a retry off it): not counted
+    moved = d.endpoint
+    moved.healthy = False                 # down: gone
+    d = r.route(inference_request("once more", session_key="agent-1"), [ep for ep in eps if ep is not moved])
+    assert d.endpoint is not moved and outcomes[-1] == "gone" and len(outcomes) == n + 1
 
 
 def test_session_preference_can_be_turned_off():
