@@ -212,3 +212,18 @@ def test_a_weighted_list_leaves_its_parts_learning_for_later():
     assert ctx.prefix_index.match(make_req(SYSTEM), eps) == dict.fromkeys(eps, 0.0)
     decision.learn()
     assert ctx.prefix_index.match(make_req(SYSTEM), eps)[decision.endpoint] == 100.0
+
+
+def test_one_request_beside_idle_endpoints_is_not_past_the_deviation_guard():
+    """On 11 endpoints or more the deviation guard is relative whatever the loads: one request on
+    the holder beside idle endpoints is above mean + 3 sample stddevs (12 endpoints: 1 > 0.08 +
+    3 × 0.29). A load within one request of the mean is no sign of overload: the holder (and a
+    session's endpoint) keeps its conversation; three requests there are past it still."""
+    router, index, _, fallbacks = setup()
+    eps = make_eps(12, in_flight=[1] + [0] * 11)
+    index.insert(make_req(SYSTEM), eps[0])
+    assert router.route(make_req(SYSTEM + "user: and then? " * 3), eps).endpoint is eps[0]
+    assert not fallbacks
+    eps[0].in_flight = 3                                  # 3 > 0.25 + 3 × 0.87: overloaded
+    assert router.route(make_req(SYSTEM + "user: and now? " * 3), eps).endpoint is not eps[0]
+    assert fallbacks[("prefix-cache", "overloaded")] == 1

@@ -178,3 +178,13 @@ def test_forgetting_an_endpoint_drops_its_sessions_not_its_responses_lineage():
     # where the gateway holds the responses, their lineage is a session like any other
     assert m.forget(eps[0], lineage=True) == 1
     assert m.entry(RESPONSE + "resp_1") is None and m.get("m\0s:b") is eps[1]
+
+
+def test_a_session_stays_on_an_endpoint_running_one_request_beside_idle_ones():
+    """Twelve endpoints, the session's running one request and the others idle: not overloaded
+    (one request above the mean), so the session is kept there."""
+    r, eps, outcomes, _ = _router([0] * 12)
+    first = r.route(inference_request("hi", session_key="agent-1"), eps).endpoint
+    first.in_flight = 1
+    d = r.route(inference_request("hello", session_key="agent-1"), eps)
+    assert d.endpoint is first and outcomes == ["kept"]
