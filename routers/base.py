@@ -86,7 +86,7 @@ class RoutingSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     prefix_index_blocks: Annotated[_Count, msgspec.Meta(description="Capacity of the prefix index in blocks, all models together; the least recently used are forgotten.")] = 131072
     prefix_idle_ttl_s: Annotated[_Seconds, msgspec.Meta(description="A block no request touched for this long is forgotten, in seconds.")] = 1200.0
     prefix_imbalance_abs: Annotated[_Count, msgspec.Meta(description="prefix-cache: when the in-flight spread (most minus least) exceeds this, only the least loaded endpoints are considered.")] = 8
-    prefix_std_factor: Annotated[_Seconds, msgspec.Meta(description="prefix-cache: an endpoint holding the prefix is chosen only if its load is at most mean + this x standard deviation.")] = 3.0
+    prefix_std_factor: Annotated[_Seconds, msgspec.Meta(description="prefix-cache: an endpoint holding the prefix (or a session) is chosen only if its load is at most mean + this x standard deviation, or at most mean + 1.")] = 3.0
     # the load prefix-cache's guards compare: "local" = this gateway's in-flight (plus replicas'
     # published through shared state); "fleet" = that plus the other gateways' requests the engine
     # reported at its last fresh scrape (running + waiting beyond this gateway's own)

@@ -10,7 +10,8 @@ The router (AIBrix ``prefix-cache`` semantics, aibrix-gateway.md §1.4):
    the least-loaded endpoints are considered (the load: see below);
 2. among endpoints holding a prefix: highest match first, then least loaded (random among equals);
    the first whose in-flight is within mean + ``prefix_std_factor`` · stddev (sample stddev over the
-   considered endpoints) wins — a hot prefix cannot pile onto one engine;
+   considered endpoints), or within one request of the mean, wins — a hot prefix cannot pile onto
+   one engine;
 3. otherwise least-request; the reason is counted (``no_match``, ``short_prompt``, ``overloaded``,
    and ``load_imbalance`` when step 1 cut the candidates);
 4. the chosen endpoint is recorded for every block of the prompt.
@@ -200,13 +201,17 @@ class PrefixCacheRouter(ScoringRouter):
         return None
 
     def _limit(self, loads: list[float]) -> float:
-        """mean + std_factor · sample stddev of ``loads``. A load is an engine's own count under
-        ``fleet``, whatever it reports: squared as a product, a huge one (1e200 running, a broken
-        exporter) makes an infinite limit, where ``** 2`` raised OverflowError and failed the request."""
+        """mean + std_factor · sample stddev of ``loads``, and at least mean + 1: a load within one
+        request of the mean is no sign of overload, where on 11 endpoints or more (the guard turns
+        nothing away on fewer, with the default 3) one request beside idle endpoints was past it,
+        whatever the scale, and a conversation left its cache for an idle engine. A load is an
+        engine's own count under ``fleet``, whatever it reports: squared as a product, a huge one
+        (1e200 running, a broken exporter) makes an infinite limit, where ``** 2`` raised
+        OverflowError and failed the request."""
         k = len(loads)
         mean = sum(loads) / k
         std = math.sqrt(sum((x - mean) * (x - mean) for x in loads) / (k - 1)) if k > 1 else 0.0
-        return mean + self.std_factor * std
+        return mean + max(self.std_factor * std, 1.0)
 
     def _decide(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> tuple[Endpoint, float | None, str]:
         """The endpoint, its match percentage when it was chosen for its match (or its session),
