@@ -280,3 +280,20 @@ def test_pd_session_preference_follows_the_prefix_session_setting_and_the_policy
         d = r.route(_session_req("agent-1", tokens=100 + i), [p1, d1, p2, d2])
         assert "session" not in d.reason
     assert outcomes == []
+
+
+def test_a_session_stays_on_a_prefill_running_one_prefill_beside_idle_ones():
+    """Six rolesets, the session's prefill running one prefill and the others idle: one above the
+    mean is no overload (the filter, mean + 2 population stddevs, is 0.91 there), so the session
+    keeps its prefill; three there are past it still."""
+    eps = [e for i in range(6) for e in (ep(2 * i + 1, "prefill", f"r{i}"), ep(2 * i + 2, "decode", f"r{i}"))]
+    r = PDRouter(RouterContext(rng=random.Random(1), pd_settings=lambda m: PDRouteSettings()))
+    outcomes = []
+    object.__setattr__(r.ctx, "on_session", lambda model, outcome: outcomes.append(outcome))
+    first = r.route(_session_req("agent-1"), eps).prefill
+    first.prefill_in_flight = 1
+    d = r.route(_session_req("agent-1", tokens=200), eps)
+    assert d.prefill is first and d.reason == "session" and outcomes == ["kept"]
+    first.prefill_in_flight = 3                    # 3 > 0.5 + 2 x 1.12
+    d = r.route(_session_req("agent-1", tokens=300), eps)
+    assert d.prefill is not first and outcomes[-1] == "overloaded"
