@@ -43,7 +43,7 @@ Sessions: with the ``prefix_cache`` prefill policy and ``routing.prefix_session`
 continues a session (an ``x-session-key``/``x-session-id`` header, Messages' ``metadata.user_id``;
 ``routers.session_map.session_of``) goes to the prefill that served the session's last turn, where
 its prompt's KV is, unless that prefill is gone or loaded beyond the prefill score's load filter
-(or a fast path moved the request elsewhere); the pair's decode is the best of that roleset. The
+and more than one prefill above the mean (or a fast path moved the request elsewhere); the pair's decode is the best of that roleset. The
 decision's reason is ``session``, and the outcome is counted as ``prefix-cache`` counts its own
 (``kept``, ``overloaded``, ``gone``; a ready prefill the candidates leave out, a retry's, is none of
 them: the request's first decision counted it). A Responses ``previous_response_id`` names the engine that
@@ -73,6 +73,14 @@ def in_bucket(ep: Endpoint, n: int) -> bool:
     if hi and lo > hi:
         return False
     return n >= lo and (hi == 0 or n <= hi)
+
+
+def _mean_prefills(P: Sequence[Endpoint]) -> float:
+    """The prefills' mean count of prefills in flight. A session's prefill within one of it is
+    not overloaded, whatever the load filter says: on six prefills or more the filter (mean + 2
+    population stddevs) is relative whatever the scale, and one prefill beside idle ones was past
+    it, so the session went to an idle prefill without its cache."""
+    return sum(p.prefill_in_flight for p in P) / len(P)
 
 
 def _in_flight(ep: Endpoint) -> int:
@@ -266,7 +274,7 @@ class PDRouter(Router):
             if ep.ready:    # up, left out by the request itself (a retry off it): not the session's outcome
                 return P, D
             outcome = "gone"
-        elif ep in P and ep.prefill_in_flight <= self._load_limit(P, cfg):
+        elif ep in P and ep.prefill_in_flight <= max(self._load_limit(P, cfg), _mean_prefills(P) + 1):
             same = [d for d in D if d.roleset == ep.roleset]
             if same:
                 self.ctx.on_session(req.model, "kept")
