@@ -851,6 +851,32 @@ async def test_a_header_section_over_its_total_bound_is_a_431_at_the_edge_and_re
 
 
 @on_both_loops
+async def test_a_head_that_outgrows_its_total_bound_before_its_end_is_a_431_at_once():
+    """The header section's bound holds while the head is still coming: a client that sends field
+    after field (each within ``server.max_header_bytes``, their count within ``server.max_headers``)
+    and never ends its head is answered 431 once its bytes pass what a head within
+    ``server.max_header_total_bytes`` may hold, and the connection closes; the gateway does not
+    hold its 1.6 MB until ``server.header_timeout_s``, nor a thousand such clients' 1.6 GB. A head
+    within the bound that comes in pieces is served."""
+    async with edge_gateway(**{**SERVER, "header_timeout_s": 60.0}) as gw:
+        head = b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+        fields = [b"X-Big-%d: %s\r\n" % (i, b"a" * 10000) for i in range(30)]
+        for parts in ([head + b"".join(fields)], [head, *fields]):
+            ex = await exchange(gw.port, *parts, pause=0.01, wait=20.0)
+            [resp] = ex.responses
+            err = assert_openai_error(resp, 431)
+            assert err["code"] == "header_too_large" and "server.max_header_total_bytes" in err["message"], err
+            assert resp.headers["connection"].lower() == "close" and ex.closed
+        assert await gw.received() == []
+        assert gw.timeouts("header") == 0
+        assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
+        under = [b"X-Big-%d: %s\r\n" % (i, b"a" * 5000) for i in range(12)]
+        body_head = b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(BODY)
+        ex = await exchange(gw.port, head, *under, body_head + BODY, pause=0.01, wait=20.0)
+        assert [r.status for r in ex.responses] == [200], ex.responses[0].body[:300]
+
+
+@on_both_loops
 async def test_a_408_to_a_body_still_coming_is_read_whole_by_its_client():
     """A body that comes too slowly (``server.body_total_timeout_s`` passes while the client is
     still sending it) gets its 408 and the connection closes lingering, as other refusals of a
