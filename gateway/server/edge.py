@@ -219,6 +219,11 @@ ACCEPT_ENCODING = ", ".join(DECODED_CODINGS)
 # content-encoding: brotli (br). Please install `Brotli`"
 _NO_DECODER = re.compile(r"content-encoding: [^()]* \(([a-z0-9-]+)\)")
 
+# the bytes a request head may hold beyond its request line and the header section
+# ``server.max_header_total_bytes`` counts: the empty lines before its request line, the whitespace
+# around its field values, its last empty line (``EdgeLimits.head_bytes``)
+HEAD_SLACK = 4096
+
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large", 414: "URI Too Long",
             431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable",
             504: "Gateway Timeout"}
@@ -246,6 +251,15 @@ class EdgeLimits:
     @classmethod
     def from_config(cls, server: Any) -> EdgeLimits:
         return cls(**{name: getattr(server, name) for name in cls.__dataclass_fields__ if hasattr(server, name)})
+
+    @property
+    def head_bytes(self) -> int:
+        """The most bytes of a request head the edge reads before its end (0: no bound but the
+        parser's, ``max_headers`` fields of ``max_header_bytes``): a request line, a header section
+        within ``max_header_total_bytes`` and ``HEAD_SLACK`` bytes of the whitespace the total does not
+        count. A head still coming past it is refused with 431 (``EdgeProtocol._e_head_too_large``)."""
+        total = self.max_header_total_bytes
+        return self.max_header_bytes + total + HEAD_SLACK if total else 0
 
     def handler_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for aiohttp's ``RequestHandler`` (through the runner)."""
@@ -534,7 +548,7 @@ def _unframed(request: web.BaseRequest, resp: web.StreamResponse) -> bool:
 class EdgeProtocol(web.RequestHandler):
     """aiohttp's HTTP/1.1 server protocol, with the edge's clocks, cap and error shape."""
 
-    __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_timer_at", "_e_stall", "_e_taken", "_e_rx_head",
+    __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_timer_at", "_e_stall", "_e_taken", "_e_rx_head", "_e_head_rx",
                  "_e_pipelined", "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
                  "_e_read_paused", "_e_framed", "_e_framed_from", "_e_loop", "_e_line", "_e_heads", "_e_unparsed", "_e_head_at", "_lane", "_lane_held", "_lane_server",
                  "_lane_part", "_lane_task", "_lane_next", "_lane_wake", "_lane_parse", "_lane_request", "_e_linger")
@@ -551,6 +565,7 @@ class EdgeProtocol(web.RequestHandler):
         self._e_stall: asyncio.TimerHandle | None = None
         self._e_taken = -1              # the bytes the client had taken when the stall bound was set (-1: not known)
         self._e_rx_head = False         # a byte of the awaited head arrived
+        self._e_head_rx = 0             # the bytes of it read so far (``EdgeLimits.head_bytes``)
         self._e_pipelined = False       # bytes of a next request arrived while the handler ran
         self._e_started = 0             # requests handed to the handler
         self._e_request: web.BaseRequest | None = None
@@ -681,6 +696,11 @@ class EdgeProtocol(web.RequestHandler):
             self._e_feed(data)
             if self._e_parsed != parsed:
                 self._e_phase = _READY      # the handler starts on the next loop iteration
+            else:
+                self._e_head_rx += len(data)
+                bound = self._edge.limits.head_bytes
+                if bound and self._e_head_rx > bound:
+                    self._e_head_too_large()
             return
         if phase == _BODY:
             payload = self._e_payload
@@ -1157,6 +1177,7 @@ class EdgeProtocol(web.RequestHandler):
         self._e_phase = _HEAD
         self._e_head_at = now
         self._e_rx_head = False
+        self._e_head_rx = 0
         if self._edge.limits.header_timeout_s:
             self._e_arm(now + self._edge.limits.header_timeout_s)
 
@@ -1336,6 +1357,24 @@ class EdgeProtocol(web.RequestHandler):
         # a body's client may still be sending it (one too slow in all is, most often): the answer
         # is read whole before the close; a head's, which sent too little, closes at once
         self._e_close(linger=answer and reason != "header")
+
+    def _e_head_too_large(self) -> None:
+        """A head still coming past ``EdgeLimits.head_bytes``: more than a head whose header section
+        is within ``server.max_header_total_bytes`` holds. Answered 431 as a whole head over the bound
+        is (``headers_too_large``), at once rather than when it ends or its clock runs out: the parser
+        holds every byte of a head until its end, up to ``max_headers`` fields of ``max_header_bytes``
+        (1.6 MB by default) a connection. The client may still be sending it: the close lingers."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        edge = self._edge
+        limit = edge.limits.max_header_total_bytes
+        edge.metrics.protocol_errors.labels("431").inc()
+        message = f"the request's header fields are larger than {limit} bytes in all (server.max_header_total_bytes)"
+        rid = request_id_from(None)
+        path = self._e_line_path()
+        self.transport.write(error_response_bytes(431, message, code="header_too_large", request_id=rid, path=path))
+        self._e_logged(rid, None, self._e_line_method(), path, 431, message)
+        self._e_close(linger=True)
 
     def _e_close(self, linger: bool = False) -> None:
         """Close as aiohttp's own keep-alive timer does (the transport flushes what was written,
