@@ -15,9 +15,11 @@ import logging
 
 import orjson
 import pytest
+from aiohttp import web
 
 from gateway.server.edge import CHUNK_FRAMING_SLACK, EdgeProtocol
 from tests.support.edge import assert_openai_error, edge_gateway, exchange, parse_responses, request
+from tests.support.fake_engine import fake_engine
 from tests.support.loops import on_both_loops
 from tests.support.waiting import wait_for
 
@@ -874,6 +876,51 @@ async def test_a_head_that_outgrows_its_total_bound_before_its_end_is_a_431_at_o
         body_head = b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(BODY)
         ex = await exchange(gw.port, head, *under, body_head + BODY, pause=0.01, wait=20.0)
         assert [r.status for r in ex.responses] == [200], ex.responses[0].body[:300]
+
+
+@on_both_loops
+async def test_a_head_pipelined_behind_a_running_request_is_not_read_past_its_bound_and_gets_a_431_at_its_turn():
+    """A head that comes behind a request still running (here on aiohttp's path: a chunked body) is
+    read only up to what a head within ``server.max_header_total_bytes`` holds: then the gateway
+    stops reading the connection, the client's bytes wait in its socket, and once the answer before
+    it is out the head is answered 431 and the connection closed, not left for its clock to run out."""
+    release = asyncio.Event()
+
+    async def chat(req: web.Request) -> web.StreamResponse:
+        await req.read()
+        await release.wait()
+        return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]})
+
+    async with fake_engine(chat) as url, edge_gateway(endpoint=url, **{**SERVER, "header_timeout_s": 60.0}) as gw:
+        first = (b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY))
+        head = b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\n" + b"".join(
+            b"X-Big-%d: %s\r\n" % (i, b"a" * 10000) for i in range(30))
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        try:
+            writer.write(first + head)
+            await writer.drain()
+
+            def stopped() -> bool:
+                served = [t.get_coro().cr_frame.f_locals["self"] for t in _edge_connections_served()]
+                return len(served) == 1 and served[0].transport is not None and not served[0].transport.is_reading()
+
+            assert await wait_for(stopped, timeout=10.0, interval=0.01)
+            release.set()
+            data = b""
+            async with asyncio.timeout(20.0):
+                while chunk := await reader.read(65536):
+                    data += chunk
+        finally:
+            release.set()
+            writer.close()
+        got, _ = parse_responses(data, eof=True)
+        assert [r.status for r in got] == [200, 431], data[:500]
+        err = assert_openai_error(got[1], 431)
+        assert err["code"] == "header_too_large" and "server.max_header_total_bytes" in err["message"], err
+        assert gw.timeouts("header") == 0
+        assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
 
 
 @on_both_loops
