@@ -732,7 +732,18 @@ class EdgeProtocol(web.RequestHandler):
                 return
             self._e_pipelined = True
         self._e_keep(data)              # the head of a next request
+        parsed = self._e_parsed
         self._e_feed(data)
+        if phase == _BUSY and parsed == self._e_started:
+            if self._e_parsed != parsed:    # it came whole: its answer is its own (``headers_too_large``)
+                self._e_head_rx = 0
+                return
+            self._e_head_rx += len(data)    # all of it the next head's, so far
+            bound = self._edge.limits.head_bytes
+            if bound and self._e_head_rx > bound and self.transport is not None:
+                # no more of it is read while the request before it runs: at its turn it is
+                # answered 431 (``_e_after_request``), the parser holding no more than this
+                self.transport.pause_reading()
 
     def _e_keep(self, data: bytes) -> None:
         """The first bytes of the head aiohttp parses (``_e_line``), without the empty lines before
@@ -1061,6 +1072,7 @@ class EdgeProtocol(web.RequestHandler):
         self._e_started += 1
         self._e_pipelined = False
         self._e_rx_head = False
+        self._e_head_rx = 0
         self._e_request = request
         self._e_payload = payload
         self._e_unparsed = unparsed
@@ -1163,8 +1175,13 @@ class EdgeProtocol(web.RequestHandler):
             self._e_phase = _READY      # a head read while the last one ran: its turn starts now
             self._e_head_at = self._e_loop.time()
         elif self._e_pipelined:         # part of the next head is here already: its clock starts now
+            held = self._e_head_rx
             self._e_enter_head(self._e_loop.time())
             self._e_rx_head = True
+            self._e_head_rx = held
+            bound = self._edge.limits.head_bytes
+            if bound and held > bound:
+                self._e_head_too_large()
         else:
             self._e_phase = _IDLE
             keepalive = self._edge.limits.keepalive_timeout_s
