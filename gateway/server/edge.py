@@ -19,6 +19,11 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   acknowledgements, ``_taken``: one that reads, however slowly, is given the bound again) the transport is aborted, which cancels the
   handler exactly as a client disconnect does, so the upstream leg is closed or aborted. A
   client that keeps up never pauses the transport and pays nothing per chunk.
+- **Heads that do not end.** The parser holds every byte of a head until its end, up to
+  ``max_headers`` fields of ``max_header_bytes`` (1.6 MB by default); ``max_header_total_bytes``
+  is checked on a whole head. A head still coming past ``EdgeLimits.head_bytes`` (the request line,
+  that bound and ``HEAD_SLACK``) is answered 431 at once (``_e_head_too_large``); one pipelined
+  behind a running request stops the connection's reading there and is answered at its turn.
 - **The connection cap.** Over ``max_connections`` a new connection is closed at once, before
   a byte is read: there is no request yet to answer, and the cap exists to protect file
   descriptors and memory exactly when they are short. The cap in force is the lower of
