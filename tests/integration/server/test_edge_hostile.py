@@ -10,6 +10,7 @@ default event loop and on uvloop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import logging
 
@@ -920,6 +921,53 @@ async def test_a_head_pipelined_behind_a_running_request_is_not_read_past_its_bo
         err = assert_openai_error(got[1], 431)
         assert err["code"] == "header_too_large" and "server.max_header_total_bytes" in err["message"], err
         assert gw.timeouts("header") == 0
+        assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
+
+
+@on_both_loops
+async def test_half_a_head_behind_a_queued_request_gets_its_408_or_431_at_its_turn():
+    """A request runs, a second one waits its turn whole behind it, and a third one's head comes in
+    part: once the second is answered, the third's head clock runs (a 408 after
+    ``server.header_timeout_s``), and a head past its bound is not read on meanwhile and is a 431,
+    as for a head right behind the running request. Whether the second came in the same read as
+    the third's first bytes or apart."""
+    release = asyncio.Event()
+
+    async def chat(req: web.Request) -> web.StreamResponse:
+        await req.read()
+        await release.wait()
+        return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]})
+
+    first = (b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+             b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY))
+    second = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    third = b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nX-A: b\r\n"
+    big = b"".join(b"X-Big-%d: %s\r\n" % (i, b"a" * 10000) for i in range(30))
+    settings = {**SERVER, "header_timeout_s": 0.5, "keepalive_timeout_s": 60.0}
+    async with fake_engine(chat) as url, edge_gateway(endpoint=url, **settings) as gw:
+        for parts, status in (([second + third], 408), ([second, third], 408), ([second + third + big], 431)):
+            release.clear()
+            reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+            try:
+                writer.write(first)
+                for part in parts:
+                    await asyncio.sleep(0.05)
+                    writer.write(part)
+                await writer.drain()
+                await asyncio.sleep(0.1)
+                release.set()
+                data = b""
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(20.0):
+                        while chunk := await reader.read(65536):
+                            data += chunk
+            finally:
+                release.set()
+                writer.close()
+            got, _ = parse_responses(data, eof=True)
+            assert [r.status for r in got] == [200, 200, status], (status, data[-400:])
+            assert_openai_error(got[2], status)
         assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
 
 
