@@ -553,7 +553,7 @@ def _unframed(request: web.BaseRequest, resp: web.StreamResponse) -> bool:
 class EdgeProtocol(web.RequestHandler):
     """aiohttp's HTTP/1.1 server protocol, with the edge's clocks, cap and error shape."""
 
-    __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_timer_at", "_e_stall", "_e_taken", "_e_rx_head", "_e_head_rx",
+    __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_timer_at", "_e_stall", "_e_taken", "_e_rx_head", "_e_head_rx", "_e_next_head",
                  "_e_pipelined", "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
                  "_e_read_paused", "_e_framed", "_e_framed_from", "_e_loop", "_e_line", "_e_heads", "_e_unparsed", "_e_head_at", "_lane", "_lane_held", "_lane_server",
                  "_lane_part", "_lane_task", "_lane_next", "_lane_wake", "_lane_parse", "_lane_request", "_e_linger")
@@ -571,6 +571,7 @@ class EdgeProtocol(web.RequestHandler):
         self._e_taken = -1              # the bytes the client had taken when the stall bound was set (-1: not known)
         self._e_rx_head = False         # a byte of the awaited head arrived
         self._e_head_rx = 0             # the bytes of it read so far (``EdgeLimits.head_bytes``)
+        self._e_next_head = False       # bytes of a head after the last request parsed are the parser's
         self._e_pipelined = False       # bytes of a next request arrived while the handler ran
         self._e_started = 0             # requests handed to the handler
         self._e_request: web.BaseRequest | None = None
@@ -739,16 +740,21 @@ class EdgeProtocol(web.RequestHandler):
         self._e_keep(data)              # the head of a next request
         parsed = self._e_parsed
         self._e_feed(data)
-        if phase == _BUSY and parsed == self._e_started:
-            if self._e_parsed != parsed:    # it came whole: its answer is its own (``headers_too_large``)
-                self._e_head_rx = 0
-                return
-            self._e_head_rx += len(data)    # all of it the next head's, so far
-            bound = self._edge.limits.head_bytes
-            if bound and self._e_head_rx > bound and self.transport is not None:
-                # no more of it is read while the request before it runs: at its turn it is
-                # answered 431 (``_e_after_request``), the parser holding no more than this
-                self.transport.pause_reading()
+        if self._e_parsed != parsed:        # a head came whole: its answer is its own (``headers_too_large``)
+            self._e_head_rx = 0
+            self._e_next_head = False
+            return
+        messages = self._messages
+        if messages and not messages[-1][1].is_eof():
+            return                          # the body of a request waiting its turn
+        # the parser is between requests: all of these bytes are the next head's, so far
+        self._e_next_head = True
+        self._e_head_rx += len(data)
+        bound = self._edge.limits.head_bytes
+        if bound and self._e_head_rx > bound and self.transport is not None:
+            # no more of it is read while the requests before it run: at its turn it is answered
+            # 431 (``_e_after_request``), the parser holding no more than this
+            self.transport.pause_reading()
 
     def _e_keep(self, data: bytes) -> None:
         """The first bytes of the head aiohttp parses (``_e_line``), without the empty lines before
@@ -1075,9 +1081,7 @@ class EdgeProtocol(web.RequestHandler):
         """Called by ``EdgeServer``'s request factory as the handler is about to run; ``unparsed``:
         the request stands for a head or body aiohttp could not parse (its handler is ``handle_error``)."""
         self._e_started += 1
-        self._e_pipelined = False
         self._e_rx_head = False
-        self._e_head_rx = 0
         self._e_request = request
         self._e_payload = payload
         self._e_unparsed = unparsed
@@ -1086,6 +1090,13 @@ class EdgeProtocol(web.RequestHandler):
         if not unparsed:                # its head parsed: the next head's bytes are kept anew (or were: ``_e_feed``)
             heads = self._e_heads
             self._e_line = heads.pop(self._e_started + 1, b"") if heads else b""
+        # part of the head after this request came while the one before it ran (with this one, or
+        # after it): the next head is coming already, its clock runs once this one is answered
+        self._e_pipelined = (self._e_next_head or bool(self._e_line) and not unparsed) \
+            and self._e_parsed == self._e_started
+        if not self._e_pipelined:
+            self._e_head_rx = 0
+        self._e_next_head = False
         if payload.is_eof():
             self._e_phase = _BUSY
             return
@@ -1200,6 +1211,7 @@ class EdgeProtocol(web.RequestHandler):
         self._e_head_at = now
         self._e_rx_head = False
         self._e_head_rx = 0
+        self._e_next_head = False
         if self._edge.limits.header_timeout_s:
             self._e_arm(now + self._edge.limits.header_timeout_s)
 

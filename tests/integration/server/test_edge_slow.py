@@ -380,15 +380,17 @@ async def test_empty_lines_between_requests_are_no_next_request_and_start_no_hea
             last = request("POST", target, BODY, close=True)
             runs.append(exchange(gw.port, first + b"\r\n", last, pause=0.4))
             runs.append(exchange(gw.port, first, b"\r\n\r\n", last, pause=0.4))
-        # and the line end that completes a head whose start came behind the request before it is
-        # the head's, not an empty line to drop
-        health = request("GET", "/health")
-        runs.append(exchange(gw.port, health + health[:-2], b"\r\n", request("GET", "/health", close=True),
-                             pause=0.2))
         exchanges = await asyncio.gather(*runs)
         for ex in exchanges:
-            want = [200, 200, 200] if ex is exchanges[-1] else [200, 200]
-            assert [r.status for r in ex.responses] == want, [r.body[:200] for r in ex.responses]
+            assert [r.status for r in ex.responses] == [200, 200], [r.body[:200] for r in ex.responses]
             assert ex.closed and not ex.trailing
         assert gw.timeouts("header") == 0
         assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
+    # and the line end that completes a head whose start came behind the request before it is the
+    # head's, not an empty line to drop (that head's clock runs from the answer before it: a long one)
+    async with edge_gateway(keepalive_timeout_s=30.0, header_timeout_s=30.0) as gw:
+        health = request("GET", "/health")
+        ex = await exchange(gw.port, health + health[:-2], b"\r\n", request("GET", "/health", close=True),
+                            pause=0.2)
+        assert [r.status for r in ex.responses] == [200, 200, 200], [r.body[:200] for r in ex.responses]
+        assert ex.closed and not ex.trailing
