@@ -944,7 +944,7 @@ async def test_half_a_head_behind_a_queued_request_gets_its_408_or_431_at_its_tu
     second = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
     third = b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nX-A: b\r\n"
     big = b"".join(b"X-Big-%d: %s\r\n" % (i, b"a" * 10000) for i in range(30))
-    settings = {**SERVER, "header_timeout_s": 0.5, "keepalive_timeout_s": 60.0}
+    settings = {**SERVER, "header_timeout_s": 0.2, "keepalive_timeout_s": 60.0}
     async with fake_engine(chat) as url, edge_gateway(endpoint=url, **settings) as gw:
         for parts, status in (([second + third], 408), ([second, third], 408), ([second + third + big], 431)):
             release.clear()
