@@ -10,6 +10,7 @@ import threading
 import time
 from functools import partial
 
+import aiohttp
 import openai
 import orjson
 import pytest
@@ -1029,6 +1030,47 @@ async def test_a_background_response_holds_its_endpoint_until_it_ends_on_its_eng
     assert await wait_for(lambda: len(queue(gw)) == 1 or after.done())
     assert not after.done()
     assert (await client.responses.cancel(bg.id)).status == "cancelled"
+    assert (await after)[0] == 200           # served once the poll found the response ended
+    assert await wait_for(lambda: ep.in_flight == 0)
+    assert gw.gw.admission._models["m"].granted == 0
+
+
+@pytest.mark.parametrize("tenants", [False, True], ids=["anonymous", "user_with_limits"])
+async def test_a_background_stream_its_client_left_holds_its_endpoint_until_it_ends_on_its_engine(
+        sims, gateway, tenants):
+    """A ``background: true`` stream whose client leaves goes on on its engine (vLLM does not cancel
+    it): it stays one of the gateway's requests on that endpoint after its request settles, so with
+    ``max_in_flight_per_endpoint: 1`` the next request waits in the queue until the gateway's poll
+    finds the response ended (here, cancelled). So too for a user whose limits hold its concurrency
+    slot meanwhile (the poll its settlement starts)."""
+    sim = await sims("vllm", "m", itl_ms=5.0, enable_responses_store=True)
+    blocks = {"auth": {"api_keys": [{"key": KEYS["alice"], "user": "alice"}]},
+              "limits": {"users": {"alice": {"tpm": 1_000_000, "max_concurrent": 4}}}} if tenants else {}
+    headers = {"Authorization": f"Bearer {KEYS['alice']}"} if tenants else {}
+    gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": "engine"},
+                       admission={"enabled": True, "max_in_flight_per_endpoint": 1, "initial_capacity": 8}, **blocks)
+    ended: list[int] = []
+    gw.gw.observers.append(lambda rec, _d: ended.append(rec.status))
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/responses", headers=headers, json={"model": "m", "input": "Tell me about switchyards.",
+                                                          "max_output_tokens": 5000, "background": True,
+                                                          "stream": True}) as r:
+            rid = None
+            async for line in r.content:
+                if line.startswith(b"data: ") and rid is None:
+                    rid = orjson.loads(line[6:]).get("response", {}).get("id")
+                if line.startswith(b"event: response.output_text.delta"):
+                    break
+            r.connection.transport.abort()           # gone; the engine goes on
+    assert rid
+    assert await wait_for(lambda: ended == [499])
+    ep = gw.gw.pool.endpoints("m")[0]
+    assert ep.in_flight == 1                 # going on on its engine after its client left
+    after = asyncio.create_task(post(gw.url, body(), headers))
+    assert await wait_for(lambda: len(queue(gw)) == 1 or after.done())
+    assert not after.done()
+    client = openai_client(gw, KEYS["alice"]) if tenants else openai_client(gw)
+    assert (await client.responses.cancel(rid)).status == "cancelled"
     assert (await after)[0] == 200           # served once the poll found the response ended
     assert await wait_for(lambda: ep.in_flight == 0)
     assert gw.gw.admission._models["m"].granted == 0
