@@ -143,5 +143,10 @@ class ApiShape:
         now); None: the model's 503, no ready endpoint."""
         return None
 
+    def ending(self, ctx: Any) -> None:
+        """As the request ends, whatever its outcome, before it gives back its place on its endpoint
+        (synchronous: no other request runs between): what goes on on the engine after it keeps
+        its own (the Responses API's background stream its client left)."""
+
     async def finish(self, ctx: Any) -> None:
         """After the answer is ready (a non-streaming body is not yet written)."""

@@ -119,6 +119,7 @@ class Exchange:
     owner: dict[str, Any] | None = None                  # the previous response's owner record (engine state)
     reshaped: bool = False                               # the answer's usage renamed (SGLang's chat usage)
     chain: list[str] = field(default_factory=list)       # item ids of the turns before (gateway-held history)
+    place: InFlight | None = None                        # a cut background stream's place, for its poll
 
 
 class ResponsesMetrics:
@@ -356,17 +357,52 @@ class ResponsesApi(ApiShape):
     def _owe_if_cut(self, ctx: RequestContext, rid: str, t: Ticket, charged: int, held: bool) -> bool:
         """A background stream settled: one cut before its terminal event (its client left, its
         connection to the engine broke) goes on on its engine, and owes the rest of its usage; it
-        is polled until it ends, keeping its concurrency slot (``held``) until then (True)."""
+        is polled until it ends, keeping its concurrency slot (``held``) until then (True), and the
+        place on its endpoint ``ending`` kept for it."""
         ex = ctx.api_state
-        if isinstance(ex, Exchange) and ex.scanner is not None and ex.scanner.done:
-            return False                    # its usage came with its end, and was charged
+        place = None
+        if isinstance(ex, Exchange):
+            place, ex.place = ex.place, None
+            if ex.scanner is not None and ex.scanner.done:
+                self._give_back(place)
+                return False                # its usage came with its end, and was charged
         owe = self._owe(rid, t, charged)
-        if ctx.decision is not None and self._start_watch(rid, ctx.decision.endpoint, t, held, owe):
+        if ctx.decision is not None and self._start_watch(rid, ctx.decision.endpoint, t, held, owe, place=place):
             return held
+        self._give_back(place)
         task = asyncio.get_running_loop().create_task(owe)
         self._early.add(task)
         task.add_done_callback(self._early.discard)
         return False
+
+    def ending(self, ctx: RequestContext) -> None:
+        """A background stream cut before its terminal event (its client left, its connection to
+        the engine broke) goes on on its engine: where admission control is on for its model it
+        keeps a place among the gateway's requests on its endpoint, taken here before its request
+        gives back its own, until the poll of it finds it ended. The poll is the one its user's
+        settlement starts (``_owe_if_cut``), or, with nothing of it for tenancy to hold or charge,
+        one started here for the place alone."""
+        ex, ireq, d = ctx.api_state, ctx.ireq, ctx.decision
+        if not isinstance(ex, Exchange) or ex.scanner is None or ex.scanner.done or ireq is None or d is None \
+                or ireq.data.get("background") is not True or self.admission is None:
+            return
+        rid = ex.scanner.response_id
+        if not rid or len(rid) > 200 or self.admission.settings(ireq.model) is None:
+            return
+        place = InFlight(d.endpoint)
+        t = ctx.http.get(TICKET) if self.tenancy is not None else None
+        if t is not None and t.settled is not None:
+            ex.place = place                # its settlement's poll takes it
+        elif not self._start_watch(rid, d.endpoint, None, False, place=place):
+            place.release()                 # before its request's own: the queue is pumped after both
+
+    def _give_back(self, place: InFlight | None) -> None:
+        """A background response's place on its endpoint, given back, and the queue pumped for it."""
+        if place is None or place.released:
+            return
+        place.release()
+        if self.admission is not None:      # room for the model's queue
+            self.admission.on_endpoint(place.endpoint)
 
     def stream_error(self, ctx: RequestContext, status: int, message: str, code: str | None) -> bytes:
         ex = self._exchange(ctx)
@@ -575,19 +611,22 @@ class ResponsesApi(ApiShape):
             t.held = False
 
     def _start_watch(self, rid: str, ep: Endpoint, t: Ticket | None, hold: bool,
-                     first: Awaitable[None] | None = None, occupy: bool = False) -> bool:
+                     first: Awaitable[None] | None = None, occupy: bool = False,
+                     place: InFlight | None = None) -> bool:
         """The poll of a background response still generating, started (True) unless a worker polls
         ``MAX_WATCHED`` already or there is nothing to hold or charge (no concurrency slot, no TPM
         window: its reads charge it; no place on its endpoint, ``occupy``, admission being off).
         ``first`` (its owed entry's write) is awaited before the poll. With ``occupy`` the response
         counts among the gateway's requests on ``ep`` until the poll ends, taken here, before its
-        request gives back its own."""
+        request gives back its own; ``place``, one taken already, is the poll's to give back once
+        it started (the caller's otherwise)."""
         if t is None or t.user is None:
             hold = False
         owes = t is not None and t.user is not None and (hold or (t.limits is not None and t.limits.tpm))
-        if len(self._watched) >= MAX_WATCHED or not (owes or occupy):
+        if len(self._watched) >= MAX_WATCHED or not (owes or occupy or place is not None):
             return False
-        place = InFlight(ep) if occupy else None
+        if place is None and occupy:
+            place = InFlight(ep)
         user = t.user if t is not None else None
         task = asyncio.get_running_loop().create_task(self._watch(rid, ep, user, hold, first, place, owes))
         self._watched.add(task)
@@ -630,10 +669,7 @@ class ResponsesApi(ApiShape):
                 first.close()               # cancelled (the gateway stopping) before it ran
             if hold and user is not None and self.tenancy is not None:
                 self.tenancy.release(user)
-            if place is not None:
-                place.release()
-                if self.admission is not None:      # room for the model's queue
-                    self.admission.on_endpoint(ep)
+            self._give_back(place)
 
     async def _poll_body(self, r: aiohttp.ClientResponse) -> bytes | None:
         """A poll's answer: the engine's 200 body, at most ``upstream.max_response_bytes`` of it."""

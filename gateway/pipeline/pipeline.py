@@ -179,6 +179,11 @@ class Pipeline:
                     self.lora.settle(ctx)
                 except Exception:                   # a bug here must not keep the request's charges
                     log.exception("lora settle failed", request_id=ctx.rec.request_id)
+            if ctx.api is not None:
+                try:                                # what goes on on the engine keeps its own place
+                    ctx.api.ending(ctx)
+                except Exception:                   # a bug here must not keep the request's charges
+                    log.exception("api ending failed", request_id=ctx.rec.request_id)
             ctx.charges.release()
             if model is not None:
                 self._leave(model, ctx)
