@@ -265,3 +265,83 @@ async def test_an_sglang_prefill_that_fails_once_its_decodes_answer_began_leaves
 
 async def _late_counted(gw) -> bool:
     return metric(await gw.metrics_text(), "switchyard_pd_prefill_failures_total", stage="after_response") == 1
+
+
+CHUNK = b'data: {"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,' \
+        b'"delta":{"content":"tok "},"finish_reason":null}]}\n\n'
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("shape", ["whole", "whole_broken", "stream", "stream_idle"])
+async def test_a_decode_that_sends_its_head_and_then_stalls_is_the_decodes_timeout(gateway, engine, shape):
+    """A decode that answers its head and then stalls (its body never comes, or a stream goes
+    silent after its first token) is the decode's failure, as docs/pd.md's failures table says:
+    a whole answer past ``response_timeout_s`` and a stream with no first token within
+    ``first_chunk_timeout_s`` are the 504 ``x-error-pd-decode: true`` whose message names the
+    decode endpoint, and an SGLang decode is sent ``/abort_request``; a stream silent past
+    ``idle_timeout_s`` ends with the ``upstream_timeout`` event whose message names it. A whole
+    answer whose connection breaks after some of its body is the 502 ``x-error-pd-decode: reset``
+    naming it. The log line's error names the decode too."""
+    stream = shape.startswith("stream")
+
+    async def prefill(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({**ANSWER, "kv_transfer_params": {"remote_engine_id": "p"}} if engine == "vllm"
+                                 else ANSWER)
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream" if stream else "application/json"})
+        if not stream:
+            resp.content_length = 1000
+        await resp.prepare(request)     # its head at once
+        if shape == "stream_idle":
+            await resp.write(CHUNK)
+        if shape == "whole_broken":     # some of its body, then its connection breaks
+            await resp.write(b'{"id":"d","object":"chat.')
+            await asyncio.sleep(0.05)
+            assert request.transport is not None
+            request.transport.abort()
+            return resp
+        for _ in range(500):            # then nothing, until the gateway lets go of it
+            if request.transport is None or request.transport.is_closing():
+                break
+            await asyncio.sleep(0.02)
+        return resp
+
+    aborted: list[str] = []
+
+    async def abort(request: web.Request) -> web.Response:
+        aborted.append(f"{request.host}")
+        return web.json_response({})
+
+    routes = (web.post("/abort_request", abort),)
+    async with fake_engine(prefill, routes=routes) as p, fake_engine(decode, routes=routes) as d:
+        pe = {"url": p, "bootstrap_port": 9} if engine == "sglang" else p
+        gw = await gateway([pd_model(engine, [{"name": "rs", "prefill": [pe], "decode": [d]}])],
+                           health={"interval_s": 60},
+                           watchdog={"first_chunk_timeout_s": 0.3, "response_timeout_s": 0.3, "idle_timeout_s": 0.3})
+        with gw.gw.request_log.capture() as lines:
+            st, hdrs, raw = await asyncio.wait_for(post(gw, body(stream=stream)), 20)
+        name = _pod(d)
+        if shape == "stream_idle":
+            assert st == 200, raw[:300]
+            last = orjson.loads(raw.rstrip().split(b"\n")[-1].removeprefix(b"data: "))
+            assert last["error"]["code"] == "upstream_timeout", last
+            message = last["error"]["message"]
+        elif shape == "whole_broken":
+            assert st == 502, raw[:300]
+            assert hdrs.get("x-error-pd-decode") == "reset" and "x-error-upstream" not in hdrs, dict(hdrs)
+            err = orjson.loads(raw)["error"]
+            assert err["code"] == "upstream_incomplete"
+            message = err["message"]
+        else:
+            assert st == 504, raw[:300]
+            assert hdrs.get("x-error-pd-decode") == "true" and "x-error-upstream" not in hdrs, dict(hdrs)
+            err = orjson.loads(raw)["error"]
+            assert err["code"] == "upstream_timeout"
+            message = err["message"]
+        assert message.startswith(f"decode endpoint {name}"), message
+        assert lines[0]["error"].startswith(f"decode endpoint {name}"), lines[0]
+        if engine == "sglang" and shape != "whole_broken":     # a stalled decode is told to drop the request
+            assert await until(lambda: name in aborted, timeout=10), aborted
