@@ -571,6 +571,8 @@ class PDOrchestrator:
             except GatewayError:        # a whole answer that broke: its prefill's failure closed it
                 if (failed := self._prefill_first(ctx, plan, resp)) is not None:
                     raise failed from None
+                if rec.watchdog is not None or rec.error_class == ErrorClass.UPSTREAM_TIMEOUT:
+                    self._abort_decode(ctx, plan)   # one that stalled after its head: stopped
                 raise
         except asyncio.CancelledError:
             # the client left: a relay that was under way closed the decode's connection itself,

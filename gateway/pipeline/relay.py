@@ -281,6 +281,13 @@ def of_leg(ctx: RequestContext | None, failure: StreamFailure) -> StreamFailure:
     return failure[0], f"decode endpoint {ctx.decision.endpoint.name}: {failure[1]}"
 
 
+def _decode_of(ctx: RequestContext) -> str | None:
+    """The name of a P/D request's decode endpoint, whose answer the relay reads (None: no P/D leg)."""
+    if ctx.pd_plan is None or ctx.decision is None:
+        return None
+    return ctx.decision.endpoint.name
+
+
 class Watchdog:
     """A stream's watchdog (the plain relay's, and each leg's of a migrating stream): each wait for the engine's next chunk is bounded (``first_chunk`` for
     the first, ``idle`` after it), by one timer per stream rather than one per chunk. The relay
@@ -941,14 +948,21 @@ class Relay:
             rec.error_class = ErrorClass.WATCHDOG_RESPONSE if isinstance(e, TimeoutError) else ErrorClass.UPSTREAM_TIMEOUT
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
             secs = limit if isinstance(e, TimeoutError) else e.seconds
+            if (decode := _decode_of(ctx)) is not None:     # a P/D decode's: the header says which leg
+                raise GatewayError(504, f"decode endpoint {decode} did not finish responding within {secs:g}s",
+                                   code="upstream_timeout", header=("x-error-pd-decode", "true"),
+                                   error_class=rec.error_class) from None
             raise GatewayError(504, f"the engine did not answer within {secs:g}s", code="upstream_timeout",
                                header=("x-error-upstream", "timeout"), error_class=rec.error_class) from None
         except UpstreamError as e:
             rec.error_class = ErrorClass.UPSTREAM_BROKEN
             if ctx.pd_prefill_failed is None:   # (else closed for its prefill's failure: not its fault)
                 self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "broken_body").inc()
-            raise GatewayError(502, f"the engine connection broke before the answer was complete: {type(e).__name__}",
-                               code="upstream_incomplete", header=("x-error-upstream", "reset"),
+            message = f"the engine connection broke before the answer was complete: {type(e).__name__}"
+            decode = _decode_of(ctx)
+            raise GatewayError(502, message if decode is None else f"decode endpoint {decode}: {message}",
+                               code="upstream_incomplete",
+                               header=("x-error-upstream", "reset") if decode is None else ("x-error-pd-decode", "reset"),
                                error_class=rec.error_class) from None
         data = None
         if (ctype.startswith("application/octet-stream") and ctx.ireq is not None and ctx.ireq.path in BINARY_PATHS
