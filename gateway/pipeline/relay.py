@@ -991,6 +991,11 @@ class Relay:
                 told = ctx.ireq.answered if ctx.ireq is not None else None
                 if told is not None:        # after the answer is written
                     asyncio.get_running_loop().call_soon(told, message_text(data))
+        return self._ok(ctx, headers, ctype, body)
+
+    def _ok(self, ctx: RequestContext, headers: dict[str, str], ctype: str, body: bytes) -> web.Response:
+        """A whole 200 answer: written at once where the edge lets it (``write_whole``), else as
+        aiohttp's response."""
         if self.whole:
             written = write_whole(ctx.http, 200, headers, ctype, body)
             if written is not None:
@@ -1016,13 +1021,7 @@ class Relay:
                 usage = None
             if isinstance(usage, dict):
                 self.account_usage(rec, usage)
-        if self.whole:
-            written = write_whole(ctx.http, 200, headers, ctype, body)
-            if written is not None:
-                return written      # type: ignore[return-value]    # what aiohttp reads of a response
-        r = web.Response(status=200, body=body, headers=headers)
-        r.headers["Content-Type"] = ctype
-        return r
+        return self._ok(ctx, headers, ctype, body)
 
     async def _api_body(self, ctx: RequestContext, body: bytes) -> bytes:
         """Another API's whole answer: its usage counted, its state kept; the body to send (the
