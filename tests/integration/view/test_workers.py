@@ -28,6 +28,7 @@ from tests.support.gateway_process import (
     per_worker,
     post_new,
 )
+from tests.support.http import sim_state
 from tests.support.ports import listen_port
 from tests.support.waiting import until
 
@@ -98,6 +99,44 @@ async def test_session_keyed_requests_stay_on_one_engine_across_workers(sims, tm
                for p in pages.values())
     assert all(metric_total(p, "switchyard_view_facts_applied_total", source="worker", kind="session") > 0
                for p in pages.values())
+
+
+@pytest.mark.timeout(120)
+async def test_the_openai_clients_prompt_cache_key_keeps_a_conversation_on_one_engine_across_workers(sims, tmp_path):
+    """OpenAI's ``prompt_cache_key`` (Codex sets it to its conversation's id) names the session: the
+    turns of one key stay on one engine whichever worker takes them, and the engine gets the field
+    as the client sent it."""
+    import httpx2
+    from openai import AsyncOpenAI
+
+    engines = [await sims("vllm", "m") for _ in range(4)]
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config(port, [e.url for e in engines]))
+    sessions, turns = 4, 5
+    # no keep-alive: every turn on a new connection, so the kernel spreads them over both workers
+    http = httpx2.AsyncClient(limits=httpx2.Limits(max_keepalive_connections=0))
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, http_client=http)
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2):
+        try:
+            for s in range(sessions):
+                served = []
+                for t in range(turns):
+                    # shorter than one prefix block: only the session map can keep them together
+                    raw = await client.chat.completions.with_raw_response.create(
+                        model="m", max_tokens=2, messages=[{"role": "user", "content": f"hi {t}"}],
+                        prompt_cache_key=f"conv-{s}")
+                    assert raw.parse().choices[0].message.content
+                    served.append(raw.headers["target-pod"])
+                assert len(set(served)) == 1, (s, served)
+            pages = await per_worker(port, 2)
+        finally:
+            await client.close()
+    assert all(metric_total(p, "switchyard_routing_session_total", outcome="kept") == sessions * (turns - 1)
+               for p in pages.values())
+    keys = [r["body"]["prompt_cache_key"] for e in engines for r in (await sim_state(e.url))["received"]
+            if r["path"] == "/v1/chat/completions"]
+    assert sorted(keys) == sorted(f"conv-{s}" for s in range(sessions) for _ in range(turns))
 
 
 @pytest.mark.timeout(120)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gateway.apis.paths import MESSAGES
 from gateway.apis.responses_request import RESPONSES
-from gateway.request import CHAT
+from gateway.request import CHAT, COMPLETIONS
 from routers import session_map
 from routers.prefix_cache import PrefixCacheRouter
 from routers.session_map import RESPONSE, SessionMap, session_of
@@ -25,6 +25,28 @@ def test_session_of_a_request():
         assert session_of(inference_request(path=path, data={"metadata": {"user_id": "user_abc_session_1"}})) is None
     assert session_of(inference_request()) is None
     assert session_of(inference_request(session_key="x" * 300)) is None       # over-long: no session
+
+
+def test_prompt_cache_key_names_a_session_after_the_key_headers_and_before_x_session_id():
+    def req(path: str = CHAT, **fields):
+        return inference_request(path=path, **fields)
+
+    key = {"prompt_cache_key": "conv-1"}
+    for path in (CHAT, COMPLETIONS, RESPONSES):
+        assert session_of(req(path, data=dict(key))) == "m\0s:conv-1"
+    # the key headers win; the body's key wins over x-session-id and a previous_response_id
+    assert session_of(req(data=dict(key), session_key="k1", session_id="aWQ=")) == "m\0s:k1"
+    assert session_of(req(data=dict(key), session_id="aWQ=")) == "m\0s:conv-1"
+    assert session_of(req(RESPONSES, data={**key, "previous_response_id": "resp_1"})) == "m\0s:conv-1"
+    # bounds as a header's: over 256 characters names no session; a non-string or empty one is not read
+    assert session_of(req(data={"prompt_cache_key": "x" * 257}, session_id="aWQ=")) is None
+    assert session_of(req(data={"prompt_cache_key": "x" * 256})) == "m\0s:" + "x" * 256
+    for odd in (7, None, "", ["conv-1"], {"id": "conv-1"}):
+        assert session_of(req(data={"prompt_cache_key": odd})) is None
+        assert session_of(req(data={"prompt_cache_key": odd}, session_id="aWQ=")) == "m\0s:aWQ="
+    # not a field of Anthropic's Messages: metadata.user_id names its session there
+    msg = req(MESSAGES, data={**key, "metadata": {"user_id": "u1"}})
+    assert session_of(msg) == "m\0u:u1"
 
 
 def test_entries_expire_and_the_least_recent_go_first():
