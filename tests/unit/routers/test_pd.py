@@ -268,6 +268,24 @@ def test_a_session_goes_back_to_its_prefill_unless_it_is_overloaded_or_gone():
     assert d.prefill is not moved and outcomes[-1] == "gone" and len(outcomes) == n + 1
 
 
+def test_a_prompt_cache_key_keeps_its_session_on_its_prefill():
+    p1, d1, p2, d2 = ep(1, "prefill", "a"), ep(2, "decode", "a"), ep(3, "prefill", "b"), ep(4, "decode", "b")
+    r = PDRouter(RouterContext(rng=random.Random(1), pd_settings=lambda m: PDRouteSettings()))
+    outcomes = []
+    object.__setattr__(r.ctx, "on_session", lambda model, outcome: outcomes.append(outcome))
+
+    def turn(tokens):
+        q = req(tokens)
+        q.data = {"prompt_cache_key": "conv-1"}
+        return r.route(q, [p1, d1, p2, d2])
+
+    first = turn(100)
+    for i in range(4):          # other prompts (no prefix match) of the same key stay on its prefill
+        d = turn(200 + i)
+        assert d.prefill is first.prefill and d.reason == "session"
+    assert outcomes == ["kept"] * 4
+
+
 @pytest.mark.parametrize("settings, pd", [({"prefix_session": False}, {}),
                                           ({}, {"prefill_score_policy": "least_request"})])
 def test_pd_session_preference_follows_the_prefix_session_setting_and_the_policy(settings, pd):
