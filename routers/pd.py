@@ -40,7 +40,8 @@ matched on what that engine reports it caches, the others on the prefix index (c
 ``kv_events_fallback`` of ``pd``), as ``prefix-cache`` does.
 
 Sessions: with the ``prefix_cache`` prefill policy and ``routing.prefix_session`` on, a request that
-continues a session (an ``x-session-key``/``x-session-id`` header, Messages' ``metadata.user_id``;
+continues a session (an ``x-session-key``/``x-session-id`` header, the body's ``prompt_cache_key``, Messages'
+``metadata.user_id``;
 ``routers.session_map.session_of``) goes to the prefill that served the session's last turn, where
 its prompt's KV is, unless that prefill is gone or loaded beyond the prefill score's load filter
 and more than one prefill above the mean (or a fast path moved the request elsewhere); the pair's decode is the best of that roleset. The

@@ -17,7 +17,7 @@ The router (AIBrix ``prefix-cache`` semantics, aibrix-gateway.md §1.4):
 4. the chosen endpoint is recorded for every block of the prompt.
 
 Before all that, a request that continues a session (``routers.session_map.session_of``: a session
-header, a Responses ``previous_response_id``, Messages ``metadata.user_id``) goes to the endpoint
+header or the body's ``prompt_cache_key``, a Responses ``previous_response_id``, Messages ``metadata.user_id``) goes to the endpoint
 that served the session last, if it is a ready candidate that passes both guards (its load is the
 least when the spread exceeds ``prefix_imbalance_abs``, and within mean + ``prefix_std_factor`` ·
 stddev over the candidates); the decision's reason is ``session``. Each such request is counted

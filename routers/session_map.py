@@ -10,8 +10,14 @@ decide), and the map records every decision.
 
 A request's session (``session_of``), first found wins:
 
-* ``x-session-key`` / ``x-aibrix-session-key``, then ``x-session-id``: the client's own name for
-  the conversation (per model: the same name for two models is two sessions);
+* ``x-session-key`` / ``x-aibrix-session-key``, then the body's ``prompt_cache_key``, then
+  ``x-session-id``: the client's own name for the conversation (per model: the same name for two
+  models is two sessions). ``prompt_cache_key`` is OpenAI's field (chat completions, Responses)
+  for routing requests that share a prefix to one cache; Codex sets it to its conversation's id. It
+  is read on every API but Messages (not an Anthropic field), a string only, and goes to the engine
+  as it came (vLLM and SGLang ignore it). It comes before ``x-session-id``, which is also what
+  ``session-affinity`` answers with (its endpoint's address, one value for all of that endpoint's
+  conversations) and a client may echo on every model; the key headers, set for the gateway, win;
 * ``previous_response_id`` (Responses; ``InferenceRequest.previous_response_id`` once the gateway
   expanded it into the input): the endpoint that produced that response, recorded when it was
   answered (``r:<id>``; ids are unique, so not per model);
@@ -55,10 +61,14 @@ PutListener = Callable[[str, Endpoint, "str | None", float], None]
 
 def session_of(req: InferenceRequest) -> str | None:
     """The request's session key in the map, or None (see the module docstring)."""
-    key = req.session_key or req.session_id
+    data = req.data
+    key = req.session_key
+    if not key:
+        key = data.get("prompt_cache_key") if req.path != MESSAGES else None
+        if key.__class__ is not str or not key:
+            key = req.session_id
     if key:
         return f"{req.model}\0s:{key}" if len(key) <= MAX_KEY_CHARS else None
-    data = req.data
     prev = req.previous_response_id or data.get("previous_response_id")
     if prev.__class__ is str and prev:
         return RESPONSE + prev if len(prev) <= MAX_KEY_CHARS else None
