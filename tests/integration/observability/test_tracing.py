@@ -572,3 +572,22 @@ async def test_without_tracing_the_client_traceparent_passes_through(sims, gatew
     assert gw.gw.tracing is NO_TRACING
     await post(gw, {"model": "m", "messages": MSG, "max_tokens": 1}, {"traceparent": traceparent()})
     assert [t["traceparent"] for t in (await sim_state(sim.url))["traceparents"]] == [traceparent()]
+
+
+async def test_a_request_that_named_an_alias_says_both_the_alias_and_the_model_that_served_it(sims, gateway,
+                                                                                             receiver):
+    """OpenTelemetry's GenAI conventions: gen_ai.request.model is the model the request is being made
+    to, as the client named it (the alias), and gen_ai.response.model the model that answered (its
+    target); a request that named a model has that model as both."""
+    rx = receiver
+    sim = await sims("vllm", "m")
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}], tracing=traced(rx),
+                       aliases=[{"name": "chat", "targets": [{"model": "m"}]}])
+    via_alias = await post(gw, {"model": "chat", "messages": MSG, "max_tokens": 2})
+    direct = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2})
+    assert via_alias.status == direct.status == 200 and via_alias.headers["x-served-model"] == "m"
+    await flush(gw)
+    at = server_span(rx, via_alias.headers["request-id"]).attributes
+    assert (at["gen_ai.request.model"], at.get("gen_ai.response.model")) == ("chat", "m")
+    at = server_span(rx, direct.headers["request-id"]).attributes
+    assert (at["gen_ai.request.model"], at.get("gen_ai.response.model")) == ("m", "m")
