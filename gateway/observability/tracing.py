@@ -331,6 +331,7 @@ class Record(Protocol):
     path: str
     started: float
     model: str
+    alias: str | None          # the alias the client named; ``model`` is its target
     user: str | None
     endpoint: str
     status: int
@@ -536,8 +537,10 @@ class RequestTrace(Trace):
         if not self.recording:
             return
         attrs: dict[str, Any] = {"gen_ai.request.id": rec.request_id}
-        if rec.model != "-":
-            attrs["gen_ai.request.model"] = rec.model
+        if rec.model != "-":       # the model as the client named it (an alias), and the one that answered
+            attrs["gen_ai.request.model"] = rec.alias if rec.alias is not None else rec.model
+            if rec.endpoint and rec.status < 400:
+                attrs["gen_ai.response.model"] = rec.model
         op = _OPERATIONS.get(rec.path)
         if op:
             attrs["gen_ai.operation.name"] = op
