@@ -591,3 +591,22 @@ async def test_a_request_that_named_an_alias_says_both_the_alias_and_the_model_t
     assert (at["gen_ai.request.model"], at.get("gen_ai.response.model")) == ("chat", "m")
     at = server_span(rx, direct.headers["request-id"]).attributes
     assert (at["gen_ai.request.model"], at.get("gen_ai.response.model")) == ("m", "m")
+
+
+async def test_the_408_the_edge_gives_a_body_that_stopped_coming_is_the_request_spans_status(sims, gateway,
+                                                                                            receiver):
+    """A chunked body that stops coming is answered 408 by the edge while the pipeline reads it; the
+    request's span says the 408 the client got (and the log line says), not a client's 499."""
+    rx = receiver
+    sim = await sims("vllm", "m")
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}], tracing=traced(rx),
+                       server={"body_timeout_s": 0.3})
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                 b"Transfer-Encoding: chunked\r\nx-request-id: body-stopped\r\n\r\n5\r\n{\"mod\r\n")
+    head = await asyncio.wait_for(reader.read(65536), 10)
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 408 ")
+    await flush(gw)
+    at = server_span(rx, "body-stopped").attributes
+    assert (at["http.response.status_code"], at["error.type"]) == (408, "http")
