@@ -319,6 +319,11 @@ class Trace:
     def finish(self, rec: Record) -> None:
         """The request is done: its outcome onto the request span, open legs ended."""
 
+    def edge_answered(self, status: int) -> None:
+        """The edge answered the request ``status`` itself while its handler read the body (a 408 or
+        400, gateway/pipeline/context.py ``take_edge_answer``) and cancelled the handler: the span
+        says that answer, not a client's 499."""
+
 
 NO_LEG = Leg()
 NO_TRACE = Trace()
@@ -443,7 +448,7 @@ class RequestTrace(Trace):
     """The trace of one request: its SERVER span, the route span, the legs."""
 
     __slots__ = ("tracing", "span", "ctx", "trace_id", "recording", "_route", "_legs", "_unsampled_leg",
-                 "_perf0", "_epoch0", "_closed", "_stream_leg")
+                 "_perf0", "_epoch0", "_closed", "_stream_leg", "edge_status")
 
     def __init__(self, tracing: Tracing, span: otel.Span) -> None:
         self.tracing = tracing
@@ -458,6 +463,7 @@ class RequestTrace(Trace):
         self._perf0 = time.perf_counter()
         self._epoch0 = time.time_ns()
         self._closed = False
+        self.edge_status: int | None = None    # the edge's own answer (``edge_answered``)
 
     def _ns(self, perf: float) -> int:
         """A ``time.perf_counter`` reading as epoch nanoseconds."""
@@ -569,6 +575,9 @@ class RequestTrace(Trace):
         span.set_attributes(attrs)
         if rec.ttft is not None:
             span.add_event("first_token", timestamp=self._ns(rec.started + rec.ttft))
+
+    def edge_answered(self, status: int) -> None:
+        self.edge_status = status
 
     def close(self, status: int) -> None:
         """The answer went out with ``status`` (499: the client left): the request span ends."""
@@ -960,8 +969,8 @@ class Tracing:
         except web.HTTPException as e:
             status = e.status
             raise
-        except asyncio.CancelledError:
-            status = 499
+        except asyncio.CancelledError:     # the client left, or the edge answered a body that stopped or broke
+            status = rt.edge_status or 499
             raise
         finally:
             rt.close(status)

@@ -27,7 +27,7 @@ from gateway.endpoints import Endpoint
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.logs import RequestLog
 from gateway.observability.metrics import GatewayMetrics
-from gateway.observability.tracing import NO_TRACE, Trace
+from gateway.observability.tracing import NO_TRACE, TRACE_KEY, Trace
 from gateway.pipeline.ledger import NO_CHARGES, Charges
 from gateway.request import InferenceRequest, given_request_id, request_id_from
 from handlers.base import PDPlan
@@ -340,6 +340,7 @@ def take_edge_answer(request: Any, rec: RequestRecord) -> bool:
         return False
     rec.request_id, rec.status, rec.error = answer
     rec.error_class = ErrorClass.HTTP
+    request.get(TRACE_KEY, NO_TRACE).edge_answered(rec.status)     # the span says that answer too
     rec.extra["method"] = request.method        # as the edge's own lines
     return True
 
