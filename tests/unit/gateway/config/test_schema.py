@@ -416,3 +416,36 @@ def test_a_listen_host_that_is_no_address_is_refused(host, says):
 def test_a_listen_host_that_is_an_address_or_a_name_loads(host):
     assert parse_config(f"models: [{{name: m, endpoints: [http://127.0.0.1:1]}}]\nlisten: {{host: '{host}'}}\n") \
         .listen.host == host
+
+
+_M = "models: [{name: m, endpoints: [http://127.0.0.1:1]}]\n"
+
+
+@pytest.mark.parametrize(("text", "key", "name"), [
+    ("models: [{name: 'm ', endpoints: [http://127.0.0.1:1]}]", "models[0].name", "'m '"),
+    ("models: [{name: m, endpoints: [http://127.0.0.1:1]}, {name: \"\\tm2\", endpoints: [http://127.0.0.1:2]}]",
+     "models[1].name", "'\\tm2'"),
+    ("models: [{name: m, endpoints: [http://127.0.0.1:1], adapters: {ok: /a, ' lora': /b}}]",
+     "models[0].adapters", "' lora'"),
+    (_M + "aliases: [{name: 'a ', targets: [{model: m}]}]", "aliases[0].name", "'a '"),
+    (_M + "aliases: [{name: a, targets: [{model: m}, {model: 'm '}]}]", "aliases[0].targets[1].model", "'m '"),
+    (_M + "limits: {users: {bob-1: {models: [m, \"m\\n\"]}}}", "limits.users.bob-1.models[1]", "'m\\n'"),
+    (_M + "limits: {default_user: {models: [' m']}}", "limits.default_user.models[0]", "' m'"),
+    (_M + "limits: {models: {'m ': {rps: 1}}}", "limits.models", "'m '"),
+    (_M + "kubernetes: {models: {' m': {combined: true}}}", "kubernetes.models", "' m'"),
+])
+def test_a_model_name_with_whitespace_at_its_ends_is_refused_naming_its_key(text, key, name):
+    """A request's model is matched as it is written: a model, adapter or alias named 'm ' loaded,
+    /v1/models listed 'm ', and a client asking for m was answered 404; an allowlist or a limit
+    with such a name matched no request. Refused with the config, on one line naming the key."""
+    with pytest.raises(ConfigError) as ei:
+        parse_config(text, source="c.yaml")
+    assert ei.value.key_path == key, str(ei.value)
+    assert "\n" not in str(ei.value) and name in str(ei.value) and "whitespace at its ends" in str(ei.value)
+
+
+def test_a_model_name_with_a_space_inside_loads():
+    c = parse_config("models: [{name: 'my model', endpoints: [http://127.0.0.1:1], adapters: {'my lora': /a}}]\n"
+                     "aliases: [{name: 'my alias', targets: [{model: 'my model'}]}]\n"
+                     "limits: {users: {bob: {models: ['my alias']}}, models: {'my model': {rps: 1}}}\n")
+    assert c.models[0].name == "my model" and c.limits.users["bob"].models == ("my alias",)
