@@ -449,3 +449,17 @@ def test_a_model_name_with_a_space_inside_loads():
                      "aliases: [{name: 'my alias', targets: [{model: 'my model'}]}]\n"
                      "limits: {users: {bob: {models: ['my alias']}}, models: {'my model': {rps: 1}}}\n")
     assert c.models[0].name == "my model" and c.limits.users["bob"].models == ("my alias",)
+
+
+@pytest.mark.parametrize(("models", "key"), [
+    ("[{name: m, endpoints: [http://127.0.0.1:1], adapters: {my-lora: ''}}]", "models[0].adapters.my-lora"),
+    ("[{name: m, endpoints: [http://127.0.0.1:1], adapters: {org/lora-1.5: /a}}, "
+     "{name: n, endpoints: [http://127.0.0.1:2], adapters: {org/lora-1.5: /b}}]", "models[1].adapters.org/lora-1.5"),
+])
+def test_an_error_about_a_name_with_a_dash_or_a_slash_names_its_key(models, key):
+    """Names hold dashes, slashes and dots (meta-llama/Llama-3.1-8B-Instruct): an error of a check
+    that names its key by such a name says that key, not <root> before the whole message."""
+    with pytest.raises(ConfigError) as ei:
+        parse_config(f"models: {models}\n", source="c.yaml")
+    assert ei.value.key_path == key, str(ei.value)
+    assert str(ei.value).startswith(f"c.yaml: {key}: "), str(ei.value)
