@@ -22,7 +22,8 @@ T = TypeVar("T")
 
 _AT = re.compile(r"(.*) - at (?:`key` in )?`\$(.*)`", re.S)
 _STEP = re.compile(r"\.(\w+)|\[(\d+|\.\.\.)\]")
-_OWN = re.compile(r"(\w+(?:\[\d+\])?(?:\.\w+(?:\[\d+\])?)*): (.*)", re.S)
+# a mapping's key in the path is a name, which may hold dashes, slashes and dots (org/lora-1.5)
+_OWN = re.compile(r"(\w+(?:\[\d+\])?(?:\.[^\s:\[\]]+(?:\[\d+\])?)*): (.*)", re.S)
 
 
 class StrictError(ValueError):
