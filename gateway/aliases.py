@@ -52,7 +52,7 @@ class AliasTarget(Block):
 class AliasConfig(Block):
     """One entry of ``aliases:``; checked against the models in ``check_aliases``."""
 
-    name: Annotated[str, Meta(min_length=1, description="The name clients write in model.")]
+    name: Annotated[str, Meta(min_length=1, description="The name clients write in model (no whitespace at its ends).")]
     targets: Annotated[tuple[AliasTarget, ...], Meta(min_length=1, description="The models the alias splits traffic over, by weight.")]
     sticky: Annotated[Literal["user", "session", "none"], Meta(description="What keeps one caller on one target: user, session (x-session-id) or none (a new draw per request).")] = "user"
 

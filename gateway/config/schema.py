@@ -111,6 +111,21 @@ def _presentable(secret: str) -> bool:
     return secret == secret.strip() and not any(c in secret for c in "\r\n\0")
 
 
+def _unmatched_name(name: str) -> str | None:
+    """What is wrong with a model's, adapter's or alias's name written in the config (``name`` of
+    ``models``, an ``adapters`` key, an alias's ``name`` and targets, a ``models`` allowlist entry,
+    a ``limits.models`` or ``kubernetes.models`` key), or None. A request's model is matched as it
+    is written, and clients write none with whitespace at its ends, so a name with some (``"m "``,
+    a quoted name that kept a space) matches no request: a model or an alias ``/v1/models`` lists
+    as ``m `` and a client asking for ``m`` is answered 404."""
+    if name == name.strip():
+        return None
+    if not name.strip():
+        return f"the name {name!r} is only whitespace, which no request names"
+    return (f"the name {name!r} has whitespace at its ends: a request's model is matched as it is written, "
+            f"so one naming {name.strip()!r} would not match it (write it without)")
+
+
 _UNPRESENTABLE = ("has whitespace at its ends, or a line break or a NUL, which no header a client sends "
                   "can carry, so no request would match it")
 
@@ -340,7 +355,7 @@ class RolesetConfig(Block):
 
 class ModelConfig(Block):
     _secret = ("api_key",)
-    name: Annotated[Name, Meta(description="The model's name, as clients write it in the request's model field.")]
+    name: Annotated[Name, Meta(description="The model's name, as clients write it in the request's model field (matched as it is written: no whitespace at its ends, nor at an adapter's, an alias's or a name in limits or kubernetes.models).")]
     engine: Annotated[Engine, Meta(description="Engine serving the model's endpoints: vllm or sglang.")] = "vllm"
     strategy: Annotated[str | None, Meta(description="This model's default routing strategy (a name or a weighted list); null: the pods' annotation, else pd for a model with prefill/decode endpoints, else routing.strategy.")] = None
     lock_strategy: Annotated[str | None, Meta(description="A strategy that always applies to this model, whatever the routing-strategy header says; null: no lock.")] = None
@@ -350,7 +365,7 @@ class ModelConfig(Block):
     pd: Annotated[PDConfig | None, Meta(description="Keys laid over the global pd block for this model.")] = None
     breaker: Annotated[BreakerConfig | None, Meta(description="Keys laid over the global breaker block for this model.")] = None
     retry: Annotated[RetryConfig | None, Meta(description="Keys laid over the global retry block for this model.")] = None
-    adapters: Annotated[dict[Name, str], Meta(description="LoRA adapters of this model: adapter name (what clients write in model) to the path the engine loads it from; loaded on demand.")] = {}
+    adapters: Annotated[dict[Name, str], Meta(description="LoRA adapters of this model: adapter name (what clients write in model; no whitespace at its ends) to the path the engine loads it from; loaded on demand.")] = {}
     admission: Annotated[AdmissionConfig | None, Meta(description="Keys laid over the global admission block for this model.")] = None
     slo: Annotated[SLOConfig | None, Meta(description="Default latency objectives of this model's requests (the x-slo-ttft-ms and x-slo-tpot-ms headers override them); null: none.")] = None
     tokenizer: Annotated[str | None, Meta(description="Directory of the model's Hugging Face tokenizer (tokenizer.json, tokenizer_config.json); needed by kv_events. Null: no tokenizer.")] = None
@@ -582,6 +597,9 @@ class Config(Block, dict=True):
     batch: Annotated[BatchConfig, Meta(description="OpenAI's Files and Batches API (/v1/files, /v1/batches): batches run as the lowest priority class on idle engine capacity, and resume after a restart.")] = BatchConfig()
 
     def __post_init__(self) -> None:
+        for key, name in self._model_names():
+            if why := _unmatched_name(name):
+                raise ValueError(f"{key}: {why}")
         seen: set[str] = set()
         for i, m in enumerate(self.models):
             if not (m.endpoints or m.rolesets or self.kubernetes.enabled):
@@ -599,6 +617,22 @@ class Config(Block, dict=True):
             if a.enabled and not self.scrape.enabled and not a.max_in_flight_per_endpoint:
                 raise ValueError(f"{path}.enabled: needs scrape.enabled (the engines' queue and KV usage) "
                                  "or max_in_flight_per_endpoint: there is nothing to tell saturation by")
+
+    def _model_names(self) -> Iterator[tuple[str, str]]:
+        """Each model name the config writes, with its key; a mapping's key by the mapping's
+        (``models[0].adapters``), since the name is what is wrong with it. (Checked here, not by
+        ``UserLimits``, which a user's record the admin API stored is read into too.)"""
+        for i, m in enumerate(self.models):
+            yield f"models[{i}].name", m.name
+            yield from ((f"models[{i}].adapters", a) for a in m.adapters)
+        for i, a in enumerate(self.aliases):
+            yield f"aliases[{i}].name", a.name
+            yield from ((f"aliases[{i}].targets[{j}].model", t.model) for j, t in enumerate(a.targets))
+        users = [(f"limits.users.{u}", lim) for u, lim in self.limits.users.items()]
+        for key, lim in [*users, ("limits.default_user", self.limits.default_user)]:
+            yield from ((f"{key}.models[{k}]", name) for k, name in enumerate(getattr(lim, "models", None) or ()))
+        yield from (("limits.models", name) for name in self.limits.models)
+        yield from (("kubernetes.models", name) for name in self.kubernetes.models)
 
     @cached_property
     def _models_by_name(self) -> dict[str, ModelConfig]:
