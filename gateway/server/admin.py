@@ -222,9 +222,11 @@ def _changes(data: dict[str, Any]) -> dict[str, Any]:
     for key, v in data.items():
         if key == "models":
             if v is not None and (not isinstance(v, list) or not v or len(v) > MAX_MODELS or not all(
-                    isinstance(m, str) and 0 < len(m) <= MAX_MODEL_NAME for m in v)):
+                    isinstance(m, str) and 0 < len(m) <= MAX_MODEL_NAME and m == m.strip() for m in v)):
+                # a name with whitespace at its ends matches no request's model (the config refuses it too)
                 raise _bad(f"'models' must be null (every model) or a list of 1 to {MAX_MODELS} model names "
-                           f"(each a non-empty string of at most {MAX_MODEL_NAME} characters)", key)
+                           f"(each a non-empty string of at most {MAX_MODEL_NAME} characters, without "
+                           "whitespace at its ends)", key)
             out[key] = list(dict.fromkeys(v)) if v is not None else None
             continue
         if key == "priority":
