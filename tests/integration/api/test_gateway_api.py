@@ -411,3 +411,29 @@ async def test_a_client_written_value_of_megabytes_makes_a_bounded_log_line(flee
     assert ok["status"] == 200 and ok["user"] == "sha256:" + hashlib.sha256(b"u" * 300_000).hexdigest()
     assert bad["status"] == 404 and len(bad["model"]) < 1100 and len(bad["error"]) < 1100
     assert len(orjson.dumps(ok)) < 3000 and len(orjson.dumps(bad)) < 4000
+
+
+async def test_an_engines_numeric_error_code_reaches_the_client_as_a_string(fleet):
+    """vLLM and SGLang write an error's ``code`` as the status, a number; OpenAI's error object has
+    ``code`` a string or null, so a client that decodes it by that type (the openai SDK's
+    ``ErrorObject``, a typed client in another language) reads it: ``"400"``, on every OpenAI path."""
+    gw, _ = fleet
+    client = openai_client(gw)
+    fault = {"x-sim-fault": "status=400"}
+    calls = {
+        "vllm chat": lambda: client.chat.completions.create(model="llama", messages=CHAT, extra_headers=fault),
+        "sglang chat": lambda: client.chat.completions.create(model="qwen", messages=CHAT, extra_headers=fault),
+        "sglang stream": lambda: client.chat.completions.create(model="qwen", messages=CHAT, stream=True,
+                                                                extra_headers=fault),
+        "completions": lambda: client.completions.create(model="llama", prompt="switchyards", extra_headers=fault),
+        "embeddings": lambda: client.embeddings.create(model="llama", input="switchyards", dimensions=0),
+        "responses": lambda: client.responses.create(model="llama", input="switchyards", extra_headers=fault),
+        "pass-through": lambda: client.post(gw.url + "/tokenize", body={"model": "llama"}, cast_to=object),
+    }
+    for what, call in calls.items():
+        with pytest.raises(openai.BadRequestError) as ei:
+            await call()
+        assert ei.value.code == "400", what       # the SDK writes any code as a string
+        sent = ei.value.response.json()["error"]  # what the gateway wrote, as OpenAI's type reads it
+        assert sent["code"] == "400" and openai.types.ErrorObject.model_validate(sent).code == "400", (what, sent)
+    await client.close()
