@@ -254,12 +254,25 @@ class GatewayError(Exception):
         return orjson.dumps(self.body())
 
 
+def engine_code(code: Any) -> str | None:
+    """An engine's error ``code`` as OpenAI's error object has it, a string or null: vLLM and SGLang
+    write the status there, a number (``400``), which becomes its string (``"400"``, what the
+    openai SDK's ``e.code`` already read); a name stays; anything else (a bool, a float, an object)
+    is no code."""
+    if isinstance(code, str):
+        return code
+    if isinstance(code, int) and not isinstance(code, bool):
+        return str(code)
+    return None
+
+
 def normalize_upstream_error(status: int, body: bytes) -> tuple[int, dict[str, Any]]:
     """Turn an engine's error answer into the nested OpenAI shape, keeping its status.
 
     vLLM sends ``{"error": {...}}``; SGLang's OpenAI routes send the flat
     ``{"object": "error", "message", "type", "param", "code"}``; auth failures send
-    ``{"error": "Unauthorized"}``; anything else (HTML, plain text) is wrapped.
+    ``{"error": "Unauthorized"}``; anything else (HTML, plain text) is wrapped. A numeric
+    ``code`` (the status, as both engines write it) becomes its string (``engine_code``).
     """
     try:
         data = orjson.loads(body) if body else None
@@ -271,14 +284,14 @@ def normalize_upstream_error(status: int, body: bytes) -> tuple[int, dict[str, A
             msg, type_ = err.get("message"), err.get("type")
             return status, error_body(status, msg if isinstance(msg, str) else str(msg or f"upstream error {status}"),
                                       type_=type_ if isinstance(type_, str) else None, param=err.get("param"),
-                                      code=err.get("code"))
+                                      code=engine_code(err.get("code")))
         if isinstance(err, str):
             return status, error_body(status, err)
         if data.get("object") == "error" or "message" in data:
             msg, type_ = data.get("message"), data.get("type")
             return status, error_body(status, msg if isinstance(msg, str) else f"upstream error {status}",
                                       type_=type_ if isinstance(type_, str) else None, param=data.get("param"),
-                                      code=data.get("code"))
+                                      code=engine_code(data.get("code")))
         if isinstance(data.get("detail"), str):
             return status, error_body(status, data["detail"])
     text = body[:512].decode("utf-8", "replace").strip() if body else ""

@@ -219,7 +219,7 @@ async def test_a_prefill_that_refuses_the_clients_request_answers_with_its_own_s
     with pytest.raises(openai.APIStatusError) as ei:       # what the engine does not implement
         await openai_client(gw).chat.completions.create(
             model="m", messages=MSG, max_tokens=8, extra_headers={"x-sim-fault": "prefill.error_after=0;error_code=501"})
-    assert ei.value.status_code == 501 and ei.value.body["code"] == 501, ei.value.body
+    assert ei.value.status_code == 501 and ei.value.body["code"] == "501", ei.value.body
     if engine == "vllm":
         assert (await sim_state(d.url))["counts"]["started"] == 0          # no decode leg at all
     else:

@@ -7,10 +7,14 @@ from gateway.errors import ErrorClass, GatewayError, normalize_upstream_error, p
 
 
 @pytest.mark.parametrize("status,body,message,type_,code", [
+    # vLLM's and SGLang's code is the status, a number: OpenAI's error object has a string or null
     (400, {"error": {"message": "bad", "type": "BadRequestError", "param": "x", "code": 400}}, "bad",
-     "BadRequestError", 400),
+     "BadRequestError", "400"),
     (400, {"object": "error", "message": "Messages cannot be empty.", "type": "BadRequestError", "param": None,
-           "code": 400}, "Messages cannot be empty.", "BadRequestError", 400),
+           "code": 400}, "Messages cannot be empty.", "BadRequestError", "400"),
+    (400, {"error": {"message": "x", "code": True}}, "x", "invalid_request_error", None),
+    (400, {"error": {"message": "x", "code": 400.0}}, "x", "invalid_request_error", None),
+    (400, {"object": "error", "message": "x", "code": {"n": 1}}, "x", "invalid_request_error", None),
     (401, {"error": "Unauthorized"}, "Unauthorized", "authentication_error", None),
     (404, {"detail": "Not Found"}, "Not Found", "invalid_request_error", None),
     (500, {"error": {"message": "x", "code": "invalid_api_key"}}, "x", "api_error", "invalid_api_key"),
