@@ -879,6 +879,21 @@ async def test_a_head_that_outgrows_its_total_bound_before_its_end_is_a_431_at_o
         assert [r.status for r in ex.responses] == [200], ex.responses[0].body[:300]
 
 
+# a chat whose chunked body takes it off the fast lane, onto aiohttp's path
+CHUNKED_CHAT = (b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY))
+
+
+def _held_chat(release: asyncio.Event):
+    """An engine's chat handler that answers once ``release`` is set."""
+    async def chat(req: web.Request) -> web.StreamResponse:
+        await req.read()
+        await release.wait()
+        return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]})
+    return chat
+
+
 @on_both_loops
 async def test_a_head_pipelined_behind_a_running_request_is_not_read_past_its_bound_and_gets_a_431_at_its_turn():
     """A head that comes behind a request still running (here on aiohttp's path: a chunked body) is
@@ -887,15 +902,10 @@ async def test_a_head_pipelined_behind_a_running_request_is_not_read_past_its_bo
     it is out the head is answered 431 and the connection closed, not left for its clock to run out."""
     release = asyncio.Event()
 
-    async def chat(req: web.Request) -> web.StreamResponse:
-        await req.read()
-        await release.wait()
-        return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]})
+    chat = _held_chat(release)
 
     async with fake_engine(chat) as url, edge_gateway(endpoint=url, **{**SERVER, "header_timeout_s": 60.0}) as gw:
-        first = (b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY))
+        first = CHUNKED_CHAT
         head = b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\n" + b"".join(
             b"X-Big-%d: %s\r\n" % (i, b"a" * 10000) for i in range(30))
         reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
@@ -933,14 +943,9 @@ async def test_half_a_head_behind_a_queued_request_gets_its_408_or_431_at_its_tu
     the third's first bytes or apart."""
     release = asyncio.Event()
 
-    async def chat(req: web.Request) -> web.StreamResponse:
-        await req.read()
-        await release.wait()
-        return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]})
+    chat = _held_chat(release)
 
-    first = (b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-             b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY))
+    first = CHUNKED_CHAT
     second = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
     third = b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nX-A: b\r\n"
     big = b"".join(b"X-Big-%d: %s\r\n" % (i, b"a" * 10000) for i in range(30))

@@ -468,19 +468,18 @@ sys.exit(run_workers(1, serve_one, log, heartbeats=beats, stall_timeout=lambda: 
 """
 
 
-@pytest.mark.timeout(60)
-async def test_a_worker_that_served_then_keeps_failing_is_restarted_with_a_growing_back_off(tmp_path):
-    """Only a failure before the gateway ever served stops it: a worker that served and then keeps
-    failing its start-ups is started again after 1, 1, 2, 4 s, and the parent stays up."""
-    script = tmp_path / "restarts.py"
-    script.write_text(RESTARTS_SCRIPT)
+async def _restarts(tmp_path: Path, name: str, text: str, state: str, count: int) -> list[dict]:
+    """Runs ``text`` (a script driving ``run_workers``) with ``tmp_path / state`` as its argument
+    until its parent logged ``count`` "worker restarting" lines, stops it, and gives the lines it read."""
+    script = tmp_path / name
+    script.write_text(text)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
-    proc = await asyncio.create_subprocess_exec(sys.executable, str(script), str(tmp_path / "served"),
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(script), str(tmp_path / state),
                                                 stdout=asyncio.subprocess.PIPE, env=env)
     events: list[dict] = []
     try:
         async with asyncio.timeout(30):
-            while len([e for e in events if e["event"] == "worker restarting"]) < 4:
+            while len([e for e in events if e["event"] == "worker restarting"]) < count:
                 line = await proc.stdout.readline()
                 assert line, "the parent ended"
                 events.append(json.loads(line))
@@ -488,6 +487,14 @@ async def test_a_worker_that_served_then_keeps_failing_is_restarted_with_a_growi
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(20):
             await proc.wait()
+    return events
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_that_served_then_keeps_failing_is_restarted_with_a_growing_back_off(tmp_path):
+    """Only a failure before the gateway ever served stops it: a worker that served and then keeps
+    failing its start-ups is started again after 1, 1, 2, 4 s, and the parent stays up."""
+    events = await _restarts(tmp_path, "restarts.py", RESTARTS_SCRIPT, "served", 4)
     restarts = [e for e in events if e["event"] == "worker restarting"]
     assert [(e["code"], e["reason"], e["restart_in_s"]) for e in restarts] == [
         (3, "exited", 1.0), (4, "exited", 1.0), (4, "exited", 2.0), (4, "exited", 4.0)]
@@ -527,22 +534,7 @@ async def test_a_worker_that_dies_soon_after_each_start_is_restarted_with_a_grow
     that crashes it, sent again and again; the OOM killer at each catch-up), is started again after
     a growing back-off, as one whose start-ups fail is, and once one has served a while, after the
     shortest again: each start costs its siblings a copy of their whole view."""
-    script = tmp_path / "crash_loop.py"
-    script.write_text(CRASH_LOOP_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
-    proc = await asyncio.create_subprocess_exec(sys.executable, str(script), str(tmp_path / "starts"),
-                                                stdout=asyncio.subprocess.PIPE, env=env)
-    events: list[dict] = []
-    try:
-        async with asyncio.timeout(30):
-            while len([e for e in events if e["event"] == "worker restarting"]) < 5:
-                line = await proc.stdout.readline()
-                assert line, "the parent ended"
-                events.append(json.loads(line))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(20):
-            await proc.wait()
+    events = await _restarts(tmp_path, "crash_loop.py", CRASH_LOOP_SCRIPT, "starts", 5)
     restarts = [e["restart_in_s"] for e in events if e["event"] == "worker restarting"]
     assert restarts == [0.05, 0.1, 0.2, 0.05, 0.05], restarts
     assert not [e for e in events if "stopping" in e["event"]]
