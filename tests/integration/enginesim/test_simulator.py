@@ -1194,3 +1194,18 @@ async def test_vllm_without_priority_scheduling_refuses_a_non_zero_priority(
     status, _, _ = await call(http, s.url + "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2},
                                                          "priority": 5})
     assert status == 200
+
+
+async def test_embeddings_dimensions_past_the_models_width_are_cut_to_it(
+        vllm: SimServer, sglang: SimServer, http: aiohttp.ClientSession) -> None:
+    """``dimensions`` keeps the first that many of the model's values (a Matryoshka cut), so asking
+    for more than the model's width gives the whole vector, as an engine slicing its output does: a
+    client's ``dimensions: 2**31`` is answered at once with 16 values, and the engine serves the next
+    request, where it built a vector of two billion values and stopped answering."""
+    for sim in (vllm, sglang):
+        for dims in (17, 2**31, 2**63 - 1):
+            status, data, _ = await call(http, sim.url + "/v1/embeddings", {"input": "hello", "dimensions": dims})
+            assert status == 200, (sim.url, dims, data)
+            assert len(data["data"][0]["embedding"]) == 16
+        status, data, _ = await call(http, sim.url + "/v1/embeddings", {"input": "hello", "dimensions": 4})
+        assert status == 200 and len(data["data"][0]["embedding"]) == 4
