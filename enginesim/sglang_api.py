@@ -172,6 +172,7 @@ class SglangApi:
             dims = body.get("dimensions") or self.cfg.embedding_dim
             if not isinstance(dims, int) or isinstance(dims, bool) or dims < 1:
                 raise ApiError(400, "dimensions must be a positive integer", param="dimensions")
+            dims = min(dims, self.cfg.embedding_dim)     # the first `dims` values, at most all of them
         except ApiError as exc:
             return exc.response(OPENAI)
         data, total = [], 0

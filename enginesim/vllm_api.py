@@ -579,6 +579,8 @@ class VllmApi:
             elif dims < 1:
                 raise ApiError(400, "Dimensions must be greater than 0", type_="BadRequestError",
                                param="dimensions")
+            else:   # a Matryoshka cut keeps the first `dims` values: past the model's width, all of them
+                dims = min(dims, self.cfg.embedding_dim)
             fmt = body.get("encoding_format") or "float"
             if fmt not in ("float", "base64", *BYTES_FORMATS):
                 raise ApiError(400, f"Unknown encoding_format {fmt!r}", type_="BadRequestError",
