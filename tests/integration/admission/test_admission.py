@@ -1111,14 +1111,14 @@ async def test_a_request_whose_prompt_is_tokenized_off_the_loop_takes_its_room_a
     assert gw.gw.admission._models["m"].granted == 0
 
 
-async def test_a_request_bound_to_a_busy_engine_does_not_hold_the_queue_back_from_an_idle_one(sims, gateway):
-    """A Responses follow-up whose previous response an engine holds can wait for that engine only;
-    while it waits, a request any engine may serve goes to the idle one rather than waiting behind
-    it (for as long as the busy engine stays busy, up to ``queue_timeout_s``)."""
+async def bound_to_a_busy_engine(sims, gateway, headers=None, **admission):
+    """Two engines, one request at a time on each; the engine that holds a Responses answer is kept
+    busy (the hold returned), and a follow-up of that answer, which only that engine may serve,
+    waits in the queue (sent with ``headers``). The other engine is idle."""
     s1 = await sims("vllm", "m", enable_responses_store=True)
     s2 = await sims("vllm", "m", enable_responses_store=True)
     gw = await gateway([model_block("m", "vllm", [s1.url, s2.url])], scrape={"enabled": False},
-                       admission={"enabled": True, "max_in_flight_per_endpoint": 1})
+                       admission={"enabled": True, "max_in_flight_per_endpoint": 1, **admission})
     first = await post(gw.url, {"model": "m", "input": "hello there", "max_output_tokens": 4}, path="/v1/responses")
     eps = gw.gw.pool.endpoints("m")
     owner = next(ep for ep in eps if ep.name == first.headers["target-pod"])
@@ -1130,12 +1130,59 @@ async def test_a_request_bound_to_a_busy_engine_does_not_hold_the_queue_back_fro
         await cancel(holds.pop(0))
     assert await wait_for(lambda: sum(ep.in_flight for ep in eps) == 1 and owner.in_flight == 1)
     follow_up = asyncio.create_task(post(gw.url, {"model": "m", "input": "and then?", "max_output_tokens": 4,
-                                                  "previous_response_id": first.json()["id"]}, path="/v1/responses"))
+                                                  "previous_response_id": first.json()["id"]}, headers,
+                                         path="/v1/responses"))
     assert await wait_for(lambda: len(queue(gw)) == 1)
+    return gw, owner, holds[0], follow_up
+
+
+async def test_a_request_bound_to_a_busy_engine_does_not_hold_the_queue_back_from_an_idle_one(sims, gateway):
+    """A Responses follow-up whose previous response an engine holds can wait for that engine only;
+    while it waits, a request any engine may serve goes to the idle one rather than waiting behind
+    it (for as long as the busy engine stays busy, up to ``queue_timeout_s``)."""
+    gw, owner, blocker, follow_up = await bound_to_a_busy_engine(sims, gateway)
     status, headers, _ = await asyncio.wait_for(post(gw.url, body()), 5)
     assert status == 200 and headers["target-pod"] != owner.name
     assert not follow_up.done() and len(queue(gw)) == 1
-    await cancel(holds[0])
+    await cancel(blocker)
     status, headers, _ = await follow_up
     assert status == 200 and headers["target-pod"] == owner.name
     assert gw.gw.admission._models["m"].granted == 0
+
+
+@pytest.mark.parametrize("waiter", ["standard", "sheddable"])
+async def test_a_full_queue_of_requests_bound_to_a_busy_engine_does_not_refuse_one_the_idle_engine_takes(
+        sims, gateway, waiter):
+    """The queue (``queue_max: 1``) holds a follow-up that only its busy engine may serve. A newcomer
+    the idle engine has room for goes there at once: it needs no place in the queue, so it is not
+    refused as ``queue_full`` (a waiter of its class) nor takes a lower class's place (a sheddable
+    waiter is not displaced for it). The waiter is served when its engine frees."""
+    gw, owner, blocker, follow_up = await bound_to_a_busy_engine(sims, gateway, {"x-priority": waiter},
+                                                                 queue_max=1)
+    status, headers, _ = await asyncio.wait_for(post(gw.url, body()), 5)
+    assert status == 200 and headers["target-pod"] != owner.name
+    assert not follow_up.done() and len(queue(gw)) == 1
+    await cancel(blocker)
+    status, headers, _ = await follow_up
+    assert status == 200 and headers["target-pod"] == owner.name
+    assert gw.gw.admission._models["m"].granted == 0
+
+
+async def test_a_sheddable_request_the_idle_engine_takes_is_not_shed_for_a_waiter_bound_elsewhere(sims, gateway):
+    """A standard follow-up waits for its busy engine. A sheddable newcomer could only wait behind it
+    if it needed that engine; the idle one has room for it, so it is served there. Once no engine
+    the waiter cannot use has room, a sheddable newcomer is shed while the waiter waits, as before."""
+    gw, owner, blocker, follow_up = await bound_to_a_busy_engine(sims, gateway)
+    sheddable = {"x-priority": "sheddable"}
+    status, headers, _ = await asyncio.wait_for(post(gw.url, body(), sheddable), 5)
+    assert status == 200 and headers["target-pod"] != owner.name
+    other = asyncio.create_task(post(gw.url, body(), HOLD))     # the idle engine taken too
+    assert await wait_for(lambda: all(ep.in_flight == 1 for ep in gw.gw.pool.endpoints("m")))
+    status, _, raw = await post(gw.url, body(), sheddable)
+    assert status == 429 and orjson.loads(raw)["error"]["code"] == "shed"
+    assert not follow_up.done() and len(queue(gw)) == 1
+    await cancel(blocker)
+    assert (await follow_up)[0] == 200
+    await cancel(other)
+    text = await gw.metrics_text()
+    assert 'switchyard_admission_shed_total{model="m",priority="sheddable",reason="shed"} 1.0' in text
