@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from bisect import insort
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,13 +151,22 @@ class FairQueue:
                 if user is not None:
                     return self._classes[rank][user].items[0]
             return None
-        for rank in range(len(self._classes) - 1, -1, -1):
-            lines = self._classes[rank]
-            for user in sorted(lines, key=lambda u: (self.counter(rank, u), lines[u].since)):
-                for w in lines[user].items:
-                    if id(w) not in skip:
-                        return w
-        return None
+        return next((w for w in self.in_order() if id(w) not in skip), None)
+
+    def in_order(self, rank: int = 0) -> Iterator[Waiter]:
+        """The requests of class ``rank`` and above, in the order they are dispatched (were none
+        dispatched meanwhile: a dispatch moves its user's counter). The first user of a class is
+        found without sorting the others, which are sorted only if the walk goes past its requests.
+        Not to be resumed after the queue changed."""
+        for r in range(len(self._classes) - 1, rank - 1, -1):
+            first = self._next_user(r)
+            if first is None:
+                continue
+            lines = self._classes[r]
+            yield from lines[first].items
+            for user in sorted(lines, key=lambda u: (self.counter(r, u), lines[u].since)):
+                if user != first:
+                    yield from lines[user].items
 
     def take(self, w: Waiter) -> None:
         """Dispatch ``w``: out of the queue, its cost on its user's counter."""

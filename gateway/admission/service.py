@@ -12,7 +12,10 @@ and a waiter whose client went away before it resumed gives its slot back.
 
 A waiter whose endpoints its state or API chose (a LoRA adapter's, a response's owner, the engines
 serving the Messages API) and have no room keeps them for itself: the pump goes on to the waiters after it, which it lets go only to the
-other endpoints, so one bound to a busy engine does not hold the queue back from an idle one.
+other endpoints, so one bound to a busy engine does not hold the queue back from an idle one. A
+newcomer is walked past them the same way (``_beside``): one that finds room on endpoints the
+waiters ahead of it cannot use goes there at once, needing no place in the queue, so it is neither
+refused by a queue full of them nor shed for them.
 
 Shedding (all 429, with ``Retry-After`` and ``retry-after-ms`` from the position and the drain
 rate, ``x-ratelimit-*-queue`` headers and the reason in the error's ``code``):
@@ -21,7 +24,8 @@ rate, ``x-ratelimit-*-queue`` headers and the reason in the error's ``code``):
   allow (``FairQueue.make_room``) would not make room for the request; nobody is evicted then;
 - ``displaced``: a request of a higher class took this one's place in the full queue (the lowest
   class goes first, so sheddable before standard);
-- ``shed``: a sheddable request arriving while a higher class waits (it could only wait behind it);
+- ``shed``: a sheddable request arriving while a higher class waits (it could only wait behind it),
+  and no room is left to it beside the waiters;
 - ``queue_timeout``: waited ``queue_timeout_s`` without room (503 instead when no endpoint of the
   model is ready any more).
 """
@@ -254,11 +258,12 @@ class Admission:
         now = self.clock()
         user = rec.user or ""
         cost = request_cost(ireq)
-        if not any(q.count(r) for r in range(rank, len(PRIORITIES))) \
-                and total_headroom(candidates, pairs, th, now) - mq.granted >= 1:
+        ahead = any(q.count(r) for r in range(rank, len(PRIORITIES)))
+        free = candidates if not ahead else self._beside(model, mq, rank, candidates, pairs, th, now)
+        if free and total_headroom(free, pairs, th, now) - mq.granted >= 1:
             q.charge(rank, user, cost)          # served at once: its tokens count all the same
             ctx.admission_cost = cost
-            return candidates if pairs else unsaturated(candidates, th, now)
+            return free if pairs else unsaturated(free, th, now)
         size = len(ireq.body)
         slo = ireq.slo_ttft_ms
         # the request must leave the queue in time for the engine's own part of its TTFT
@@ -516,6 +521,34 @@ class Admission:
             w.state = GRANTED
             mq.granted += 1
             w.fut.set_result(None)
+
+    def _beside(self, model: str, mq: ModelQueue, rank: int, candidates: list[Endpoint], pairs: bool,
+                th: Thresholds, now: float) -> list[Endpoint]:
+        """Of a newcomer's candidates, those the requests waiting ahead of it (its class and above,
+        its own class's all counted ahead) leave to it: the walk the pump would make to its turn,
+        each waiter bound to endpoints without room keeping them (at most ``MAX_SKIPPED``, as the
+        pump). None of them when a waiter ahead may go anywhere, or could go now, or the walk is cut
+        short: then it queues as before. Walked only when requests wait: the common path pays nothing."""
+        by_class = self._by_class[model]
+        reserved: set[Endpoint] = set()
+        ready: list[Endpoint] | None = None
+        passed = 0
+        for w in mq.queue.in_order(rank):
+            if w.fut.done() or w.deadline <= now:       # leaving: the next pump drops it
+                continue
+            eps = self._ready(model, w)
+            if not eps:
+                continue
+            free = [ep for ep in eps if ep not in reserved]
+            if free and total_headroom(free, w.pairs, by_class[w.rank], now) - mq.granted >= 1:
+                return []                               # it goes before the newcomer
+            reserved.update(eps)
+            if ready is None:
+                ready = self.pool.ready(model)
+            if w.widen and w.accepts is None or passed >= MAX_SKIPPED or reserved.issuperset(ready):
+                return []
+            passed += 1
+        return [ep for ep in candidates if ep not in reserved]
 
     def _ready(self, model: str, w: Waiter) -> list[Endpoint]:
         """The endpoints ``w`` may go to now: its candidates that are still ready when its state chose

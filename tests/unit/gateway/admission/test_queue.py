@@ -28,6 +28,24 @@ def drain(q):
     return out
 
 
+
+def test_the_walk_in_order_meets_the_waiters_as_peek_passes_over_them():
+    """``in_order`` (a newcomer's walk to its turn) and ``peek`` with the ones before skipped (the
+    pump's) agree; from a class, it stops above the classes below."""
+    q = FairQueue()
+    items = [w(SHED, "e"), w(STD, "a"), w(STD, "a"), w(STD, "b"), w(CRIT, "c"), w(STD, "d"), w(CRIT, "f")]
+    for x in items:
+        q.push(x)
+    skip: set[int] = set()
+    seen = []
+    while (x := q.peek(skip)) is not None:
+        seen.append(x)
+        skip.add(id(x))
+    walked = list(q.in_order())
+    assert walked == seen and sorted(map(id, walked)) == sorted(map(id, items))
+    assert list(q.in_order(STD)) == [x for x in walked if x.rank >= STD]
+    assert [x.user for x in walked] == ["c", "f", "a", "a", "b", "d", "e"]
+
 def test_classes_first_then_users_in_turn_then_arrival_order():
     q = FairQueue()
     items = [w(SHED, "e"), w(STD, "a"), w(STD, "a"), w(STD, "b"), w(STD, "a"), w(CRIT, "c"), w(STD, "d")]
