@@ -123,6 +123,34 @@ async def test_a_line_asking_for_binary_embeddings_is_refused(sims, gateway, tmp
     assert len([r for r in (await sim_state(sim.url))["received"] if r["path"] == "/v1/embeddings"]) == 1
 
 
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_line_asking_for_a_stream_is_refused_and_the_batch_goes_on(sims, gateway, tmp_path, endpoint):
+    """A batch line is answered with one JSON body in the output file, so a line asking for a
+    stream (``stream`` true, or a word pydantic reads as true) is a 400 naming ``stream`` in the
+    error file, no engine asked, as OpenAI's Batch API refuses it; ``stream: false`` (with or
+    without ``stream_options``) runs, and the other lines run."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    rows = lines(endpoint, 4)
+    rows[1]["body"]["stream"] = True
+    rows[2]["body"]["stream"] = "yes"
+    rows[3]["body"].update(stream=False, stream_options={"include_usage": True})
+    f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    b = await run_to_end(c, (await c.batches.create(input_file_id=f.id, endpoint=endpoint,
+                                                    completion_window="24h")).id)
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (2, 2), b
+    out = [orjson.loads(x) for x in (await c.files.content(b.output_file_id)).content.splitlines()]
+    assert [o["custom_id"] for o in out] == ["req-0", "req-3"]
+    err = {e["custom_id"]: e for e in (orjson.loads(x) for x in (await c.files.content(b.error_file_id)).content.splitlines())}
+    assert sorted(err) == ["req-1", "req-2"]
+    for e in err.values():
+        assert e["response"]["status_code"] == 400, e
+        assert e["response"]["body"]["error"]["param"] == "stream", e
+        assert e["response"]["body"]["error"]["type"] == "invalid_request_error", e
+    assert len([r for r in (await sim_state(sim.url))["received"] if r["path"] == endpoint]) == 2
+
+
 async def test_lines_naming_models_that_do_not_exist_count_under_one_label(sims, gateway, tmp_path):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
