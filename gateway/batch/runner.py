@@ -64,7 +64,7 @@ from gateway.batch.metrics import BatchMetrics
 from gateway.batch.store import BatchDb, BatchStore, Result, now_s
 from gateway.endpoints import EndpointPool
 from gateway.errors import ErrorClass, error_body
-from gateway.request import BINARY_FORMATS, BINARY_PATHS, body_bytes
+from gateway.request import BINARY_FORMATS, BINARY_PATHS, body_bytes, lax_bool
 
 log = structlog.get_logger("switchyard.batch")
 
@@ -73,6 +73,7 @@ Submit = Callable[[LineRequest], Awaitable[Any]]
 RETRY_STATUSES = frozenset({408, 500, 502, 503, 504})
 MAX_BACKOFF_S = 30.0
 DROPPED = ("stream", "stream_options")     # a batch line's body loses them: its answer is one body
+STREAMING_PATHS = ("/v1/chat/completions", "/v1/completions")     # where a line's ``stream`` would stream
 FLUSH_LINES = 256
 HELD_BACK = 1024       # lines of models without room a dispatch steps over to reach other models
 IDLE_MODELS = 4096     # models remembered as unable to run a line (for the log at the wait's end)
@@ -768,13 +769,10 @@ class BatchRunner:
 
     async def _run_line(self, job: _Job, line: Line, attempts: int, model: str, rid: str) -> None:
         body = dict(line.body)
+        err = _refused(line.url, body)
         for key in DROPPED:                 # a batch line's answer is one body
             body.pop(key, None)
-        if line.url in BINARY_PATHS and body.get("encoding_format") in BINARY_FORMATS:
-            # its answer is written as JSON in the output file, where vLLM's binary embeddings (the
-            # vectors' bytes, a metadata header) have no place: refused, no engine asked
-            err = error_body(400, f"encoding_format {body['encoding_format']!r} answers bytes, which a batch's "
-                                  "output file cannot hold; use 'base64'", param="encoding_format")
+        if err is not None:
             job.results.append(Result(line.custom_id, line.line_no, False,
                                       _output_line(line.custom_id, 400, rid, err, None), (0, 0, 0)))
             self.m.lines(model, "failed")
@@ -876,6 +874,26 @@ class BatchRunner:
                 doc = await self.db.run(BatchStore.record, job.id, results)
                 if doc is not None:
                     job.doc["request_counts"] = doc["request_counts"]
+
+
+def _refused(url: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The 400 of a line whose answer could not be one JSON body in the output file, no engine
+    asked: a chat or completions line asking for a stream (as OpenAI's Batch API refuses it; a
+    false ``stream`` is dropped with ``stream_options``), an embeddings line asking for vLLM's binary
+    embeddings (the vectors' bytes and a metadata header). None for any other line."""
+    stream = body.get("stream")
+    if stream is not None and stream is not False and url in STREAMING_PATHS:
+        try:
+            streams = lax_bool(stream)
+        except ValueError as e:
+            return error_body(400, f"stream: {e}", param="stream")
+        if streams:
+            return error_body(400, "a batch line is answered with one JSON body in the output file: "
+                                   "'stream' must be false or left out", param="stream")
+    if url in BINARY_PATHS and body.get("encoding_format") in BINARY_FORMATS:
+        return error_body(400, f"encoding_format {body['encoding_format']!r} answers bytes, which a batch's "
+                               "output file cannot hold; use 'base64'", param="encoding_format")
+    return None
 
 
 def _digits_of(raw: bytes) -> bytes:

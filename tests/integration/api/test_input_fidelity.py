@@ -346,7 +346,7 @@ async def test_a_batch_lines_integers_are_its_bodys_not_those_around_it(sims, ga
     sim = await sims("vllm", "m")
     sent: list[bytes] = []
     xargs = f'"vllm_xargs": {{"big": {BIG}}}'
-    streamed = f', "stream": true, "stream_options": {{"include_usage": true, "n": {BIG + 2}}}'
+    streamed = f', "stream": false, "stream_options": {{"include_usage": true, "n": {BIG + 2}}}'
     line = '"custom_id": "c{}", "method": "POST", "url": "/v1/chat/completions", "body": '
     rows = [f'{{"row": {BIG + 1}, {line.format(0)}{raw_body(xargs).decode()}}}',
             f'{{{line.format(1)}{raw_body(xargs, stream=streamed).decode()}}}']
