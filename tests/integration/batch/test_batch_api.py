@@ -13,11 +13,13 @@ import aiohttp
 import openai
 import orjson
 import pytest
+from aiohttp import web
 
 from enginesim import SimConfig, start_sim
 from tests.support.batch import jsonl, run_to_end
 from tests.support.edge import assert_openai_error, exchange, parse_responses, request
 from tests.support.factories import model_block
+from tests.support.fake_engine import fake_engine
 from tests.support.http import openai_client, sim_state
 from tests.support.metrics import metric as sample
 from tests.support.tenancy import ALICE, BOB, KEYS
@@ -149,6 +151,39 @@ async def test_a_line_asking_for_a_stream_is_refused_and_the_batch_goes_on(sims,
         assert e["response"]["body"]["error"]["param"] == "stream", e
         assert e["response"]["body"]["error"]["type"] == "invalid_request_error", e
     assert len([r for r in (await sim_state(sim.url))["received"] if r["path"] == endpoint]) == 2
+
+
+# the usage of an answer with reasoning: vLLM's (with a reasoning parser) in completion_tokens_details,
+# SGLang's beside prompt_tokens
+REASONING_USAGE = {
+    "vllm": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
+             "completion_tokens_details": {"reasoning_tokens": 4}},
+    "sglang": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12, "reasoning_tokens": 4,
+               "completion_tokens_details": None},
+}
+
+
+@pytest.mark.parametrize("engine", list(REASONING_USAGE))
+async def test_a_batchs_usage_counts_the_reasoning_tokens_its_lines_answers_report(gateway, tmp_path, engine):
+    """The batch's ``usage.output_tokens_details.reasoning_tokens`` adds up the reasoning tokens
+    the engines report for its lines, as its input and output tokens add up theirs."""
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({
+            "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": "42", "reasoning_content": "think"}}],
+            "usage": REASONING_USAGE[engine]})
+
+    async with fake_engine(chat) as url:
+        gw = await gateway([model_block("m", engine, [url])], scrape={"enabled": False}, batch=batch_cfg(tmp_path))
+        c = openai_client(gw)
+        f = await c.files.create(file=("in.jsonl", jsonl(lines("/v1/chat/completions", 3))), purpose="batch")
+        b = await run_to_end(c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                        completion_window="24h")).id)
+    assert b.status == "completed" and b.request_counts.completed == 3, b
+    assert (b.usage.input_tokens, b.usage.output_tokens, b.usage.total_tokens) == (15, 21, 36), b.usage
+    assert b.usage.output_tokens_details.reasoning_tokens == 12, b.usage
 
 
 async def test_lines_naming_models_that_do_not_exist_count_under_one_label(sims, gateway, tmp_path):
