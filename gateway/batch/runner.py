@@ -73,6 +73,7 @@ Submit = Callable[[LineRequest], Awaitable[Any]]
 RETRY_STATUSES = frozenset({408, 500, 502, 503, 504})
 MAX_BACKOFF_S = 30.0
 DROPPED = ("stream", "stream_options")     # a batch line's body loses them: its answer is one body
+NO_USAGE = (0, 0, 0, 0)      # a line's usage (prompt, completion, cached, reasoning tokens) when it has none
 STREAMING_PATHS = ("/v1/chat/completions", "/v1/completions")     # where a line's ``stream`` would stream
 FLUSH_LINES = 256
 HELD_BACK = 1024       # lines of models without room a dispatch steps over to reach other models
@@ -774,7 +775,7 @@ class BatchRunner:
             body.pop(key, None)
         if err is not None:
             job.results.append(Result(line.custom_id, line.line_no, False,
-                                      _output_line(line.custom_id, 400, rid, err, None), (0, 0, 0)))
+                                      _output_line(line.custom_id, 400, rid, err, None)))
             self.m.lines(model, "failed")
             return
         headers = {"content-type": "application/json", "x-priority": "sheddable", "x-request-id": rid}
@@ -834,7 +835,7 @@ class BatchRunner:
         except orjson.JSONDecodeError:
             parsed = raw.decode("utf-8", "replace")
         ok = status == 200
-        usage = _usage(parsed) if ok else (0, 0, 0)
+        usage = _usage(parsed) if ok else NO_USAGE
         out = _output_line(line.custom_id, status, rid, parsed, None)
         job.results.append(Result(line.custom_id, line.line_no, ok, out, usage))
         self.m.lines(model, "completed" if ok else "failed")
@@ -961,15 +962,25 @@ def _retry_after(resp: Any) -> float | None:
     return None
 
 
-def _usage(body: Any) -> tuple[int, int, int]:
+def _usage(body: Any) -> tuple[int, int, int, int]:
+    """An answer's prompt, completion, cached and reasoning tokens: the reasoning tokens where vLLM
+    puts them (``completion_tokens_details``, with a reasoning parser), else where SGLang does (beside
+    ``prompt_tokens``); 0 for a figure it does not give."""
     u = body.get("usage") if isinstance(body, dict) else None
     if not isinstance(u, dict):
-        return (0, 0, 0)
+        return NO_USAGE
     p, c = u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0
     details = u.get("prompt_tokens_details")
     cached = details.get("cached_tokens") or 0 if isinstance(details, dict) else 0
-    return (int(p) if isinstance(p, int) else 0, int(c) if isinstance(c, int) else 0,
-            int(cached) if isinstance(cached, int) else 0)
+    details = u.get("completion_tokens_details")
+    reasoning = details.get("reasoning_tokens") if isinstance(details, dict) else None
+    if reasoning is None:
+        reasoning = u.get("reasoning_tokens")
+    return (_count(p), _count(c), _count(cached), _count(reasoning))
+
+
+def _count(v: Any) -> int:
+    return v if type(v) is int and v >= 0 else 0
 
 
 def _output_line(custom_id: str, status: int | None, request_id: str | None, body: Any,

@@ -92,12 +92,13 @@ class FileInUse(Exception):
 
 
 class Result(tuple):
-    """One answered line: (custom_id, line_no, ok, the output line's bytes, usage triple)."""
+    """One answered line: (custom_id, line_no, ok, the output line's bytes, its usage: prompt,
+    completion, cached and reasoning tokens)."""
 
     __slots__ = ()
 
     def __new__(cls, custom_id: str, line_no: int, ok: bool, line: bytes,
-                usage: tuple[int, int, int] = (0, 0, 0)) -> Result:
+                usage: tuple[int, int, int, int] = (0, 0, 0, 0)) -> Result:
         return tuple.__new__(cls, (custom_id, line_no, ok, line, usage))
 
 
@@ -366,7 +367,7 @@ class BatchStore:
         """Store answered lines (one per custom_id: a line already stored is skipped) and count
         those that were new in the batch's document, in one transaction."""
         def tx(db: sqlite3.Connection) -> dict[str, Any] | None:
-            ok = failed = p = c = cached = 0
+            ok = failed = p = c = cached = reasoning = 0
             for custom_id, line_no, good, line, usage in results:
                 cur = db.execute("INSERT OR IGNORE INTO results (batch_id, custom_id, line_no, ok, line)"
                                  " VALUES (?, ?, ?, ?, ?)", (batch_id, custom_id, line_no, int(good), line))
@@ -375,7 +376,7 @@ class BatchStore:
                         ok += 1
                     else:
                         failed += 1
-                    p, c, cached = p + usage[0], c + usage[1], cached + usage[2]
+                    p, c, cached, reasoning = p + usage[0], c + usage[1], cached + usage[2], reasoning + usage[3]
             row = db.execute("SELECT doc FROM batches WHERE id = ?", (batch_id,)).fetchone()
             if row is None:
                 return None
@@ -389,6 +390,7 @@ class BatchStore:
                 u["output_tokens"] += c
                 u["total_tokens"] += p + c
                 u["input_tokens_details"]["cached_tokens"] += cached
+                u["output_tokens_details"]["reasoning_tokens"] += reasoning
                 db.execute("UPDATE batches SET doc = ? WHERE id = ?", (orjson.dumps(doc), batch_id))
             return doc
         return self._tx(tx)

@@ -17,10 +17,11 @@ def doc(bid: str, created: int = 100, status: str = "in_progress") -> dict:
 def test_a_line_answered_twice_is_stored_and_counted_once(tmp_path):
     s = BatchStore(str(tmp_path / "db"))
     s.add_batch(doc("b1"), "alice")
-    s.record("b1", [Result("x", 2, True, b'{"x":1}', (3, 4, 1)), Result("y", 1, False, b'{"y":1}')])
-    d = s.record("b1", [Result("x", 2, True, b'{"x":2}', (3, 4, 1)), Result("z", 3, True, b'{"z":1}', (1, 1, 0))])
+    s.record("b1", [Result("x", 2, True, b'{"x":1}', (3, 4, 1, 2)), Result("y", 1, False, b'{"y":1}')])
+    d = s.record("b1", [Result("x", 2, True, b'{"x":2}', (3, 4, 1, 2)), Result("z", 3, True, b'{"z":1}', (1, 1, 0, 1))])
     assert d["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
     assert d["usage"]["input_tokens"] == 4 and d["usage"]["total_tokens"] == 9
+    assert d["usage"]["output_tokens_details"]["reasoning_tokens"] == 3
     assert list(s.result_lines("b1", True)) == [b'{"x":1}', b'{"z":1}']      # input order, the first answer
     assert list(s.result_lines("b1", False)) == [b'{"y":1}']
     assert s.answered_in("b1", 1, 2) == {1, 2}
