@@ -9,8 +9,11 @@ import contextlib
 
 import openai
 import pytest
+import redis
 
-from gateway.apis.responses_state import TRIES
+from gateway.apis.responses_state import TRIES, RedisStore, StoreUnavailable
+from gateway.config.schema import StateConfig
+from gateway.state.redis import redis_client
 from tests.support.gateway_process import gateway_process
 from tests.support.ports import listen_port
 from tests.support.waiting import until
@@ -110,3 +113,30 @@ async def _deleted(client: openai.AsyncOpenAI, rid: str) -> bool:
         await client.responses.delete(rid)
         return True
     return False
+
+
+def _auth_refusals(port: int) -> int:
+    """How many connections the Redis on ``port`` refused a password (its ACL log)."""
+    r = redis.Redis(port=port, password="right")
+    try:
+        return sum(int(e["count"]) for e in r.acl_log() if e["reason"] == "auth")
+    finally:
+        r.close()
+
+
+async def test_a_refused_password_is_not_sent_again(redis_server):
+    """A wrong password is no passing fault: the store's call is not made again (each try would
+    send the same AUTH, refused the same way), and it fails at once with reason ``auth``."""
+    r = redis.Redis(port=redis_server.port)
+    r.config_set("requirepass", "right")
+    r.close()
+    store = RedisStore(redis_client(StateConfig(redis_url=redis_server.url, password="wrong")), "sy:resp:",
+                       ttl_s=60, timeout_s=1.0, owns_client=True)
+    before = _auth_refusals(redis_server.port)
+    try:
+        with pytest.raises(StoreUnavailable) as ei:
+            await store.get("resp_1")
+    finally:
+        await store.close()
+    assert ei.value.reason == "auth"
+    assert _auth_refusals(redis_server.port) - before == 1
