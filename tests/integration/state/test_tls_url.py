@@ -1,0 +1,79 @@
+"""A TLS URL (``rediss://``, ``rediss+sentinel://``) for a real redis-server: one serving plain TCP
+takes the connection and never answers the TLS handshake, which the error says in those words
+(not the client library's "Timeout connecting to server", which reads as a Redis out of reach);
+one serving TLS is reached as before."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gateway.apis.responses_state import RedisStore, StoreUnavailable
+from gateway.config.schema import StateConfig
+from gateway.state.redis import close_client, redis_client
+from tests.support.ports import listen_port
+from tests.support.tls import CertificateAuthority
+from tests.support.waiting import until
+
+
+def _no_tls(port: int) -> str:
+    return f"no TLS handshake answer from 127.0.0.1:{port}; is this Redis serving TLS? use redis:// for plain TCP"
+
+
+async def test_a_rediss_url_for_a_plain_redis_says_it_got_no_tls_answer(redis_server):
+    client = redis_client(StateConfig(redis_url=f"rediss://127.0.0.1:{redis_server.port}/0", timeout_s=0.5))
+    try:
+        with pytest.raises((RedisConnectionError, RedisTimeoutError)) as ei:
+            await client.ping()
+    finally:
+        await close_client(client)
+    assert str(ei.value) == _no_tls(redis_server.port)
+    # what a Responses lookup's 503 logs, and its reason, as for any Redis out of reach
+    store = RedisStore(redis_client(StateConfig(redis_url=f"rediss://127.0.0.1:{redis_server.port}/0",
+                                                timeout_s=0.5)), "sy:resp:", ttl_s=60, timeout_s=0.5, owns_client=True)
+    try:
+        with pytest.raises(StoreUnavailable) as si:
+            await store.get("resp_1")
+    finally:
+        await store.close()
+    assert _no_tls(redis_server.port) in str(si.value) and si.value.reason == "unreachable"
+
+
+async def test_a_rediss_sentinel_url_names_the_sentinel_that_gave_no_tls_answer(redis_server):
+    client = redis_client(StateConfig(redis_url=f"rediss+sentinel://127.0.0.1:{redis_server.port}/mymaster",
+                                      timeout_s=0.5))
+    try:
+        with pytest.raises(RedisConnectionError) as ei:
+            await client.ping()
+    finally:
+        await close_client(client)
+    assert _no_tls(redis_server.port) in str(ei.value)
+
+
+async def test_a_rediss_url_for_a_redis_serving_tls_is_reached(tmp_path):
+    ca = CertificateAuthority(tmp_path)
+    leaf = ca.issue("127.0.0.1")
+    port = listen_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", str(tmp_path), "--tls-cert-file", str(leaf.cert),
+         "--tls-key-file", str(leaf.key), "--tls-ca-cert-file", str(ca.cert), "--tls-auth-clients", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis_client(StateConfig(redis_url=f"rediss://127.0.0.1:{port}/0", tls_ca_file=str(ca.cert),
+                                      timeout_s=1.0))
+    try:
+        async def up() -> bool:
+            try:
+                return bool(await client.ping())
+            except (RedisConnectionError, RedisTimeoutError):
+                return False
+        await until(up, timeout=10)
+        await client.set("k", b"v")
+        assert await client.get("k") == b"v"
+    finally:
+        await close_client(client)
+        proc.kill()
+        proc.wait(timeout=10)
