@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
+import socket
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
@@ -44,7 +45,7 @@ import redis.asyncio.connection as _redis_connection
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelManagedSSLConnection
 from redis.backoff import NoBackoff
 from redis.exceptions import (
     AuthenticationError,
@@ -311,9 +312,12 @@ def _make_client(cfg: StateConfig, socket_timeout: float | None) -> BoundedRedis
         kw: dict = dict(tls)
         if cfg.password is not None:
             kw["password"] = cfg.password
-        return BoundedRedis.from_url(
+        client = BoundedRedis.from_url(
             cfg.redis_url, retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
             maint_notifications_config=MaintNotificationsConfig(enabled=False), **common, **kw)
+        if target.tls:
+            client.connection_pool.connection_class = TLSConnection
+        return client
     if target.mode == "cluster":
         cluster = BoundedCluster(
             startup_nodes=[ClusterNode(h, p) for h, p in target.nodes], retry=Retry(NoBackoff(), 0),
@@ -331,6 +335,10 @@ def _make_client(cfg: StateConfig, socket_timeout: float | None) -> BoundedRedis
     if cfg.sentinel_password is not None:
         sentinel_kw["password"] = cfg.sentinel_password
     sentinel = _Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kw)
+    if target.tls:
+        for s in sentinel.sentinels:
+            s.connection_pool.connection_class = TLSConnection
+        tls["connection_class"] = SentinelTLSConnection
     assert target.service is not None
     return sentinel.master_for(
         target.service, redis_class=BoundedRedis, db=target.db, username=target.username, password=password, ssl=target.tls,
@@ -386,11 +394,56 @@ class _CheckBeforeSend:
         await super().send_packed_command(command, check_health)   # type: ignore[misc]
 
 
+class NoTLSAnswer(RedisConnectionError):
+    """A TLS URL's server took the connection but never answered the TLS handshake: most likely
+    a Redis serving plain TCP (it reads the handshake as the start of a command and waits for
+    the rest)."""
+
+
+class _TLSSaysWhy:
+    """A TLS connection made in two steps, TCP then the TLS handshake, within the one connect
+    timeout as before, so that a handshake that got no answer says so: the client library's
+    "Timeout connecting to server" reads as a server out of reach, where the usual cause is a
+    ``rediss://`` URL for a Redis serving plain TCP."""
+
+    async def _connect(self) -> None:
+        args = dict(self._connection_arguments())               # type: ignore[attr-defined]
+        tls = args.pop("ssl")
+        host, port = self.host, self.port                       # type: ignore[attr-defined]
+        tcp = False
+        try:
+            async with held_loop_timeout(self.socket_connect_timeout):     # type: ignore[attr-defined]
+                reader, writer = await asyncio.open_connection(**args)
+                tcp = True
+                try:
+                    await writer.start_tls(tls, server_hostname=host)
+                except BaseException:
+                    writer.close()
+                    raise
+        except TimeoutError:
+            if not tcp:
+                raise
+            raise NoTLSAnswer(f"no TLS handshake answer from {host}:{port}; is this Redis serving TLS? "
+                              "use redis:// for plain TCP") from None
+        self._reader, self._writer = reader, writer             # type: ignore[attr-defined]
+        sock = writer.transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class TLSConnection(_TLSSaysWhy, SSLConnection):
+    pass
+
+
+class SentinelTLSConnection(_TLSSaysWhy, SentinelManagedSSLConnection):
+    pass
+
+
 class CheckedConnection(_CheckBeforeSend, Connection):
     pass
 
 
-class CheckedSSLConnection(_CheckBeforeSend, SSLConnection):
+class CheckedSSLConnection(_CheckBeforeSend, _TLSSaysWhy, SSLConnection):
     pass
 
 
