@@ -176,6 +176,34 @@ async def test_a_collector_out_of_reach_over_http_is_named_with_its_cause_in_one
             await rx.close()
 
 
+@pytest.mark.parametrize("answer", [503, 400])
+async def test_a_collector_that_refuses_every_batch_gets_one_line_of_the_sdk_not_one_a_batch(
+        sims, gateway, caplog, answer):
+    """A collector answering every export with 503 (which the exporter retries until its timeout)
+    or 400 (which it does not): each failed batch is counted, but the exporter's own lines, a
+    "Failed to export" for each batch and a "Transient error" for each retry, are logged the first
+    time and then at most once a minute, not once a batch."""
+    rx = await OTLPReceiver(fail_with=answer).start()
+    try:
+        sim = await sims("vllm", "m")
+        gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}],
+                           tracing=tracing(rx.url, export_timeout_s=0.3))
+        caplog.set_level(logging.WARNING)
+        for i in range(4):
+            status, _, body = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2})
+            assert status == 200 and body
+
+            async def failed(n: int = i + 1) -> bool:
+                return sample(await gw.metrics_text(), "switchyard_trace_export_failures_total") >= n
+            assert await wait_for(failed, timeout=10)
+        sdk = [r.getMessage() for r in caplog.records if r.name.startswith("opentelemetry.exporter")]
+        failed_lines = [m for m in sdk if m.startswith("Failed to export")]
+        assert len(failed_lines) == 1, sdk
+        assert sum(m.startswith("Transient error") for m in sdk) == (1 if answer == 503 else 0), sdk
+    finally:
+        await rx.close()
+
+
 def _failed_batches(caplog) -> int:
     return sum(1 for r in caplog.records if r.name.startswith("opentelemetry") and r.levelno >= logging.ERROR)
 
