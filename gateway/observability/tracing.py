@@ -22,7 +22,7 @@ path costs a few no-op method calls per request.
 Spans go through the SDK's batch processor (a queue and one exporter thread; a full queue drops
 spans, never blocks a request) to an OTLP exporter: HTTP/protobuf by default, gRPC with the
 ``grpc`` extra. Export failures are counted (``switchyard_trace_export_failures_total``) as well as
-logged by the SDK (over HTTP, the gateway names the endpoint and the cause of one that got no
+logged by the SDK (each kind of its lines the first time, then at most once a minute: ``SeldomLines``; over HTTP, the gateway names the endpoint and the cause of one that got no
 answer, at most once a minute: ``CountingExporter``), and so are the spans a full queue drops (``switchyard_trace_spans_total``). The
 provider belongs to the app (no global tracer provider) and is shut down, flushing what is queued,
 when the app stops.
@@ -653,6 +653,53 @@ class CountingExporter(SpanExporter):
         return self.inner.force_flush(timeout_millis)
 
 
+class SeldomLines(logging.Filter):
+    """The OTLP exporters' warnings and errors, each kind (its message's format) logged the first
+    time, then at most once every ``every_s``: a collector that refuses or is out of reach makes the
+    exporter log every failed batch ("Failed to export ...") and every retry of one ("Transient
+    error ..."), a line or more a second under load. A line logged after some were not says how
+    many. (The failures stay counted one by one: ``switchyard_trace_export_failures_total``.)"""
+
+    def __init__(self, every_s: float = FAILURE_LINE_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.every_s = every_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._told: dict[str, tuple[float, int]] = {}    # a format → when last logged, how many not since
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        kind = str(record.msg)
+        now = self.clock()
+        with self._lock:
+            told = self._told.get(kind)
+            if told is not None and now - told[0] < self.every_s:
+                self._told[kind] = (told[0], told[1] + 1)
+                return False
+            self._told[kind] = (now, 0)
+        if told is not None and told[1]:
+            record.msg = (f"{record.getMessage()} ({told[1]} more such line(s) not logged in the last "
+                          f"{now - told[0]:.0f} s)")
+            record.args = None
+        return True
+
+
+# the exporters' loggers (OTLP/HTTP's client logs as its trace exporter's module)
+EXPORTER_LOGGERS = ("opentelemetry.exporter.otlp.proto.http.trace_exporter",
+                    "opentelemetry.exporter.otlp.proto.grpc.exporter")
+
+
+def seldom_exporter_lines() -> None:
+    """The exporters' lines through a ``SeldomLines`` of this app's tracing, with nothing told yet
+    (one app a process, but for tests)."""
+    for name in EXPORTER_LOGGERS:
+        logger = logging.getLogger(name)
+        for f in [f for f in logger.filters if isinstance(f, SeldomLines)]:
+            logger.removeFilter(f)
+        logger.addFilter(SeldomLines())
+
+
 class CountingProcessor(BatchSpanProcessor):
     """The SDK's batch processor, with the spans a full queue drops counted: the SDK logs the first
     drop of every 20 s and counts nothing, so a collector that is down or slow lost spans unseen by
@@ -925,6 +972,7 @@ class Tracing:
             max_export_batch_size=max(1, min(BatchSpanProcessor._default_max_export_batch_size(), queue)))
         self.provider.add_span_processor(self.processor)
         self.tracer = self.provider.get_tracer("switchyard")
+        seldom_exporter_lines()
         self._exact = frozenset(p for p in settings.exclude_paths if not p.endswith("*"))
         self._prefixes = tuple(p[:-1] for p in settings.exclude_paths if p.endswith("*"))
 

@@ -4,6 +4,7 @@ exporter's failure count, excluded paths. The traces themselves: tests/integrati
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import threading
 import time
@@ -18,6 +19,7 @@ from gateway.observability.tracing import (
     NO_LEG,
     NO_TRACE,
     CountingExporter,
+    SeldomLines,
     Tracing,
     TracingConfig,
     check_tls_files,
@@ -311,3 +313,25 @@ def test_headers_the_exporter_takes_start(monkeypatch):
     t = Tracing.from_config(TracingConfig(enabled=True, endpoint="127.0.0.1:1"), GatewayMetrics())
     assert t is not None
     t.provider.shutdown()
+
+
+def test_the_exporters_lines_are_logged_once_then_once_a_minute_with_the_count_not_logged():
+    now = [0.0]
+    seldom = SeldomLines(every_s=60.0, clock=lambda: now[0])
+
+    def line(msg: str, *args: object, level: int = logging.ERROR) -> str | None:
+        r = logging.LogRecord("opentelemetry.exporter", level, __file__, 1, msg, args, None)
+        return r.getMessage() if seldom.filter(r) else None
+
+    failed = "Failed to export %s batch code: %s, reason: %s"
+    assert line(failed, "spans", 503, "Service Unavailable") == "Failed to export spans batch code: 503, reason: Service Unavailable"
+    assert line("Transient error %s encountered", "x", level=logging.WARNING) == "Transient error x encountered"
+    now[0] = 30.0
+    assert [line(failed, "spans", 503, "Service Unavailable") for _ in range(5)] == [None] * 5
+    assert line("debug %s", 1, level=logging.DEBUG) == "debug 1"
+    now[0] = 61.0
+    assert line(failed, "spans", 400, "Bad Request") == \
+        "Failed to export spans batch code: 400, reason: Bad Request (5 more such line(s) not logged in the last 61 s)"
+    assert line(failed, "spans", 400, "Bad Request") is None
+    now[0] = 200.0
+    assert line(failed, "spans", 400, "Bad Request") == "Failed to export spans batch code: 400, reason: Bad Request (1 more such line(s) not logged in the last 139 s)"
