@@ -76,6 +76,8 @@ async def test_aggregated_request_is_one_tree_with_the_engine_span_under_its_leg
     assert at["gen_ai.usage.cache_read.input_tokens"] == 0
     assert at["gen_ai.response.finish_reasons"] == ["length"]
     assert at["gen_ai.latency.time_to_first_token"] > 0 and root.event("first_token") is not None
+    # the GenAI conventions' name of it, and vLLM's (kept for the dashboards that read it)
+    assert at["gen_ai.response.time_to_first_chunk"] == at["gen_ai.latency.time_to_first_token"]
     assert at["user.id"] == "alice" and at["http.response.status_code"] == 200
     assert root.status == "UNSET"
     route, leg = rx.children(root)
