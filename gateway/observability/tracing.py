@@ -553,6 +553,8 @@ class RequestTrace(Trace):
         for key, v in (("gen_ai.usage.input_tokens", rec.prompt_tokens),
                        ("gen_ai.usage.output_tokens", rec.completion_tokens),
                        ("gen_ai.usage.cache_read.input_tokens", rec.cached_tokens),
+                       # the GenAI conventions' name, and vLLM's, which it had first (kept for what reads it)
+                       ("gen_ai.response.time_to_first_chunk", rec.ttft),
                        ("gen_ai.latency.time_to_first_token", rec.ttft),
                        ("user.id", rec.user)):
             if v is not None:
