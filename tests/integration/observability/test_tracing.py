@@ -7,10 +7,12 @@ excluded paths, and requests unaffected by a collector that is down.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 
 import aiohttp
+import openai
 import pytest
 
 from gateway.observability.tracing import NO_TRACING
@@ -574,6 +576,23 @@ async def test_without_tracing_the_client_traceparent_passes_through(sims, gatew
     assert gw.gw.tracing is NO_TRACING
     await post(gw, {"model": "m", "messages": MSG, "max_tokens": 1}, {"traceparent": traceparent()})
     assert [t["traceparent"] for t in (await sim_state(sim.url))["traceparents"]] == [traceparent()]
+
+
+async def test_without_tracing_a_responses_call_relayed_to_its_engine_passes_the_client_traceparent(sims, gateway):
+    """As a generation's request does: a GET and a cancel of a response its engine keeps reach that
+    engine with the client's traceparent and tracestate, when the gateway traces nothing itself."""
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}])
+    assert gw.gw.tracing is NO_TRACING
+    c = openai_client(gw)
+    created = await c.responses.create(model="m", input="x", max_output_tokens=2)
+    w3c = {"traceparent": traceparent(), "tracestate": "vendor=1"}
+    await c.responses.retrieve(created.id, extra_headers=w3c)
+    with contextlib.suppress(openai.BadRequestError):      # a response that completed is not cancelled
+        await c.responses.cancel(created.id, extra_headers=w3c)
+    seen = [(t["traceparent"], t["tracestate"]) for t in (await sim_state(sim.url))["traceparents"]
+            if t["path"].startswith(f"/v1/responses/{created.id}")]
+    assert seen == [(traceparent(), "vendor=1")] * 2
 
 
 async def test_a_request_that_named_an_alias_says_both_the_alias_and_the_model_that_served_it(sims, gateway,
