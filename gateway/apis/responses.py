@@ -997,6 +997,11 @@ class ResponsesApi(ApiShape):
         headers = {"X-Request-Id": rec.request_id}
         if body:
             headers["Content-Type"] = "application/json"
+        # the client's W3C trace headers, as a generation's request passes them (the last of a
+        # repeated name): a traced leg puts its own context in their place
+        for name, value in request.headers.items():
+            if name.lower() in _W3C_TRACE:
+                headers[name.lower()] = value
         # the call is a leg of the request's trace, as a generation's is: its engine gets the leg's context
         leg = request.get(TRACE_KEY, NO_TRACE).leg(_LEGS.get(request.match_info.get("action") or request.method,
                                                              "retrieve"), ep, method=request.method)
@@ -1263,6 +1268,8 @@ def _input_items_page(rid: str, items: list[Any], page: _Page) -> dict[str, Any]
             "last_id": data[-1]["id"] if data else None, "has_more": more}
 
 
+# the client's W3C trace headers, which a call relayed to its engine carries as a generation's does
+_W3C_TRACE = ("traceparent", "tracestate")
 # the name of a call's leg to the engine holding its response (a GET or a HEAD: "retrieve")
 _LEGS = {"DELETE": "delete", "cancel": "cancel", "input_items": "input_items"}
 
