@@ -10,6 +10,7 @@ from pathlib import Path
 import aiohttp
 import jsonschema
 import redis.asyncio as aioredis
+import structlog.testing
 
 from tests.support.factories import model_block, pd_pair, roleset
 from tests.support.http import chat_body, post
@@ -245,6 +246,21 @@ async def test_tenants_with_redis(sims, gateway, redis_server):
     t = (await status(a, token=ADMIN))["tenants"]
     assert t["state_up"] is False and by(t["users"], name="alice")["usage"] is None
     assert t["state_down_reason"] == "unreachable"
+
+
+async def test_tenants_say_a_tls_url_got_no_handshake_answer(sims, gateway, redis_server):
+    """A rediss:// URL for a Redis serving plain TCP: the page says the state is down for want of a
+    TLS handshake answer (``no_tls``), not merely unreachable, and so does the start's log line."""
+    sim = await sims("vllm", "m")
+    with structlog.testing.capture_logs() as logs:
+        gw = await gateway([model_block("m", "vllm", [sim.url])],
+                           auth={"api_keys": [{"key": ALICE, "user": "alice"}], "admin_token": ADMIN},
+                           state={"redis_url": f"rediss://127.0.0.1:{redis_server.port}/0", "timeout_s": 0.2})
+    t = (await status(gw, token=ADMIN))["tenants"]
+    assert t["state_up"] is False and t["state_down_reason"] == "no_tls"
+    [line] = [x for x in logs if "at start" in x["event"]]
+    assert "TLS" in line["event"] and line["reason"] == "no_tls", line
+    assert line["error"].startswith(f"no TLS handshake answer from 127.0.0.1:{redis_server.port}"), line
 
 
 async def test_tenants_say_why_a_redis_that_refuses_writes_is_down(sims, gateway, redis_server):
