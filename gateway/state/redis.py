@@ -128,6 +128,19 @@ def transport_reason(e: BaseException) -> str:
     return "unreachable"
 
 
+def no_tls_answer(e: BaseException) -> bool:
+    """Whether ``e`` (a failed connect, as the client library wraps it) is a TLS URL's server that
+    took the connection and never answered the handshake (:class:`NoTLSAnswer`)."""
+    seen: BaseException | None = e
+    for _ in range(4):
+        if seen is None:
+            return False
+        if isinstance(seen, NoTLSAnswer):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 # A timer that fires this much later than its deadline means the loop was held meanwhile
 LATE_S = 0.05
 

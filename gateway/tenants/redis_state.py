@@ -75,6 +75,7 @@ from gateway.state.redis import (
     close_client,
     forget_topology,
     held_loop_timeout,
+    no_tls_answer,
     redis_client,
     refusal,
     shared_prefix,
@@ -416,7 +417,8 @@ REFUSAL_HOLD_S = 10.0
 
 class StateUnavailable(Exception):
     """The shared state could not be reached (or is marked down); the caller applies the policy.
-    ``reason``: ``unreachable``, or what a Redis that answered said: ``oom``, ``readonly``,
+    ``reason``: ``unreachable`` (``no_tls``: a TLS URL's server took the connection and never
+    answered the handshake, as a Redis serving plain TCP does), or what a Redis that answered said: ``oom``, ``readonly``,
     ``misconf``, ``noreplicas`` (it refuses writes), ``noperm``, ``wrongtype`` (it refuses the
     command: see gateway/state/redis.py ``refusal``), ``auth`` (it refuses the connection's
     password or user), ``error`` (another error), ``busy`` (every
@@ -432,6 +434,7 @@ class StateUnavailable(Exception):
 # that answers with a refusal is not "unreachable", which would send them looking at the network
 TROUBLE = {
     "unreachable": "shared state unreachable",
+    "no_tls": "shared state unreachable: no TLS handshake answer (is this Redis serving TLS? use redis:// for plain TCP)",
     "oom": "shared state refuses writes (out of memory)",
     "readonly": "shared state refuses writes (a read-only replica)",
     "misconf": "shared state refuses writes (its RDB save failed)",
@@ -492,7 +495,7 @@ class RedisState:
         self._p = p
         self.up = False
         self.refused = ""                           # why Redis refuses writes (oom, readonly, ...)
-        self._down_reason = "unreachable"           # why it is down: unreachable, or auth
+        self._down_reason = "unreachable"           # why it is down: unreachable, no_tls, or auth
         self._refused_at = 0.0                      # ... or commands (noperm, wrongtype): when last
         self._healthy = False                       # what on_transition last said
         self.last_ok = 0.0                          # monotonic time of the last successful call
@@ -581,7 +584,7 @@ class RedisState:
                 # error: never let it swallow the cancel (a stop would wait for ever)
                 raise asyncio.CancelledError from None
             # a refused password is out of reach as well (no connection is made), but is said to be one
-            reason = transport_reason(e)
+            reason = "no_tls" if no_tls_answer(e) else transport_reason(e)
             self._mark(False, f"{type(e).__name__}: {e}", reason)
             await forget_topology(self.client)
             raise StateUnavailable(str(e) or type(e).__name__, reason) from None

@@ -58,7 +58,7 @@ MAX_UNKNOWN_KEYS = 10_000
 FAIL_OPEN_LOG_EVERY_S = 10.0
 START_RETRY_S = 1.0          # start-up: how long a failing first sync is tried again
 START_RETRY_GAP_S = 0.1
-START_FINAL = COMMAND_REFUSALS | {"auth"}    # what a second try at start meets alike
+START_FINAL = COMMAND_REFUSALS | {"auth", "no_tls"}    # what a second try at start meets alike
 
 
 @dataclass(slots=True)
@@ -302,13 +302,13 @@ class Tenancy:
             log.warning("shared state refuses the gateway's credentials; failure policy applies",
                         policy=self.policy, reason=reason, error=why, redis_url=_redact(self.cfg.redis_url),
                         mode=mode)
-        elif reason and reason != "unreachable":
+        elif reason and reason not in ("unreachable", "no_tls"):
             self.m.outages.labels(mode).inc()
             log.warning("shared state refuses writes; failure policy applies", policy=self.policy, reason=reason,
                         error=why, redis_url=_redact(self.cfg.redis_url), mode=mode)
         else:
             self.m.outages.labels(mode).inc()
-            log.warning("shared state unreachable; failure policy applies", policy=self.policy, error=why,
+            log.warning(f"{trouble(reason)}; failure policy applies", policy=self.policy, error=why,
                         redis_url=_redact(self.cfg.redis_url), mode=mode)
 
     async def refresh(self) -> None:
