@@ -1,0 +1,70 @@
+"""Sessions through the real gateway, driven by the openai SDK: what names a session under each
+strategy, what a session name may be, and whose session it is."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.support.factories import model_block
+from tests.support.gateway_process import metric_total
+from tests.support.http import openai_client, sim_state
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+async def served(engine) -> list[str]:
+    """The API paths an engine was sent (its health and models probes left out)."""
+    return [r["path"] for r in (await sim_state(engine.url))["received"] if r["path"] != "/v1/models" and r["path"].startswith("/v1/")]
+
+
+async def test_session_affinity_keeps_a_prompt_cache_key_on_one_engine_after_the_key_headers(sims, gateway):
+    """A client that names its conversation by ``prompt_cache_key`` alone stays on one engine under
+    ``session-affinity`` (rendezvous over the key, as for ``x-session-key``), and the key headers win
+    over it."""
+    engines = [await sims("vllm", "m") for _ in range(4)]
+    gw = await gateway([model_block("m", "vllm", [e.url for e in engines], strategy="session-affinity")])
+    client = openai_client(gw)
+    for s in range(6):
+        served = set()
+        for _ in range(5):
+            raw = await client.chat.completions.with_raw_response.create(
+                model="m", max_tokens=2, messages=CHAT, prompt_cache_key=f"conv-{s}")
+            assert raw.parse().choices[0].message.content
+            served.add(raw.headers["target-pod"])
+        assert len(served) == 1, (s, served)
+    page = await gw.metrics_text()
+    assert metric_total(page, "switchyard_routing_fallbacks_total", strategy="session-affinity") == 0
+    # the header names the session: whatever prompt_cache_key says, its engine is the header's
+    raw = await client.chat.completions.with_raw_response.create(
+        model="m", max_tokens=2, messages=CHAT, extra_headers={"x-session-key": "by-header"})
+    pod = raw.headers["target-pod"]
+    for s in range(6):
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m", max_tokens=2, messages=CHAT, prompt_cache_key=f"conv-{s}",
+            extra_headers={"x-session-key": "by-header"})
+        assert raw.headers["target-pod"] == pod
+
+
+@pytest.mark.parametrize("value", [7, 1.5, True, {"id": "conv-1"}, ["conv-1"]])
+async def test_a_prompt_cache_key_that_is_no_string_is_400_on_chat_completions_and_responses(sims, gateway, value):
+    """OpenAI types ``prompt_cache_key`` as a string: any other JSON value is refused with its
+    ``param`` named, and reaches no engine; ``null`` is no key and is served."""
+    e = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [e.url], strategy="prefix-cache")])
+    client = openai_client(gw)
+    calls = [
+        lambda key: client.chat.completions.create(model="m", max_tokens=2, messages=CHAT, prompt_cache_key=key),
+        lambda key: client.completions.create(model="m", max_tokens=2, prompt="hi", extra_body={"prompt_cache_key": key}),
+        lambda key: client.responses.create(model="m", max_output_tokens=2, input="hi", prompt_cache_key=key),
+    ]
+    for call in calls:
+        with pytest.raises(openai.BadRequestError) as err:
+            await call(value)
+        body = err.value.body
+        assert err.value.status_code == 400 and body["type"] == "invalid_request_error", body
+        assert body["param"] == "prompt_cache_key", body
+    assert await served(e) == []
+    for call in calls:
+        await call(None)
+    assert await served(e) == ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
