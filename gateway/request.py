@@ -801,6 +801,11 @@ def _parse_named(path: str, body: bytes, headers: dict[str, str], request_id: st
         seed = data.get("seed")
         if seed is not None and not (type(seed) is int and -_I64 <= seed < _I64):
             _check_seed(seed)
+        # OpenAI's name for the conversation's cache, a string (routers/session_map.py): another value
+        # was read as no session, the client never told
+        key = data.get("prompt_cache_key")
+        if key is not None and key.__class__ is not str:
+            raise _bad("'prompt_cache_key' must be a string", "prompt_cache_key")
 
     exact_tokens: int | None = None
     media = [False]

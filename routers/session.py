@@ -2,8 +2,10 @@
 
 * ``x-session-id`` request header = base64 of an endpoint's ``host:port`` (what the previous
   answer returned). If it names a ready candidate, that endpoint is chosen.
-* Else the session-key header (``x-session-key``, or AIBrix's ``x-aibrix-session-key``; opaque, at
-  most 256 bytes) picks by rendezvous hashing: FNV-1a 64 over the key, a 0 byte, then the
+* Else the session key: the session-key header (``x-session-key``, or AIBrix's
+  ``x-aibrix-session-key``), else the body's ``prompt_cache_key`` (OpenAI's name for the
+  conversation, on every API but Messages, as ``prefix-cache`` reads it); opaque, at most 256
+  bytes. It picks by rendezvous hashing: FNV-1a 64 over the key, a 0 byte, then the
   address; the highest hash wins, ties to the lexicographically smaller address. Every gateway
   replica computes the same answer from the same candidates (AIBrix's exact function, so mixed
   fleets agree too), and when an endpoint leaves only its own sessions move.
@@ -26,6 +28,7 @@ from collections.abc import Sequence
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
 from routers.base import Decision, RouterContext, ScoringRouter
+from routers.session_map import MESSAGES
 
 FNV_OFFSET = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3
@@ -89,6 +92,10 @@ class SessionAffinityRouter(ScoringRouter):
                         return ep, None
             reason = "session_endpoint_gone"
         key = req.session_key
+        if not key and req.path != MESSAGES:
+            key = req.data.get("prompt_cache_key")     # a string, or None (parsing refuses any other)
+            if key.__class__ is not str:
+                key = None
         if key:
             if len(key) > MAX_KEY_BYTES or len(key.encode()) > MAX_KEY_BYTES:
                 return None, "bad_session_key"

@@ -14,7 +14,8 @@ A request's session (``session_of``), first found wins:
   ``x-session-id``: the client's own name for the conversation (per model: the same name for two
   models is two sessions). ``prompt_cache_key`` is OpenAI's field (chat completions, Responses)
   for routing requests that share a prefix to one cache; Codex sets it to its conversation's id. It
-  is read on every API but Messages (not an Anthropic field), a string only, and goes to the engine
+  is read on every API but Messages (not an Anthropic field), a string only (chat, completions and
+  Responses refuse any other value), and goes to the engine
   as it came (vLLM and SGLang ignore it). It comes before ``x-session-id``, which is also what
   ``session-affinity`` answers with (its endpoint's address, one value for all of that endpoint's
   conversations) and a client may echo on every model; the key headers, set for the gateway, win;

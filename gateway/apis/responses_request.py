@@ -196,6 +196,9 @@ def _parse_named(path: str, body: bytes, headers: Any, request_id: str, data: di
         # copy), another user's too. OpenAI has no such parameter; the client's id for a request
         # is its x-request-id header
         raise _bad("Unknown parameter: 'request_id'.", "request_id", "unknown_parameter")
+    key = data.get("prompt_cache_key")
+    if key is not None and key.__class__ is not str:
+        raise _bad("'prompt_cache_key' must be a string", "prompt_cache_key")
     prev = data.get("previous_response_id")
     if prev is not None and (not isinstance(prev, str) or not prev):
         raise _bad("'previous_response_id' must be a non-empty string", "previous_response_id")
