@@ -9,6 +9,8 @@ import pytest
 from tests.support.factories import model_block
 from tests.support.gateway_process import metric_total
 from tests.support.http import openai_client, sim_state
+from tests.support.lora import FAST_LORA, LORA_SIM
+from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -68,3 +70,27 @@ async def test_a_prompt_cache_key_that_is_no_string_is_400_on_chat_completions_a
     for call in calls:
         await call(None)
     assert await served(e) == ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+
+
+async def test_an_adapters_session_under_lora_prefix_cache_is_not_its_base_models_of_the_same_name(sims, gateway):
+    """Under ``lora.strategy: prefix-cache`` one session name used with the base model and with an
+    adapter of it is two sessions: the adapter's turns neither continue the base model's session
+    nor move it."""
+    a = await sims("vllm", "m", **LORA_SIM)
+    b = await sims("vllm", "m", lora_modules=("sql=org/sql-lora",), **LORA_SIM)
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url], strategy="prefix-cache")],
+                       lora={**FAST_LORA, "strategy": "prefix-cache"})
+    await wait_for(lambda: any("sql" in ep.adapters.served for ep in gw.gw.pool.endpoints()))
+    client = openai_client(gw)
+    base, adapter = [], []
+    for _ in range(3):
+        for model, served in (("m", base), ("sql", adapter)):
+            raw = await client.chat.completions.with_raw_response.create(
+                model=model, max_tokens=2, messages=CHAT, prompt_cache_key="conv-1")
+            assert raw.parse().choices[0].message.content
+            served.append(raw.headers["target-pod"])
+    assert len(set(base)) == 1, base
+    assert adapter == [b.url.split("//")[1]] * 3
+    # each continues its own session: two turns kept of each, none of the adapter's on the base's
+    page = await gw.metrics_text()
+    assert metric_total(page, "switchyard_routing_session_total", outcome="kept") == 4
