@@ -11,8 +11,8 @@ decide), and the map records every decision.
 A request's session (``session_of``), first found wins:
 
 * ``x-session-key`` / ``x-aibrix-session-key``, then the body's ``prompt_cache_key``, then
-  ``x-session-id``: the client's own name for the conversation (per model: the same name for two
-  models is two sessions). ``prompt_cache_key`` is OpenAI's field (chat completions, Responses)
+  ``x-session-id``: the client's own name for the conversation (per model, and per LoRA adapter:
+  the same name for two models, or for a base model and an adapter of it, is two sessions). ``prompt_cache_key`` is OpenAI's field (chat completions, Responses)
   for routing requests that share a prefix to one cache; Codex sets it to its conversation's id. It
   is read on every API but Messages (not an Anthropic field), a string only (chat, completions and
   Responses refuse any other value), and goes to the engine
@@ -69,7 +69,9 @@ def session_of(req: InferenceRequest) -> str | None:
         if key.__class__ is not str or not key:
             key = req.session_id
     if key:
-        return f"{req.model}\0s:{key}" if len(key) <= MAX_KEY_CHARS else None
+        if len(key) > MAX_KEY_CHARS:
+            return None
+        return f"{req.model}\0s:{key}" if req.lora is None else f"{req.model}\0l:{req.lora}\0s:{key}"
     prev = req.previous_response_id or data.get("previous_response_id")
     if prev.__class__ is str and prev:
         return RESPONSE + prev if len(prev) <= MAX_KEY_CHARS else None
@@ -77,7 +79,7 @@ def session_of(req: InferenceRequest) -> str | None:
     if meta.__class__ is dict:
         uid = meta.get("user_id")
         if uid.__class__ is str and uid and len(uid) <= MAX_KEY_CHARS:
-            return f"{req.model}\0u:{uid}"
+            return f"{req.model}\0u:{uid}" if req.lora is None else f"{req.model}\0l:{req.lora}\0u:{uid}"
     return None
 
 
