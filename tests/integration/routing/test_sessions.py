@@ -94,3 +94,51 @@ async def test_an_adapters_session_under_lora_prefix_cache_is_not_its_base_model
     # each continues its own session: two turns kept of each, none of the adapter's on the base's
     page = await gw.metrics_text()
     assert metric_total(page, "switchyard_routing_session_total", outcome="kept") == 4
+
+
+ALICE, BOB = "sk-alice-sessions", "sk-bob-sessions"
+KEYS = {"api_keys": [{"key": ALICE, "user": "alice"}, {"key": BOB, "user": "bob"}]}
+
+
+async def test_two_users_who_name_a_session_alike_hold_two_sessions(sims, gateway):
+    """With auth on a session is its user's: bob's turns under alice's session name neither continue
+    her session nor move it."""
+    engines = [await sims("vllm", "m") for _ in range(2)]
+    gw = await gateway([model_block("m", "vllm", [e.url for e in engines], strategy="prefix-cache")], auth=KEYS)
+    alice, bob = openai_client(gw, ALICE), openai_client(gw, BOB)
+    served: dict[str, list[str]] = {"alice": [], "bob": []}
+    for _ in range(3):
+        for name, client in (("alice", alice), ("bob", bob)):
+            raw = await client.chat.completions.with_raw_response.create(
+                model="m", max_tokens=2, messages=CHAT, prompt_cache_key="conv-1")
+            assert raw.parse().choices[0].message.content
+            served[name].append(raw.headers["target-pod"])
+    assert len(set(served["alice"])) == 1 and len(set(served["bob"])) == 1, served
+    page = await gw.metrics_text()
+    # two turns kept of each user's session; bob's first turn found no session of his
+    assert metric_total(page, "switchyard_routing_session_total", outcome="kept") == 4
+
+
+async def test_a_user_naming_a_new_session_on_every_request_does_not_push_out_another_users(sims, gateway):
+    """One user holds at most ``routing.session_user_share`` of the map: bob's stream of fresh
+    session names churns his own sessions, and alice's stays."""
+    engines = [await sims("vllm", "m") for _ in range(2)]
+    gw = await gateway([model_block("m", "vllm", [e.url for e in engines], strategy="prefix-cache")], auth=KEYS,
+                       routing={"session_max_entries": 20})
+    alice, bob = openai_client(gw, ALICE), openai_client(gw, BOB)
+
+    async def turn(client, key: str) -> str:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m", max_tokens=2, messages=CHAT, prompt_cache_key=key)
+        assert raw.parse().choices[0].message.content
+        return raw.headers["target-pod"]
+
+    first = await turn(alice, "alice-conv")
+    for i in range(40):
+        await turn(bob, f"bob-{i}")
+    assert await turn(alice, "alice-conv") == first
+    page = await gw.metrics_text()
+    assert metric_total(page, "switchyard_routing_session_total", outcome="kept") == 1
+    await turn(bob, "bob-0")            # his own oldest went to make room for his newest
+    page = await gw.metrics_text()
+    assert metric_total(page, "switchyard_routing_session_total", outcome="kept") == 1
