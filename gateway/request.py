@@ -165,6 +165,9 @@ class InferenceRequest:
     prompt_tokens_est: int
     request_id: str
     user: str | None = None
+    # with auth on, the user the request's API key names (``user`` as the tenancy's admit decides it):
+    # the sessions it names are that user's (routers/session_map.py)
+    tenant: str | None = None
     session_id: str | None = None
     session_key: str | None = None
     headers: dict[str, str] = field(default_factory=dict)

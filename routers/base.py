@@ -95,6 +95,7 @@ class RoutingSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     prefix_session: Annotated[bool, msgspec.Meta(description="prefix-cache: a request that continues a session (x-session-key or x-aibrix-session-key header, the body's prompt_cache_key, x-session-id header; Responses previous_response_id; Messages metadata.user_id) goes to the endpoint that served the session last, unless the load guards find it overloaded. pd (prefix_cache prefill policy): the same for the session's prefill, by header, prompt_cache_key or metadata.user_id.")] = True
     session_ttl_s: Annotated[_Seconds, msgspec.Meta(description="prefix-cache: a session not seen for this long is forgotten, in seconds.")] = 1800.0
     session_max_entries: Annotated[int, msgspec.Meta(ge=1, description="prefix-cache: most sessions remembered (all models together); the least recently seen are forgotten.")] = 100_000
+    session_user_share: Annotated[float, msgspec.Meta(gt=0, le=1, description="prefix-cache: with auth on, the share of session_max_entries one user (API key's user) may hold; a user's new session past it forgets that user's least recently seen one, not another user's. 1: no bound of its own.")] = 0.25
     metrics_window_s: Annotated[_Seconds, msgspec.Meta(description="Window of the rates and means of throughput and least-latency, in seconds.")] = 10.0
     vtc_window_s: Annotated[_Seconds, msgspec.Meta(description="vtc-basic: per-user token counts are kept over this sliding window, in seconds.")] = 300.0
     lora_load_weight: Annotated[_Seconds, msgspec.Meta(description="lora-affinity: weight of the in-flight load in the score (0..1).")] = 0.5
@@ -174,7 +175,8 @@ class RouterContext:
         object.__setattr__(self, "prefix_index", PrefixIndex(self.settings, self.clock))
         if self.sessions is None:
             s = self.settings
-            object.__setattr__(self, "sessions", SessionMap(s.session_ttl_s, s.session_max_entries, self.clock))
+            object.__setattr__(self, "sessions", SessionMap(s.session_ttl_s, s.session_max_entries, self.clock,
+                                                           user_share=s.session_user_share))
         object.__setattr__(self, "latency", LatencyModel(self.settings, self.clock))
 
 

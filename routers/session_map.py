@@ -28,8 +28,18 @@ A request's session (``session_of``), first found wins:
   other APIs ``metadata`` is the caller's own tags (OpenAI stores them with the answer), so a tag
   named ``user_id`` there names no session.
 
+Whose: with auth on (``InferenceRequest.tenant``, the user the API key names), a session key is
+that user's (``OWNED``, the user, a 0 byte, the key): two users who name a session alike hold two
+sessions, and one user's turns neither steer the other's nor tell them (by a faster answer) what
+the other sent. Lineage keys are not: a response id is unique, and its owner is checked where it is
+read (gateway/apis/responses.py).
+
 Bounds: at most ``max_entries`` entries, least recently recorded dropped first; an entry not
 recorded again for ``ttl_s`` is forgotten. Keys longer than ``MAX_KEY_CHARS`` are not sessions.
+One user holds at most ``user_share`` of ``max_entries`` (``user_max``): a new session past it
+drops that user's own least recently recorded one, so a client that names a new session on every
+request churns its own sessions, not the other users'. Sessions no API key owns (auth off) share
+the whole map.
 
 Sharing: ``on_put`` (set by the gateway's shared view) is told of a new or changed entry, and of
 an unchanged one at most every quarter TTL (so the other processes' copies do not expire) or once
@@ -55,6 +65,7 @@ from gateway.request import InferenceRequest
 MAX_KEY_CHARS = 256
 MESSAGES = "/v1/messages"  # gateway.apis.paths.MESSAGES (routers import only endpoints and request)
 RESPONSE = "r:"          # the prefix of lineage keys: previous_response_id → the endpoint that answered
+OWNED = "\1"             # the prefix of a session's key when an API key named its user: \1<user>\0<session>
 
 # told of an entry to share: (key, endpoint, tag, the wall-clock time it is told at)
 PutListener = Callable[[str, Endpoint, "str | None", float], None]
@@ -71,7 +82,8 @@ def session_of(req: InferenceRequest) -> str | None:
     if key:
         if len(key) > MAX_KEY_CHARS:
             return None
-        return f"{req.model}\0s:{key}" if req.lora is None else f"{req.model}\0l:{req.lora}\0s:{key}"
+        name = f"{req.model}\0s:{key}" if req.lora is None else f"{req.model}\0l:{req.lora}\0s:{key}"
+        return name if req.tenant is None else f"{OWNED}{req.tenant}\0{name}"
     prev = req.previous_response_id or data.get("previous_response_id")
     if prev.__class__ is str and prev:
         return RESPONSE + prev if len(prev) <= MAX_KEY_CHARS else None
@@ -79,12 +91,13 @@ def session_of(req: InferenceRequest) -> str | None:
     if meta.__class__ is dict:
         uid = meta.get("user_id")
         if uid.__class__ is str and uid and len(uid) <= MAX_KEY_CHARS:
-            return f"{req.model}\0u:{uid}" if req.lora is None else f"{req.model}\0l:{req.lora}\0u:{uid}"
+            name = f"{req.model}\0u:{uid}" if req.lora is None else f"{req.model}\0l:{req.lora}\0u:{uid}"
+            return name if req.tenant is None else f"{OWNED}{req.tenant}\0{name}"
     return None
 
 
 class _Entry:
-    __slots__ = ("ep", "tag", "touched", "published", "at", "told")
+    __slots__ = ("ep", "tag", "touched", "published", "at", "told", "owner")
 
     def __init__(self, ep: Endpoint, tag: str | None, now: float, at: float, told: int = 0) -> None:
         self.ep = ep
@@ -93,6 +106,7 @@ class _Entry:
         self.published = now
         self.at = at            # wall clock: when the process that recorded it told the others
         self.told = told        # the map's ``recorded`` count when it was last told (or heard of)
+        self.owner: str | None = None     # the user whose session it is (an ``OWNED`` key)
 
 
 class SessionMap:
@@ -100,9 +114,14 @@ class SessionMap:
     with the entry (the Responses API keeps the owner of a response id there)."""
 
     def __init__(self, ttl_s: float = 1800.0, max_entries: int = 100_000,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 user_share: float = 0.25) -> None:
         self.ttl_s = ttl_s
         self.max_entries = max(1, max_entries)
+        self.user_max = max(1, int(self.max_entries * user_share))
+        # each user's keys, least recently recorded first (only users who hold a session)
+        self._owned: dict[str, OrderedDict[str, None]] = {}
+        self.user_evictions = 0     # sessions a user's new one pushed out of that user's share
         self.clock = clock
         self.wall = wall
         self._d: OrderedDict[str, _Entry] = OrderedDict()
@@ -110,20 +129,27 @@ class SessionMap:
         self.evictions = 0
         self.recorded = 0       # entries recorded, refreshes included: what moves others ahead of an entry
 
-    def reconfigure(self, ttl_s: float, max_entries: int) -> None:
+    def reconfigure(self, ttl_s: float, max_entries: int, user_share: float = 0.25) -> None:
         """New bounds (a reload), applied at once: the least recently recorded entries over
-        ``max_entries`` go now, as do those not recorded again for the new ``ttl_s``, not when new
-        entries push them out (a bound lowered to free memory held it until then)."""
+        ``max_entries`` go now, as do those not recorded again for the new ``ttl_s`` and a user's
+        least recently recorded over the new ``user_max``, not when new entries push them out (a
+        bound lowered to free memory held it until then)."""
         self.ttl_s, self.max_entries = ttl_s, max(1, max_entries)
+        self.user_max = cap = max(1, int(self.max_entries * user_share))
         d = self._d
+        for keys in list(self._owned.values()):
+            while len(keys) > cap:
+                del d[keys.popitem(last=False)[0]]
+                self.evictions += 1
+                self.user_evictions += 1
         over = len(d) - self.max_entries
         while over > 0:
-            d.popitem(last=False)
+            self._pop_oldest()
             self.evictions += 1
             over -= 1
         cut = self.clock() - self.ttl_s
         while d and next(iter(d.values())).touched < cut:
-            d.popitem(last=False)
+            self._pop_oldest()
 
     def __len__(self) -> int:
         return len(self._d)
@@ -133,7 +159,7 @@ class SessionMap:
         if e is None:
             return None
         if self.clock() - e.touched > self.ttl_s:
-            del self._d[key]
+            self._drop(key, e)
             return None
         return e.ep, e.tag
 
@@ -142,7 +168,7 @@ class SessionMap:
         if e is None:
             return None
         if self.clock() - e.touched > self.ttl_s:
-            del self._d[key]
+            self._drop(key, e)
             return None
         return e.ep
 
@@ -160,6 +186,8 @@ class SessionMap:
         if e is not None and e.ep is ep and e.tag == tag:
             e.touched = now
             self._d.move_to_end(key)
+            if e.owner is not None:
+                self._owned[e.owner].move_to_end(key)
             # the others order their copy by when they were told: once many entries came after it
             # there, a full map would drop it first, however often it is used here
             if now - e.published < self.ttl_s / 4 and (self.recorded - 1 - e.told) * 4 < self.max_entries:
@@ -197,10 +225,10 @@ class SessionMap:
         holds the responses, so any engine continues a chain and its lineage is a session like any
         other); with ``before`` (wall clock), only those recorded before it. Returns how many.
         O(size)."""
-        gone = [k for k, e in self._d.items()
+        gone = [(k, e) for k, e in self._d.items()
                 if e.ep is ep and (lineage or not k.startswith(RESPONSE)) and (before is None or e.at < before)]
-        for k in gone:
-            del self._d[k]
+        for k, e in gone:
+            self._drop(k, e)
         return len(gone)
 
     def key_set(self) -> list[str]:
@@ -219,7 +247,7 @@ class SessionMap:
         for k in keys:
             e = get(k)
             if e is not None and e.ep.removed:
-                del d[k]
+                self._drop(k, e)
                 n += 1
         return n
 
@@ -262,11 +290,13 @@ class SessionMap:
 
     def _store(self, key: str, e: _Entry) -> None:
         d = self._d
+        if key[0] == OWNED:
+            self._own(key, e)
         d[key] = e
         d.move_to_end(key)
         over = len(d) - self.max_entries
         while over > 0:
-            d.popitem(last=False)
+            self._pop_oldest()
             self.evictions += 1
             over -= 1
         # the oldest recorded are at the front: drop the expired ones there (amortised O(1))
@@ -275,4 +305,36 @@ class SessionMap:
             first = next(iter(d.values()))
             if first.touched >= cut:
                 break
-            d.popitem(last=False)
+            self._pop_oldest()
+
+    def _own(self, key: str, e: _Entry) -> None:
+        """``key`` (an ``OWNED`` one) is recorded now: last of its user's, whose least recently
+        recorded over ``user_max`` goes."""
+        owner = e.owner = key[1:key.index("\0")]
+        keys = self._owned.get(owner)
+        if keys is None:
+            keys = self._owned[owner] = OrderedDict()
+        if key in keys:
+            keys.move_to_end(key)
+            return
+        keys[key] = None
+        if len(keys) > self.user_max:
+            del self._d[keys.popitem(last=False)[0]]
+            self.evictions += 1
+            self.user_evictions += 1
+
+    def _pop_oldest(self) -> None:
+        key, e = self._d.popitem(last=False)
+        if e.owner is not None:
+            self._disown(key, e.owner)
+
+    def _drop(self, key: str, e: _Entry) -> None:
+        del self._d[key]
+        if e.owner is not None:
+            self._disown(key, e.owner)
+
+    def _disown(self, key: str, owner: str) -> None:
+        keys = self._owned[owner]
+        del keys[key]
+        if not keys:
+            del self._owned[owner]

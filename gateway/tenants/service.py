@@ -503,7 +503,7 @@ class Tenancy:
     async def admit(self, t: Ticket, ireq: InferenceRequest, rec: RequestRecord) -> None:
         if self.auth_on:
             # the key decides who is calling: a `user` header or body field cannot impersonate
-            ireq.user = t.user
+            ireq.user = ireq.tenant = t.user
             ireq.headers = self._engine_headers(ireq.headers, t.user)
         else:
             t.user = ireq.user

@@ -194,7 +194,7 @@ class RoutingView:
         self.pool = pool
         self.m = ViewMetrics(metrics)
         r = config.routing
-        self.sessions = SessionMap(r.session_ttl_s, r.session_max_entries)
+        self.sessions = SessionMap(r.session_ttl_s, r.session_max_entries, user_share=r.session_user_share)
         # with gateway-held Responses state any engine continues a chain: its lineage is a session,
         # forgotten with the others when its engine restarts; with engine state the engine holds it
         self.lineage_is_session = config.responses.state == "gateway"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gateway.apis.paths import MESSAGES
 from gateway.apis.responses_request import RESPONSES
+from gateway.endpoints import Endpoint
 from gateway.request import CHAT, COMPLETIONS
 from routers import session_map
 from routers.prefix_cache import PrefixCacheRouter
@@ -210,3 +211,18 @@ def test_a_session_stays_on_an_endpoint_running_one_request_beside_idle_ones():
     first.in_flight = 1
     d = r.route(inference_request("hello", session_key="agent-1"), eps)
     assert d.endpoint is first and outcomes == ["kept"]
+
+
+def test_a_users_sessions_are_bounded_by_their_share_and_evict_only_their_own():
+    m = SessionMap(max_entries=20, user_share=0.25)          # 5 a user
+    ep = Endpoint(url="http://a:1", model="m")
+    m.put("\1alice\0m\0s:keep", ep)
+    m.put("m\0s:anon", ep)                                   # no API key: the whole map's
+    for i in range(40):
+        m.put(f"\1bob\0m\0s:{i}", ep)
+    assert m.get("\1alice\0m\0s:keep") is ep and m.get("m\0s:anon") is ep
+    assert [k for k in m.keys() if k.startswith("\1bob")] == [f"\1bob\0m\0s:{i}" for i in range(35, 40)]
+    assert m.user_evictions == 35 and len(m) == 7
+    m.reconfigure(1800.0, 20, user_share=0.1)                # 2 a user, at once
+    assert [k for k in m.keys() if k.startswith("\1bob")] == [f"\1bob\0m\0s:{i}" for i in range(38, 40)]
+    assert m.forget(ep) == 4 and len(m) == 0 and not m._owned

@@ -463,3 +463,11 @@ def test_an_error_about_a_name_with_a_dash_or_a_slash_names_its_key(models, key)
         parse_config(f"models: {models}\n", source="c.yaml")
     assert ei.value.key_path == key, str(ei.value)
     assert str(ei.value).startswith(f"c.yaml: {key}: "), str(ei.value)
+
+
+def test_a_users_share_of_the_session_map_is_more_than_none_and_at_most_all_of_it():
+    assert parse_config("").routing.session_user_share == 0.25
+    assert parse_config("routing: {session_user_share: 1}").routing.session_user_share == 1.0
+    for bad in ("0", "-0.5", "1.5"):
+        with pytest.raises(ConfigError, match=r"^c.yaml: routing.session_user_share: "):
+            parse_config(f"routing: {{session_user_share: {bad}}}", source="c.yaml")
