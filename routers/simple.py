@@ -24,6 +24,8 @@ class RandomRouter(Router):
     def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
         return Decision(self._rng.choice(candidates), self.name)
 
+    decide = route      # nothing to learn after the choice: the pipeline's call is ``route`` itself
+
 
 class RoundRobinRouter(Router):
     """Cycles through the candidates in the order given, with one counter per model.
@@ -42,6 +44,8 @@ class RoundRobinRouter(Router):
         i = self._next.get(req.model, 0) % n
         self._next[req.model] = (i + 1) % n
         return Decision(candidates[i], self.name)
+
+    decide = route      # nothing to learn after the choice: the pipeline's call is ``route`` itself
 
 
 class LeastRequestRouter(ScoringRouter):
@@ -62,6 +66,8 @@ class LeastRequestRouter(ScoringRouter):
 
     def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
         return Decision(self.choose(candidates), self.name)
+
+    decide = route      # nothing to learn after the choice: the pipeline's call is ``route`` itself
 
     def choose(self, candidates: Sequence[Endpoint]) -> Endpoint:
         """The least loaded candidate (the fallback of strategies that lack their signal)."""
