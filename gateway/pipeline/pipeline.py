@@ -369,7 +369,8 @@ class Pipeline:
             # before admission, whose room is the request's only if it routes and charges its endpoint
             # in the step admission lets it go in: awaited after it, the room stayed free for others
             await kv.prepare(ireq, candidates)
-        candidates = await self.admission.admit(ctx, candidates, router.chooses_pairs)
+        if self.admission.settings(ireq.model) is not None:     # admission is on for the model (no await if off)
+            candidates = await self.admission.admit(ctx, candidates, router.chooses_pairs)
         value = self.admission.engine_priority(ctx) if self.admission.writes_priority else None
         if value is not None:                   # the class, in the engine's queue order
             ireq.priority_header = False        # vLLM would read a client's header over the value
