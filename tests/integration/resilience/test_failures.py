@@ -8,6 +8,7 @@ import socket
 from functools import partial
 
 import aiohttp
+import anthropic
 import openai
 import orjson
 import pytest
@@ -15,7 +16,7 @@ from aiohttp import web
 
 from tests.support.factories import model_block
 from tests.support.fake_engine import fake_engine
-from tests.support.http import chat_body, openai_client, post, sim_state, sse_events
+from tests.support.http import anthropic_client, chat_body, openai_client, post, sim_state, sse_events
 from tests.support.metrics import metric
 from tests.support.waiting import until, wait_for
 
@@ -528,6 +529,34 @@ async def test_a_whole_answer_that_is_not_a_json_object_is_a_502(gateway, ctype,
         text = await gw.metrics_text()
         assert metric(text, "switchyard_requests_total", status="502") == 3
         assert metric(text, "switchyard_upstream_errors_total", error_class="protocol") == 3
+
+
+@pytest.mark.parametrize("ctype,raw", [
+    ("text/html", b"<html><body>502 Bad Gateway</body></html>"),
+    ("application/json", b'{"id": "x", "output": [{"type": "mess'),
+    ("application/json", b'["not", "an", "object"]'),
+])
+async def test_a_whole_messages_or_responses_answer_that_is_not_a_json_object_is_a_502(gateway, ctype, raw):
+    """The same 200 to a Messages or Responses request was relayed as it came, where chat's is a
+    502: each is the engine's protocol fault, in its API's error shape, logged and counted alike."""
+    async def not_json(request):
+        await request.read()
+        return web.Response(body=raw, headers={"Content-Type": ctype})
+
+    async with fake_engine(not_json, ("/v1/messages", "/v1/responses")) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        with pytest.raises(anthropic.APIStatusError) as ai:
+            await anthropic_client(gw).messages.create(model="m", max_tokens=4, messages=CHAT)
+        assert ai.value.status_code == 502 and ai.value.body["type"] == "error"
+        assert ai.value.body["error"]["type"] == "api_error" and "not a JSON object" in ai.value.body["error"]["message"]
+        with pytest.raises(openai.InternalServerError) as oi:
+            await openai_client(gw).responses.create(model="m", input="hi", max_output_tokens=4)
+        assert oi.value.status_code == 502 and oi.value.body["code"] == "upstream_bad_response"
+        for e in (ai.value, oi.value):
+            assert e.response.headers["x-error-upstream"] == "protocol"
+        text = await gw.metrics_text()
+        assert metric(text, "switchyard_requests_total", status="502") == 2
+        assert metric(text, "switchyard_upstream_errors_total", error_class="protocol") == 2
 
 
 async def test_a_model_with_no_ready_endpoint_is_told_why(sims, gateway):
