@@ -294,6 +294,7 @@ def _check_tool_choice(choice: Any) -> None:
 class AnthropicApi(EngineSpecificApi):
     name = "anthropic"
     paths = ANTHROPIC_PATHS
+    object_answers = True
 
     def parse(self, path: str, body: bytes, headers: Mapping[str, str], request_id: str) -> InferenceRequest:
         data = load_object(body, "The request body is not valid JSON.", "The request body must be a JSON object.")

@@ -111,6 +111,9 @@ class ApiShape:
     # read, when they read no other: a large answer is then decoded into those alone (the relay's
     # ``members_view``); empty: they read it all, and it is decoded whole
     answer_members: tuple[str, ...] = ()
+    # every whole 200 answer on the API's paths is a JSON object: one that is not is the engine's
+    # protocol fault, a 502 (as on chat); False: relayed as it came (an API of lists or other bodies)
+    object_answers = False
 
     def body_usage(self, ctx: Any, data: dict[str, Any]) -> dict | None:
         """Usage of a non-streaming answer (decoded JSON object); may note what ``finish`` needs."""

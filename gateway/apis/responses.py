@@ -225,6 +225,7 @@ def _not_found(rid: str) -> GatewayError:
 class ResponsesApi(ApiShape):
     name = "responses"
     paths = (RESPONSES,)
+    object_answers = True
 
     def __init__(self, config: Config, pool: EndpointPool, metrics: GatewayMetrics, request_log: RequestLog,
                  tenancy: Tenancy | None, observers: list[RecordObserver]) -> None:

@@ -489,9 +489,9 @@ class Relay:
                                   f"{safe_header_value(ctype)[:80]!r}")
 
     def _not_an_object(self, ctx: RequestContext, ctype: str) -> None:
-        """A whole 200 to a chat, completion or embedding request that is not a JSON object (a
-        proxy's page in front of the engine, a body cut short yet framed as whole): no SDK could
-        read it."""
+        """A whole 200 to a chat, completion or embedding request, or to an API's whose answers are
+        objects (Messages, Responses), that is not a JSON object (a proxy's page in front of the
+        engine, a body cut short yet framed as whole): no SDK could read it."""
         self._protocol_fault(ctx, f"upstream answered 200 with a body that is not a JSON object (Content-Type "
                                   f"{safe_header_value(ctype)[:80]!r})")
 
@@ -979,7 +979,7 @@ class Relay:
                     self._not_an_object(ctx, ctype)
         rec.status = 200
         if ctx.api is not None:           # another API's body: its own usage and state
-            body = await self._api_body(ctx, body)
+            body = await self._api_body(ctx, body, ctype)
         elif data is not None:
             if isinstance(data, dict):
                 self.account_usage(rec, adapter.usage(data))
@@ -1023,9 +1023,10 @@ class Relay:
                 self.account_usage(rec, usage)
         return self._ok(ctx, headers, ctype, body)
 
-    async def _api_body(self, ctx: RequestContext, body: bytes) -> bytes:
+    async def _api_body(self, ctx: RequestContext, body: bytes, ctype: str) -> bytes:
         """Another API's whole answer: its usage counted, its state kept; the body to send (the
-        engine's, unless the API reshaped it)."""
+        engine's, unless the API reshaped it). One that is not a JSON object, from an API whose
+        answers are one (``object_answers``), is the engine's protocol fault, as on chat."""
         assert ctx.api is not None
         names = ctx.api.answer_members
         data = members_view(body, names) if names and len(body) > VIEW_ABOVE else None
@@ -1036,7 +1037,11 @@ class Relay:
                 # a number beyond a double's range in a member not read is skipped at any size (answer_view)
                 data = members_view(body, names) if names and len(body) <= VIEW_ABOVE else None
                 if data is None:
+                    if ctx.api.object_answers:
+                        self._not_an_object(ctx, ctype)
                     return body
+        if ctx.api.object_answers and not isinstance(data, dict):
+            self._not_an_object(ctx, ctype)
         if isinstance(data, dict):
             self.account_usage(ctx.rec, ctx.api.body_usage(ctx, data))
             body = ctx.api.answer_body(ctx, data, body)
