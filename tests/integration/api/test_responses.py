@@ -84,6 +84,30 @@ async def test_invalid_bodies_are_refused_before_routing(sims, gateway):
     assert posts(await sim_state(sim.url)) == []
 
 
+async def test_include_and_truncation_of_a_wrong_type_or_value_are_openais_400(sims, gateway):
+    """``include`` (a list of OpenAI's includable names) and ``truncation`` ("auto" or "disabled")
+    went to the engine unchecked; OpenAI refuses a wrong type or an unknown value with a 400
+    naming the parameter, and so does the gateway, before routing; good values go on."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    c = openai_client(gw)
+    for kw, param, code in (({"include": "reasoning.encrypted_content"}, "include", "invalid_type"),
+                            ({"include": [3]}, "include[0]", "invalid_type"),
+                            ({"include": ["message.output_text.logprobs", "usage.everything"]}, "include[1]",
+                             "invalid_value"),
+                            ({"truncation": "sometimes"}, "truncation", "invalid_value"),
+                            ({"truncation": True}, "truncation", "invalid_type")):
+        with pytest.raises(openai.BadRequestError) as ei:
+            await c.responses.create(model="m", input="x", max_output_tokens=2, **kw)
+        assert (ei.value.body["param"], ei.value.body["code"]) == (param, code), kw
+        assert ei.value.body["type"] == "invalid_request_error"
+    assert posts(await sim_state(sim.url)) == []
+    for kw in ({"include": []}, {"include": None}, {"include": ["message.output_text.logprobs"]},
+               {"truncation": "disabled"}, {"truncation": None}):
+        r = await c.responses.create(model="m", input="x", max_output_tokens=2, **kw)
+        assert r.status == "incomplete" and r.output, kw     # cut at max_output_tokens
+
+
 async def test_follow_ups_reach_the_engine_that_holds_the_response(sims, gateway):
     a = await sims("vllm", "m", enable_responses_store=True)
     b = await sims("vllm", "m", enable_responses_store=True)
