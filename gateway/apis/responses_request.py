@@ -4,8 +4,9 @@
 accounting need: the model, the stream flag, and the prompt text the engine will prefill, which is
 ``instructions`` followed by the text of ``input`` (a string or a list of items whose ``content``
 is a string or a list of text parts). That text is the prefix-cache key of every strategy.
-``temperature`` (0 to 2) and the function tools' ``name`` and ``parameters`` are checked as OpenAI
-documents them, with OpenAI's error codes.
+``temperature`` (0 to 2), the function tools' ``name`` and ``parameters``, ``include`` (OpenAI's
+includable names) and ``truncation`` ("auto" or "disabled") are checked as OpenAI documents them,
+with OpenAI's error codes.
 
 The helpers below serve the gateway-held history (``responses.state: gateway``): a stored
 response's input and output items become the ``input`` of its follow-up, in the forms every
@@ -91,6 +92,42 @@ def _check_tools(tools: Any) -> None:
         params = tool.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise _missing_or_type(f"{where}.parameters", params, "an object")
+
+
+# what ``include`` may ask for, and the ``truncation`` strategies, as OpenAI's API reference names them
+INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+              "message.input_image.image_url", "computer_call_output.output.image_url",
+              "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs")
+TRUNCATION = ("auto", "disabled")
+
+
+def _supported(values: tuple[str, ...]) -> str:
+    quoted = [f"'{v}'" for v in values]
+    return ", ".join(quoted[:-1]) + f", and {quoted[-1]}" if len(quoted) > 2 else " and ".join(quoted)
+
+
+def _check_include(include: Any) -> None:
+    """``include``: a list of OpenAI's includable names; another type or an unknown name is OpenAI's
+    400 naming it (the engine would take the list unread, or refuse it with its own words)."""
+    if not isinstance(include, list):
+        raise _bad(f"Invalid type for 'include': expected an array of strings, but got {type(include).__name__} "
+                   "instead.", "include", "invalid_type")
+    for i, name in enumerate(include):
+        if not isinstance(name, str):
+            raise _bad(f"Invalid type for 'include[{i}]': expected one of {_supported(INCLUDABLE)}, but got "
+                       f"{type(name).__name__} instead.", f"include[{i}]", "invalid_type")
+        if name not in INCLUDABLE:
+            raise _bad(f"Invalid value: '{name[:100]}'. Supported values are: {_supported(INCLUDABLE)}.",
+                       f"include[{i}]", "invalid_value")
+
+
+def _check_truncation(v: Any) -> None:
+    if not isinstance(v, str):
+        raise _bad(f"Invalid type for 'truncation': expected one of {_supported(TRUNCATION)}, but got "
+                   f"{type(v).__name__} instead.", "truncation", "invalid_type")
+    if v not in TRUNCATION:
+        raise _bad(f"Invalid value: '{v[:100]}'. Supported values are: {_supported(TRUNCATION)}.", "truncation",
+                   "invalid_value")
 
 
 def _missing_or_type(where: str, v: Any, expected: str) -> GatewayError:
@@ -217,6 +254,12 @@ def _parse_named(path: str, body: bytes, headers: Any, request_id: str, data: di
     tools = data.get("tools")
     if tools is not None:
         _check_tools(tools)
+    include = data.get("include")
+    if include:         # (an empty list asks for nothing)
+        _check_include(include)
+    truncation = data.get("truncation")
+    if truncation is not None:
+        _check_truncation(truncation)
     text = prompt_text(data)
     user, session_id, session_key = caller_headers(headers)
     if user is None and isinstance(data.get("user"), str):
