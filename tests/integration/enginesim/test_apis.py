@@ -778,3 +778,18 @@ async def test_vllm_messages_refuses_a_max_tokens_past_the_rest_of_the_context(s
             assert got["error"]["message"].startswith(f"'max_tokens' or 'max_completion_tokens' is too large: {ctx}."), got
         async with s.post(v.url + "/v1/messages", json={**body, "max_tokens": 4}) as r:
             assert r.status == 200, await r.text()
+
+
+async def test_a_method_a_route_does_not_serve_is_fastapis_json_405(sims):
+    """Both engines are FastAPI apps: a method a path does not serve is a 405 whose body is JSON,
+    ``{"detail": "Method Not Allowed"}``, with the route's methods in ``Allow``; enginesim
+    answered aiohttp's plain text."""
+    for engine in ("vllm", "sglang"):
+        sim = await sims(engine, "m")
+        async with aiohttp.ClientSession() as s:
+            for method, path in (("GET", "/v1/chat/completions"), ("PUT", "/v1/messages"),
+                                 ("DELETE", "/v1/responses/resp_1")):
+                async with s.request(method, sim.url + path) as r:
+                    assert r.status == 405 and r.content_type == "application/json", (engine, method, path)
+                    assert await r.json() == {"detail": "Method Not Allowed"}
+                    assert r.headers["Allow"]
