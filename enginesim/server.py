@@ -55,7 +55,7 @@ def build_app(cfg: SimConfig) -> web.Application:
     received: collections.deque[dict[str, Any]] = collections.deque(maxlen=_RECEIVED_KEPT)
     traceparents: collections.deque[dict[str, Any]] = collections.deque(maxlen=_TRACEPARENTS_KEPT)
     refused: collections.deque[dict[str, Any]] = collections.deque(maxlen=_RECEIVED_KEPT)
-    middlewares = [_recorder(received, traceparents)]
+    middlewares = [_recorder(received, traceparents), _method_not_allowed]
     if cfg.api_key:
         middlewares.insert(0, _api_key_check(cfg, refused))
     app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
@@ -121,6 +121,17 @@ def _api_key_check(cfg: SimConfig, refused: collections.deque) -> Any:
         return await handler(request)
 
     return check
+
+
+@web.middleware
+async def _method_not_allowed(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A method a route does not serve: both engines are FastAPI apps, which answer it with a JSON
+    body, ``{"detail": "Method Not Allowed"}``, and the route's methods in ``Allow`` (aiohttp's
+    own answer is plain text)."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as e:
+        return json_response({"detail": "Method Not Allowed"}, status=405, headers={"Allow": e.headers["Allow"]})
 
 
 def _recorder(received: collections.deque, traceparents: collections.deque) -> Any:
