@@ -307,6 +307,31 @@ async def test_a_tool_choice_of_a_tool_without_its_name_is_refused_before_routin
         assert msg.stop_reason in ("max_tokens", "tool_use")
 
 
+async def test_a_tool_choice_naming_a_tool_not_offered_is_refused_before_routing(fleet):
+    """A ``tool_choice`` of type ``tool`` naming no tool of ``tools`` (or with no tools at all) is
+    Anthropic's 400; it went to the engine, which generated as if no tool were forced (enginesim),
+    or failed on its own terms. Refused first on either engine and on count_tokens too."""
+    gw, (v1, v2, s1) = fleet
+    c = anthropic_client(gw)
+    tools = [{"name": "get_time", "input_schema": {"type": "object"}}]
+    choice = {"type": "tool", "name": "get_weather"}
+    message = "tool_choice.name: no tool named 'get_weather' in tools"
+    for model in ("llama", "qwen"):
+        for offered in (tools, None):
+            extra = {"tools": offered} if offered is not None else {}
+            with pytest.raises(anthropic.BadRequestError) as ei:
+                await c.messages.create(model=model, max_tokens=4, messages=MSGS, tool_choice=choice, **extra)
+            assert ei.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+            with pytest.raises(anthropic.BadRequestError) as ei:
+                await c.messages.count_tokens(model=model, messages=MSGS, tool_choice=choice, **extra)
+            assert ei.value.body["error"]["message"] == message
+    for sim in (v1, v2, s1):
+        assert not [r for r in (await sim_state(sim.url))["received"] if r["path"].startswith("/v1/messages")]
+    msg = await c.messages.create(model="llama", max_tokens=4, messages=MSGS, tools=tools,
+                                  tool_choice={"type": "tool", "name": "get_time"})
+    assert msg.stop_reason in ("max_tokens", "tool_use")
+
+
 async def test_a_boolean_for_a_number_is_refused_before_routing(fleet):
     """Anthropic refuses a boolean where its API takes an integer (``max_tokens``, ``top_k``,
     ``thinking.budget_tokens``) or a number (``temperature``, ``top_p``) with a 400; the engine's
