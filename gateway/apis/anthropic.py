@@ -13,7 +13,7 @@ says which engine serves which path), through the same pipeline as chat. What di
   message whose role is not user or assistant (Claude Code's ``ctx`` and ``msg`` go on: vLLM
   reads them as user), a boolean for an integer or a number (``max_tokens``, ``top_k``,
   ``temperature``, ``top_p``, ``thinking.budget_tokens``), a ``tool_choice`` of type ``tool``
-  without a string ``name`` (vLLM answers it with a 500). The body is forwarded unchanged: the
+  without a string ``name`` (vLLM answers it with a 500) or naming none of ``tools``. The body is forwarded unchanged: the
   usage of a stream always arrives (in
   ``message_start`` and ``message_delta``), so nothing has to be asked for.
 - **Errors.** Before headers: ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's
@@ -280,15 +280,18 @@ def _check_tools(tools: Any) -> None:
                                                       else "Input should be a valid dictionary"))
 
 
-def _check_tool_choice(choice: Any) -> None:
-    """A ``tool_choice`` of type ``tool`` names its tool, as Anthropic requires: vLLM's Messages
-    request takes one without a name, then fails to convert it to its chat request, a 500 (an
-    endpoint's fault to the breaker) for the request's own mistake. Other shapes are the engine's
-    to refuse (its 400)."""
+def _check_tool_choice(choice: Any, tools: Any) -> None:
+    """A ``tool_choice`` of type ``tool`` names one of the request's ``tools``, as Anthropic
+    requires: vLLM's Messages request takes one without a name, then fails to convert it to its
+    chat request, a 500 (an endpoint's fault to the breaker) for the request's own mistake; one
+    naming a tool not offered would be generated as the engine makes of it. Other shapes are the
+    engine's to refuse (its 400)."""
     if isinstance(choice, dict) and choice.get("type") == "tool":
         name = choice.get("name")
         if not isinstance(name, str):
             raise _bad("tool_choice.name: " + ("Field required" if name is None else "Input should be a valid string"))
+        if not any(isinstance(tool, dict) and tool.get("name") == name for tool in tools or ()):
+            raise _bad(f"tool_choice.name: no tool named {name[:100]!r} in tools")
 
 
 class AnthropicApi(EngineSpecificApi):
@@ -347,7 +350,7 @@ class AnthropicApi(EngineSpecificApi):
         if tools is not None:
             _check_tools(tools)
         if "tool_choice" in data:
-            _check_tool_choice(data["tool_choice"])
+            _check_tool_choice(data["tool_choice"], tools)
         parts = []
         media = [False]
         system = data.get("system")
