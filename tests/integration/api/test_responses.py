@@ -666,6 +666,36 @@ async def test_a_response_its_engine_failed_is_kept_failed_and_not_continued(gat
         assert posted == ["POST", "POST"]
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_a_background_response_its_engine_failed_later_is_not_continued(sims, gateway, engine):
+    """A background response is answered queued and fails on its engine afterwards, out of the
+    gateway's sight; a follow-up naming it went to that engine, which continued the failed turn.
+    It is the 400 naming previous_response_id of every failed response, as OpenAI refuses to
+    continue one; the engine gets no follow-up. One that completed is continued as before."""
+    sim = await sims(engine, "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", engine, [sim.url])])
+    c = openai_client(gw)
+    failing = await c.responses.create(model="m", input="a long task", background=True, max_output_tokens=8,
+                                       extra_headers={"x-sim-fault": "error_after=2"})
+    fine = await c.responses.create(model="m", input="a short task", background=True, max_output_tokens=2)
+    ended = {}
+
+    async def both_ended() -> bool:
+        for r in (failing, fine):
+            ended[r.id] = (await c.responses.retrieve(r.id)).status
+        return all(s not in ("queued", "in_progress") for s in ended.values())
+
+    assert await until(both_ended), ended
+    assert ended[failing.id] == "failed" and ended[fine.id] != "failed"
+    before = len(posts(await sim_state(sim.url)))
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.responses.create(model="m", input="go on", previous_response_id=failing.id, max_output_tokens=2)
+    assert ei.value.body["param"] == "previous_response_id" and "failed" in ei.value.body["message"]
+    assert len(posts(await sim_state(sim.url))) == before
+    r = await c.responses.create(model="m", input="go on", previous_response_id=fine.id, max_output_tokens=2)
+    assert r.status in ("completed", "incomplete")
+
+
 def _function_call_events() -> list[bytes]:
     """A Responses stream whose output is one function call, framed as the engines frame it."""
     item = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather", "arguments": "",
