@@ -515,6 +515,10 @@ class ResponsesApi(ApiShape):
             raise GatewayError(400, f"Response '{prev}' was produced by model '{owner['model']}'; continue it "
                                "with the same model", param="previous_response_id", error_class=ErrorClass.VALIDATION)
         ep = self._owner_endpoint(prev, owner)
+        if owner.get("background") is True and ep.ready:
+            # a background response ends on its engine out of the gateway's sight (one answered
+            # queued, one whose stream its client left): a failed one is refused as every other is
+            _not_failed(prev, await self._engine_copy(ep, prev))
         if _background_stream(ireq) and not _streams_background(ep):
             raise _no_background_stream(f"the endpoint {ep.name} that holds response '{prev}' runs {ep.engine}, "
                                         "which")
@@ -672,6 +676,18 @@ class ResponsesApi(ApiShape):
                 self.tenancy.release(user)
             self._give_back(place)
 
+    async def _engine_copy(self, ep: Endpoint, rid: str) -> dict[str, Any] | None:
+        """Response ``rid`` as its engine at ``ep`` holds it now; None when it cannot tell (no 200
+        within the upstream timeouts, a body that is not an object): the engine answers the call."""
+        assert self.session is not None
+        try:
+            async with self.session.get(f"{ep.url}{RESPONSES}/{rid}", headers=engine_headers(ep, {})) as r:
+                raw = await self._poll_body(r)
+            body = orjson.loads(raw) if raw is not None else None
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
+            return None
+        return body if isinstance(body, dict) else None
+
     async def _poll_body(self, r: aiohttp.ClientResponse) -> bytes | None:
         """A poll's answer: the engine's 200 body, at most ``upstream.max_response_bytes`` of it."""
         most = self.config.upstream.max_response_bytes
@@ -751,6 +767,8 @@ class ResponsesApi(ApiShape):
         record: dict[str, Any] = {"url": ep.url, "model": ep.model, "user": user}
         if failed is not None:
             record["failed"] = failed
+        if ctx.ireq is not None and ctx.ireq.data.get("background") is True:
+            record["background"] = True     # it may end failed after its answer: a follow-up asks its engine
         await self._write(self.owners, "affinity", rid, orjson.dumps(record))
 
     # -- state --------------------------------------------------------------------------------
