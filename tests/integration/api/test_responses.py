@@ -721,6 +721,49 @@ def _function_call_events() -> list[bytes]:
 _cut_responses_engine = cutting_stream(_function_call_events)
 
 
+@pytest.mark.parametrize("state", ["engine", "gateway"])
+async def test_a_stored_stream_still_generating_is_retrieved_in_progress(gateway, state):
+    """A stored response streamed without ``background`` is known to its client from its
+    ``response.created``; a GET of it before its stream ended was a 404 (its engine keeps it once
+    it ends, the gateway's record is written then), where OpenAI answers it ``in_progress``. The
+    gateway answers the response its stream announced; once ended, it is read as before."""
+    go_on = asyncio.Event()
+
+    async def engine(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        events = _function_call_events()
+        for event in events[:4]:
+            await out.write(event)
+        await go_on.wait()
+        for event in events[4:]:
+            await out.write(event)
+        await out.write_eof()
+        return out
+
+    async with fake_engine(engine, paths=("/v1/responses",)) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], responses={"state": state})
+        c = openai_client(gw)
+        stream = await c.responses.create(model="m", input="weather?", stream=True)
+        seen = []
+        async for ev in stream:
+            seen.append(ev.type)
+            if ev.type == "response.function_call_arguments.delta":
+                break
+        try:
+            got = await c.responses.retrieve("resp_cut1")
+        finally:
+            go_on.set()         # the engine ends its stream, whatever the GET answered
+        assert (got.id, got.status, got.model) == ("resp_cut1", "in_progress", "m")
+        with pytest.raises(openai.NotFoundError):
+            await c.responses.retrieve("resp_other")
+        seen += [ev.type async for ev in stream]
+        assert seen[-1] == "response.completed"
+        if state == "gateway":
+            assert (await c.responses.retrieve("resp_cut1")).status == "completed"
+
+
 async def test_an_engine_that_breaks_mid_event_ends_the_stream_with_error_and_response_failed(gateway):
     """The half event an engine sent before its connection broke never reaches the client: the
     SDK reads the stream up to the gateway's error and response.failed events, rather than
