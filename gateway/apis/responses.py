@@ -51,7 +51,14 @@ from gateway.apis.responses_request import (
     unique_items,
     with_history,
 )
-from gateway.apis.responses_state import AskSiblings, MemoryStore, RedisStore, StoreUnavailable, WorkerStore
+from gateway.apis.responses_state import (
+    AskSiblings,
+    MemoryStore,
+    RedisStore,
+    StoreUnavailable,
+    WorkerStore,
+    sibling_key_ok,
+)
 from gateway.apis.responses_stream import ResponsesScanner, error_event, failed_after_error, failure
 from gateway.config.schema import Config
 from gateway.endpoints import Endpoint, EndpointPool, engine_headers
@@ -120,6 +127,7 @@ class Exchange:
     reshaped: bool = False                               # the answer's usage renamed (SGLang's chat usage)
     chain: list[str] = field(default_factory=list)       # item ids of the turns before (gateway-held history)
     place: InFlight | None = None                        # a cut background stream's place, for its poll
+    running: str | None = None                           # the id of its stored stream, while it runs
 
 
 class ResponsesMetrics:
@@ -243,6 +251,11 @@ class ResponsesApi(ApiShape):
         self.m = ResponsesMetrics(metrics.registry)
         self.session: aiohttp.ClientSession | None = None
         self._early: set[asyncio.Task] = set()         # owners written at a background stream's first event
+        # stored streams still running, not background (their engine keeps them once they end, the
+        # gateway's record is written then): id → the request's context, whose announced response
+        # answers a GET of it until then (``_in_progress``), on this worker or asked by a sibling
+        self._running: dict[str, RequestContext] = {}
+        self._ask: AskSiblings | None = None
         self._watched: set[asyncio.Task] = set()       # background responses polled until they end
         self._unreachable_at = -UNREACHABLE_LOG_S      # the store's failures, logged at most this often
         self._unreachable_quiet = 0
@@ -276,6 +289,8 @@ class ResponsesApi(ApiShape):
         other workers, and deletes reach them, so a response is found whichever worker a request
         reaches. Its bounds are the gateway's, so each of the ``workers`` keeps its share of them
         (a history share never below one record of ``max_response_bytes``). Redis is shared already."""
+        if workers > 1:
+            self._ask = ask
         if self.backend != "memory":
             return
         n = max(1, workers)
@@ -290,9 +305,13 @@ class ResponsesApi(ApiShape):
             self.history = WorkerStore(self.history, "hist", ask, self.m.lookups.labels("history", "sibling").inc)
 
     async def answer_sibling(self, question: str) -> bytes:
-        """A sibling worker's ``rget|rdel <owner|hist> <response id>`` about this worker's entries."""
+        """A sibling worker's ``rget|rdel <owner|hist> <response id>`` about this worker's entries,
+        or ``rget run <response id>`` about its stored streams still running."""
         op, _, rest = question.partition(" ")
         name, _, key = rest.partition(" ")
+        if name == "run":
+            ctx = self._running.get(key) if op == "rget" else None
+            return orjson.dumps(self._running_record(ctx)) if ctx is not None else b""
         store = {"owner": self.owners, "hist": self.history}.get(name)
         if op not in ("rget", "rdel") or not isinstance(store, WorkerStore) or not key:
             return b""
@@ -332,20 +351,27 @@ class ResponsesApi(ApiShape):
 
     def scanner(self, ctx: RequestContext) -> ResponsesScanner:
         ex = self._exchange(ctx)
-        early = not self.gateway_held and ex.store and ctx.ireq is not None and \
-            ctx.ireq.data.get("background") is True
-        s = ex.scanner = ResponsesScanner(partial(self._created, ctx, early))
+        background = ctx.ireq is not None and ctx.ireq.data.get("background") is True
+        early = not self.gateway_held and ex.store and background
+        s = ex.scanner = ResponsesScanner(partial(self._created, ctx, early, ex.store and not background))
         return s
 
-    def _created(self, ctx: RequestContext, early: bool, rid: str) -> None:
+    def _created(self, ctx: RequestContext, early: bool, running: bool, rid: str) -> None:
         """The id the stream's ``response.created`` gave: the request's log line names it from
         now on (a stream its client leaves included: the client knows the id). A background
         stream goes on on its engine when its client leaves, and is resumed by a GET
         (``?stream=true&starting_after=``): its owner is recorded now (``early``), not only once
-        it ends on this connection."""
+        it ends on this connection. Another stored stream (``running``) is answered in progress
+        by a GET until it ends (``_in_progress``)."""
         ctx.rec.extra["response_id"] = safe_header_value(rid)
         if early:
             self._owner_early(ctx, rid)
+        elif running and len(rid) <= 256:
+            ex = self._exchange(ctx)
+            if ex.running is not None:
+                self._running.pop(ex.running, None)
+            ex.running = rid
+            self._running[rid] = ctx
 
     def _owner_early(self, ctx: RequestContext, rid: str) -> None:
         task = asyncio.get_running_loop().create_task(self._record_owner(ctx, rid))
@@ -384,6 +410,10 @@ class ResponsesApi(ApiShape):
         settlement starts (``_owe_if_cut``), or, with nothing of it for tenancy to hold or charge,
         one started here for the place alone."""
         ex, ireq, d = ctx.api_state, ctx.ireq, ctx.decision
+        if isinstance(ex, Exchange) and ex.running is not None:
+            if self._running.get(ex.running) is ctx:
+                del self._running[ex.running]
+            ex.running = None
         if not isinstance(ex, Exchange) or ex.scanner is None or ex.scanner.done or ireq is None or d is None \
                 or ireq.data.get("background") is not True or self.admission is None:
             return
@@ -892,9 +922,14 @@ class ResponsesApi(ApiShape):
             user = None
             if self.tenancy is not None:
                 user = (await self.tenancy.authenticate(request, rec)).user
-            if self.gateway_held and action != "cancel":
-                return await self._from_history(rec, rid, action, user, request)
-            return await self._on_owner(rec, rid, user, request)
+            try:
+                if self.gateway_held and action != "cancel":
+                    return await self._from_history(rec, rid, action, user, request)
+                return await self._on_owner(rec, rid, user, request)
+            except GatewayError as e:
+                if e.status != 404 or action != "get":
+                    raise
+                return await self._in_progress(rec, rid, user, request, e)
         except GatewayError as e:
             rec.status = e.status
             rec.error_class, rec.error = e.error_class, e.message
@@ -909,6 +944,38 @@ class ResponsesApi(ApiShape):
             raise
         finally:
             record_request(rec, self.metrics, time.perf_counter(), self.request_log, self.observers)
+
+    def _running_record(self, ctx: RequestContext) -> dict[str, Any] | None:
+        """A running stored stream's response as its ``response.created`` announced it, in progress,
+        with its owner's user and model."""
+        ex = ctx.api_state
+        snap = ex.scanner.snapshot if isinstance(ex, Exchange) and ex.scanner is not None else None
+        if not isinstance(snap, dict) or ctx.ireq is None:
+            return None
+        return {"response": {**snap, "status": "in_progress"}, "user": self._owner_user(ctx.rec.user),
+                "model": ctx.ireq.model}
+
+    async def _in_progress(self, rec: RequestRecord, rid: str, user: str | None, request: web.Request,
+                           missing: GatewayError) -> web.Response:
+        """A GET of an id neither the store nor an engine holds yet: a stored stream still running,
+        on this worker or a sibling (asked only on such a miss), is answered as its stream announced
+        it, ``in_progress``, as OpenAI answers a response still generating; else ``missing``."""
+        ctx = self._running.get(rid)
+        record = self._running_record(ctx) if ctx is not None else None
+        if record is None and self._ask is not None and sibling_key_ok(rid):
+            for raw in (await self._ask(f"rget run {rid}")).values():
+                with contextlib.suppress(orjson.JSONDecodeError):
+                    record = orjson.loads(raw) if raw else None
+                if isinstance(record, dict):
+                    break
+        if not isinstance(record, dict) or not isinstance(record.get("response"), dict) \
+                or (self.auth_on and record.get("user") != self._owner_user(user)):
+            raise missing
+        _not_streamed(request.query)
+        rec.model, rec.model_known = str(record.get("model") or "-"), True
+        rec.status, rec.error_class, rec.error = 200, None, None
+        return web.Response(body=orjson.dumps(record["response"]), headers=rec.response_headers(),
+                            content_type="application/json")
 
     async def _from_history(self, rec: RequestRecord, rid: str, action: str, user: str | None,
                             request: web.Request) -> web.Response:
