@@ -8,6 +8,7 @@ import contextlib
 
 import anthropic
 import openai
+import orjson
 import pytest
 import redis.asyncio as aioredis
 import yaml
@@ -157,3 +158,30 @@ async def test_tokens_are_charged_once_each_as_the_engines_reported_them_across_
             assert await charged() == reported
         finally:
             await r.aclose()
+
+
+@pytest.mark.timeout(90)
+async def test_a_stored_stream_still_generating_is_retrieved_in_progress_from_every_worker(sims, tmp_path):
+    """A GET of a stored stream still running reaches whichever worker the kernel hands its
+    connection to: the worker serving the stream answers it in progress, and so does its sibling,
+    which asks it (the memory backend, no record written until the stream ends)."""
+    sim = await sims("vllm", "m", enable_responses_store=True, itl_ms=20.0)
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "listen": {"host": "127.0.0.1", "port": port}, "server": {"drain_delay_s": 0, "log_level": "warning"},
+        "models": [{"name": "m", "engine": "vllm", "endpoints": [sim.url]}]}))
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        stream = await client.responses.create(model="m", input="a long story", stream=True, max_output_tokens=2000)
+        async for ev in stream:
+            if ev.type == "response.created":
+                rid = ev.response.id
+                break
+        answers = await per_worker(port, 2, f"/v1/responses/{rid}")
+        await stream.close()
+        await client.close()
+    assert len(answers) == 2
+    for text in answers.values():
+        body = orjson.loads(text)
+        assert (body["id"], body["status"]) == (rid, "in_progress"), text
