@@ -92,6 +92,7 @@ async def test_include_and_truncation_of_a_wrong_type_or_value_are_openais_400(s
     gw = await gateway([model_block("m", "vllm", [sim.url])])
     c = openai_client(gw)
     for kw, param, code in (({"include": "reasoning.encrypted_content"}, "include", "invalid_type"),
+                            ({"include": ""}, "include", "invalid_type"), ({"include": {}}, "include", "invalid_type"),
                             ({"include": [3]}, "include[0]", "invalid_type"),
                             ({"include": ["message.output_text.logprobs", "usage.everything"]}, "include[1]",
                              "invalid_value"),
