@@ -255,7 +255,7 @@ def _parse_named(path: str, body: bytes, headers: Any, request_id: str, data: di
     if tools is not None:
         _check_tools(tools)
     include = data.get("include")
-    if include:         # (an empty list asks for nothing)
+    if include is not None:
         _check_include(include)
     truncation = data.get("truncation")
     if truncation is not None:
