@@ -10,6 +10,7 @@ import contextlib
 import socket
 
 import orjson
+import structlog
 from aiohttp import web
 
 from gateway.server.app import GATEWAY_KEY
@@ -99,21 +100,31 @@ async def test_a_body_dribbled_byte_by_byte_hits_the_total_timeout():
         assert gw.timeouts("body_total") == 1 and gw.timeouts("body") == 0
 
 
+def _timeout_lines(logs: list[dict]) -> list[tuple[str, str, bool]]:
+    return [(x["log_level"], x["reason"], x["answered"]) for x in logs if x["event"] == "client timeout"]
+
+
 @on_both_loops
 async def test_an_idle_kept_alive_connection_is_closed_silently():
+    """Closed without a word to the client, and to the log only at debug: a busy gateway's idle
+    clients would fill it with a line each."""
     async with edge_gateway(keepalive_timeout_s=0.3, header_timeout_s=5.0) as gw:
-        ex = await exchange(gw.port, request("GET", "/health"))
+        with structlog.testing.capture_logs() as logs:
+            ex = await exchange(gw.port, request("GET", "/health"))
         assert [r.status for r in ex.responses] == [200] and ex.closed and ex.trailing == b""
         assert gw.timeouts("keepalive") == 1 and gw.timeouts("header") == 0
+        assert _timeout_lines(logs) == [("debug", "keepalive", False)], logs
 
 
 @on_both_loops
 async def test_half_a_head_on_a_kept_alive_connection_gets_408():
     async with edge_gateway(keepalive_timeout_s=5.0, header_timeout_s=0.3) as gw:
-        ex = await exchange(gw.port, request("GET", "/health"), b"GET /v1/mod")
+        with structlog.testing.capture_logs() as logs:
+            ex = await exchange(gw.port, request("GET", "/health"), b"GET /v1/mod")
         assert [r.status for r in ex.responses] == [200, 408] and ex.closed
         assert_openai_error(ex.responses[1], 408)
         assert gw.timeouts("header") == 1 and gw.timeouts("keepalive") == 0
+        assert _timeout_lines(logs) == [("info", "header", True)], logs     # a request cut: at info still
 
 
 @on_both_loops
