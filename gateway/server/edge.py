@@ -1365,7 +1365,10 @@ class EdgeProtocol(web.RequestHandler):
         if reason in ("body", "body_total") and rid is None:    # only while nothing of a response went out
             rid = self._e_unanswered_request_id()
             answer = rid is not None
-        log.info("client timeout", reason=reason, peer=_peer(self.transport), answered=answer)
+        # an idle kept-alive connection's close ends no request: one line each at info would fill a
+        # busy gateway's log with its idle clients
+        (log.debug if reason == "keepalive" else log.info)("client timeout", reason=reason,
+                                                           peer=_peer(self.transport), answered=answer)
         if answer and self.transport is not None:
             lim = edge.limits
             seconds = {"header": lim.header_timeout_s, "body": lim.body_timeout_s,
