@@ -437,3 +437,30 @@ async def test_an_engines_numeric_error_code_reaches_the_client_as_a_string(flee
         sent = ei.value.response.json()["error"]  # what the gateway wrote, as OpenAI's type reads it
         assert sent["code"] == "400" and openai.types.ErrorObject.model_validate(sent).code == "400", (what, sent)
     await client.close()
+
+
+async def test_an_engines_numeric_error_code_in_a_begun_stream_reaches_the_client_as_a_string(fleet):
+    """An engine's error event inside a stream already begun (vLLM's and SGLang's ``code: 400``)
+    has its code a string as well, as an error answered before the head has it: the openai SDK's
+    error carries the event's error as its body, which OpenAI's ``ErrorObject`` reads only so."""
+    gw, _ = fleet
+    client = openai_client(gw)
+    fault = {"x-sim-fault": "error_after=2;error_code=400"}
+    calls = {
+        "vllm chat": lambda: client.chat.completions.create(model="llama", messages=CHAT, stream=True,
+                                                            max_tokens=8, extra_headers=fault),
+        "sglang chat": lambda: client.chat.completions.create(model="qwen", messages=CHAT, stream=True,
+                                                              max_tokens=8, extra_headers=fault),
+        "completions": lambda: client.completions.create(model="llama", prompt="switchyards", stream=True,
+                                                         max_tokens=8, extra_headers=fault),
+    }
+    for what, call in calls.items():
+        stream = await call()
+        with pytest.raises(openai.APIError) as ei:
+            async for _ in stream:
+                pass
+        assert ei.value.code == "400", what
+        sent = ei.value.body
+        assert isinstance(sent, dict) and sent["code"] == "400", (what, sent)
+        assert openai.types.ErrorObject.model_validate(sent).code == "400", (what, sent)
+    await client.close()
