@@ -66,7 +66,7 @@ from gateway.pipeline.relay import (
     stream_failure,
     watchdog_fired,
 )
-from gateway.pipeline.sse import BOM, SSEScanner, engine_error, has_fields
+from gateway.pipeline.sse import BOM, SSEScanner, engine_error, has_fields, string_code
 from gateway.request import (
     CHAT,
     COMPLETIONS,
@@ -385,7 +385,7 @@ class Migration:
                     # Or its error event came after the answer's finish_reason: the answer is whole,
                     # and a continuation would add to it. Either way the client gets the engine's
                     # error event, as the plain relay passes it
-                    event = b"data: " + orjson.dumps({"error": self.error}) + b"\n\ndata: [DONE]\n\n"
+                    event = string_code(b"data: " + orjson.dumps({"error": self.error}) + b"\n\ndata: [DONE]\n\n")
                     seen.feed(event, time.perf_counter())
                     await self._write(out, event)
                     err = self.error

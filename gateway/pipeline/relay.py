@@ -37,6 +37,7 @@ from gateway.pipeline.sse import (
     SSEScanner,
     has_fields,
     message_text,
+    string_code,
     usage_tokens,
 )
 from gateway.pipeline.whole import WrittenStream, open_stream, stream_head, write_whole
@@ -723,6 +724,8 @@ class Relay:
             now = clock()
             early = passes is not None and passes(chunk)
             data = chunk if early else feed(chunk, now)
+            if scanner.error is not None and not ended and api is None:
+                data = string_code(data)    # the read whose error event ended the answer (never ``early``)
             if data:
                 if transport.is_closing():
                     raise ConnectionResetError("Cannot write to closing transport")
@@ -789,6 +792,8 @@ class Relay:
                     now = clock()
                     early = passes is not None and passes(chunk)
                     data = chunk if early else feed(chunk, now)
+                    if scanner.error is not None and not ended and api is None:
+                        data = string_code(data)
                     if data:
                         await write(data)
                         sent = pipe_ok
@@ -820,6 +825,8 @@ class Relay:
             # ends in), dropped when it ends in the gateway's error event, which would be glued onto
             # it; a translated stream's tail is its API's own whole events
             if tail and (api is not None or scanner.done or scanner.error is not None):
+                if scanner.error is not None and api is None:
+                    tail = string_code(tail)
                 await write(ended_event(tail))
             if not scanner.done and scanner.error is None:
                 rec.error_class, rec.error = failure = of_leg(ctx, EOF_FAILURE)

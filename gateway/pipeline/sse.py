@@ -277,6 +277,44 @@ def engine_error(obj: dict) -> dict | None:
     return None
 
 
+def string_code(data: bytes) -> bytes:
+    """``data`` (whole events, the last one perhaps without its blank line) with the ``code`` of
+    its error event a string where the engine wrote a number (vLLM's and SGLang's ``400``), as
+    OpenAI's error object has it and as an error answered before the stream's head has it; ``data``
+    itself when no event needs it. Run once a stream, on the read whose error event ended it."""
+    out: list[bytes] = []
+    start = 0
+    for m in _BOUNDARY.finditer(data):
+        out.append(_coded_event(data, start, m.start()))
+        out.append(data[m.start():m.end()])
+        start = m.end()
+    if start < len(data):
+        out.append(_coded_event(data, start, len(data)))
+    joined = b"".join(out)
+    return data if joined == data else joined
+
+
+def _coded_event(data: bytes, start: int, end: int) -> bytes:
+    """The event ``data[start:end]``, a one-line ``data:`` error event's numeric code made its string."""
+    ev = data[start:end]
+    if b'"code"' not in ev or b'"error"' not in ev or not ev.startswith(b"data:") or b"\n" in ev:
+        return ev
+    try:
+        obj = orjson.loads(ev[5:])
+    except ValueError:
+        return ev
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if not isinstance(err, dict):
+        if not (isinstance(obj, dict) and obj.get("object") == "error"):
+            return ev
+        err = obj                   # older vLLM's flat error event
+    code = err.get("code")
+    if not isinstance(code, int) or isinstance(code, bool):
+        return ev
+    err["code"] = str(code)
+    return b"data: " + orjson.dumps(obj) + (b"\r" if ev.endswith(b"\r") else b"")
+
+
 def _nonneg_int(v: Any) -> int:
     if type(v) is int:          # the usual case (not a bool: its type is bool)
         return v if v > 0 else 0
@@ -392,9 +430,10 @@ class SSEScanner:
     def passes(self, chunk: bytes) -> bool:
         """Whether ``feed`` will return ``chunk`` itself, so the relay may write it before the scan:
         for whole events with nothing held from before (and, when usage is stripped, no usage in
-        them: a usage-only event is the one thing stripping drops)."""
+        them: a usage-only event is the one thing stripping drops), and no error event (whose
+        numeric code the relay writes as its string: ``string_code``)."""
         return not self._buf and chunk.endswith(b"\n\n") and not self._lf_owed \
-            and not (self.strip_usage and chunk.find(b'"usage"') >= 0)
+            and not (self.strip_usage and chunk.find(b'"usage"') >= 0) and chunk.find(b'"error"') < 0
 
     def finish(self) -> bytes:
         """End of upstream: scan a trailing event that lacked its blank line, and return whatever

@@ -719,7 +719,7 @@ async def test_a_vllm_decodes_501_event_before_its_first_token_reaches_the_clien
         assert st == 200 and "x-retries" not in hdrs
         errors = [e["error"] for e in sse_events(raw) if isinstance(e, dict) and "error" in e]
         if hdrs["target-pod"] == addr:
-            assert [e["code"] for e in errors] == [501]
+            assert [e["code"] for e in errors] == ["501"]
             refused += 1
             if refused == 2:
                 break

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.pipeline import sse
-from gateway.pipeline.sse import ITL_KEEP, ChoicesScanner, SSEScanner, as_lf, usage_tokens
+from gateway.pipeline.sse import ITL_KEEP, ChoicesScanner, SSEScanner, as_lf, string_code, usage_tokens
 
 # -- real framings (as vLLM and SGLang write them) ---------------------------------------
 
@@ -889,3 +889,16 @@ def test_events_after_done_are_passed_on_but_not_counted():
     out.append(s.finish())
     assert b"".join(out) == VLLM_HEL + DONE + VLLM_LO and s.done
     assert s.token_events == 1 and s.drain_itl() == [] and s.last_token_at == 1.0
+
+
+def test_string_code_writes_an_error_event_s_numeric_code_as_its_string():
+    err = b'data: {"error":{"message":"boom","type":"BadRequestError","param":null,"code":400}}'
+    said = b'data: {"error":{"message":"boom","type":"BadRequestError","param":null,"code":"400"}}'
+    assert string_code(VLLM_HEL + err + b"\n\ndata: [DONE]\n\n") == VLLM_HEL + said + b"\n\ndata: [DONE]\n\n"
+    assert string_code(err + b"\r\n\r\n") == said + b"\r\n\r\n"       # CRLF framing kept
+    assert string_code(err) == said                                    # a last event without its blank line
+    flat = b'data: {"object":"error","message":"boom","code":500}\n\n'
+    assert string_code(flat) == b'data: {"object":"error","message":"boom","code":"500"}\n\n'
+    for same in (VLLM_HEL + VLLM_LO, said + b"\n\n", b'data: {"error":{"message":"x","code":true}}\n\n',
+                 b'data: {"error":{"message":"x","code":null}}\n\n', b'data: {"error": "plain"}\n\n'):
+        assert string_code(same) is same
