@@ -405,3 +405,42 @@ async def test_empty_lines_between_requests_are_no_next_request_and_start_no_hea
                             pause=0.2)
         assert [r.status for r in ex.responses] == [200, 200, 200], [r.body[:200] for r in ex.responses]
         assert ex.closed and not ex.trailing
+
+
+@on_both_loops
+async def test_a_whole_answer_whose_client_resets_while_its_body_goes_out_is_logged_as_its_cancel():
+    """A non-streaming answer of MBs, its client reading its head and resetting the connection while
+    the rest is still on its way: the request's line is the client's cancel (499, counted in
+    ``switchyard_client_cancels_total``), not a 200 written before the body went out."""
+    big = orjson.dumps({"id": "c1", "object": "chat.completion", "created": 1, "model": "m",
+                        "choices": [{"index": 0, "message": {"role": "assistant", "content": "w" * (24 << 20)},
+                                     "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=big, content_type="application/json")
+
+    async with fake_engine(chat) as url, edge_gateway(endpoint=url) as gw:
+        with gw.app[GATEWAY_KEY].request_log.capture() as lines:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.setblocking(False)
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.sock_connect(s, ("127.0.0.1", gw.port))
+                await loop.sock_sendall(s, request("POST", CHAT, BODY))
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    got = await loop.sock_recv(s, 4096)
+                    assert got, head
+                    head += got
+                assert head.startswith(b"HTTP/1.1 200"), head[:200]
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            finally:
+                s.close()       # with SO_LINGER 0: a reset, MBs of the answer still unsent
+            assert await wait_for(lambda: [x for x in lines if x["event"] == "request"], timeout=10.0, interval=0.01)
+        line = next(x for x in lines if x["event"] == "request")
+        assert (line["status"], line["error_class"]) == (499, "client_cancel"), line
+        assert sum(v for k, v in gw.samples().items() if k.startswith("switchyard_client_cancels_total")) == 1
+        assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
