@@ -204,6 +204,9 @@ class RequestContext:
     # what admission put on its user's counter ahead of the answer (its expected size), settled
     # against what the engine reported when the request ends (gateway/admission/service.py)
     admission_cost: float = 0.0
+    # a whole answer whose body was still in the client's transport, over its limit, when the
+    # handler had it written (``Relay._ok``): the request's line waits until it went, or failed
+    unsent: Any = None
 
     def __init__(self, http: web.Request, rec: RequestRecord, **given: Any) -> None:
         """The dataclass's initialiser, but the defaults set in one step in C (as ``RequestRecord``'s)."""

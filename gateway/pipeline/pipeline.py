@@ -192,6 +192,25 @@ class Pipeline:
             ctx.trace.finish(rec)
             if (d := ctx.decision) is not None and d.reason:    # why the last decision chose as it did
                 rec.extra["route_reason"] = d.reason
+            if ctx.unsent is None:
+                record_request(rec, self.metrics, time.perf_counter(), self.request_log, self.observers)
+            else:               # its body still on its way to the client: the line once it went
+                self.lifecycle.spawn(self._recorded_once_sent(ctx))
+
+    async def _recorded_once_sent(self, ctx: RequestContext) -> None:
+        """The line of a whole answer the client's transport held over its limit: written once the
+        body went, or, when the client's connection was lost first (a reset while MBs went out), as
+        the client's cancel (499), counted as one; the normal path never comes here."""
+        rec = ctx.rec
+        went = True
+        try:
+            went = await ctx.unsent.went()
+        finally:
+            if not went:
+                rec.status = 499
+                rec.error_class = ErrorClass.CLIENT_CANCEL
+                # its head went out: ``streaming``, the stage after the headers
+                self.metrics.child(self.metrics.client_cancels, rec.label_model, "streaming").inc()
             record_request(rec, self.metrics, time.perf_counter(), self.request_log, self.observers)
 
     # -- stages ---------------------------------------------------------------------------------

@@ -1006,6 +1006,8 @@ class Relay:
         if self.whole:
             written = write_whole(ctx.http, 200, headers, ctype, body)
             if written is not None:
+                if written.unsent:      # a client slower than its answer: its line once the body went
+                    ctx.unsent = written
                 return written      # type: ignore[return-value]    # what aiohttp reads of a response
         r = web.Response(status=200, body=body, headers=headers)
         r.headers["Content-Type"] = ctype

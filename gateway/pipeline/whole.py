@@ -33,6 +33,7 @@ head, when the class is registered (``writes_for``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from http import HTTPStatus
 from typing import Any
@@ -83,6 +84,30 @@ class WrittenAnswer:
             # requests and reads no answer has the gateway run them all and hold their answers
             with contextlib.suppress(ConnectionError):
                 await writer.drain()
+
+    @property
+    def unsent(self) -> bool:
+        """Whether the answer was still in the client's transport, over its limit, once written."""
+        return self._writer is not None
+
+    async def went(self) -> bool:
+        """Whether the answer left the client's transport before the connection was lost (an
+        answer under the transport's limit went at once); awaited off the handler's way, in a task
+        of its own."""
+        writer = self._writer
+        if writer is None:
+            return True
+        try:
+            await writer.drain()
+        except ConnectionError:
+            return False
+        except asyncio.CancelledError:
+            # the wait is the handler's too (its ``write_eof``), which the connection's loss
+            # cancels, and the wait with it; this task's own cancel (the gateway's stop) goes on
+            if asyncio.current_task().cancelling():     # type: ignore[union-attr]
+                raise
+            return False
+        return True         # (a connection closed after its answer is no longer the protocol's: not asked)
 
     def __repr__(self) -> str:
         return f"<WrittenAnswer {self.status} {self.body_length} bytes>"

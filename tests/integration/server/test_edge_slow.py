@@ -444,3 +444,21 @@ async def test_a_whole_answer_whose_client_resets_while_its_body_goes_out_is_log
         assert (line["status"], line["error_class"]) == (499, "client_cancel"), line
         assert sum(v for k, v in gw.samples().items() if k.startswith("switchyard_client_cancels_total")) == 1
         assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
+        # a client as slow that reads it all: its line, written once the body went, is the 200
+        with gw.app[GATEWAY_KEY].request_log.capture() as lines:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.setblocking(False)
+            try:
+                await loop.sock_connect(s, ("127.0.0.1", gw.port))
+                await loop.sock_sendall(s, request("POST", CHAT, BODY, {"Connection": "close"}))
+                got = bytearray()
+                while chunk := await loop.sock_recv(s, 1 << 20):
+                    got += chunk
+            finally:
+                s.close()
+            assert got.endswith(big), bytes(got[:200])
+            assert await wait_for(lambda: [x for x in lines if x["event"] == "request"], timeout=10.0, interval=0.01)
+        line = next(x for x in lines if x["event"] == "request")
+        assert (line["status"], line["error_class"]) == (200, None), line
+        assert sum(v for k, v in gw.samples().items() if k.startswith("switchyard_client_cancels_total")) == 1
