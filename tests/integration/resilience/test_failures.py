@@ -723,3 +723,40 @@ async def test_a_last_event_without_its_blank_line_reaches_the_client_whole(gate
         if last == "done":
             events = [e async for e in await client.responses.create(model="m", input="hi", stream=True)]
             assert [e.type for e in events] == ["response.created", "response.output_text.delta", "response.completed"]
+
+
+_EXTRA = _event({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                 "choices": [{"index": 0, "delta": {"content": " caboose"}, "finish_reason": None}]})
+
+
+@pytest.mark.parametrize("when", ["same_read", "later"])
+async def test_bytes_an_engine_writes_after_done_are_not_relayed_and_its_connection_is_not_kept(gateway, when):
+    """``data: [DONE]`` ends the answer: an event the engine writes after it, in the same write or
+    later, is not passed on (the client's stream ends at [DONE]), and the engine's connection,
+    on which the engine wrote past its answer's end, is not used again."""
+    ports: list[int] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        ports.append(request.transport.get_extra_info("peername")[1])
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(_WAGON)
+        if when == "same_read":
+            await out.write(b"data: [DONE]\n\n" + _EXTRA)
+        else:
+            await out.write(b"data: [DONE]\n\n")
+            await asyncio.sleep(0.05)       # (a second write: the relay's order is the same either way)
+            await out.write(_EXTRA)
+        await out.write_eof()
+        return out
+
+    async with fake_engine(chat) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        st, _, raw = await post(gw.url, body(stream=True))
+        assert st == 200 and raw.endswith(b"data: [DONE]\n\n") and b"caboose" not in raw, raw[-200:]
+        client = openai_client(gw)
+        stream = await client.chat.completions.create(**body(stream=True))
+        assert [c.choices[0].delta.content async for c in stream] == ["wagon"]
+        await client.close()
+        assert len(ports) == 2 and ports[0] != ports[1], ports     # the first connection was not kept
