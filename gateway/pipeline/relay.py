@@ -84,6 +84,12 @@ def watchdog_fired(ctx: RequestContext, metrics: GatewayMetrics, phase: str, sec
     ctx.trace.event("watchdog", {"switchyard.watchdog.phase": phase, "switchyard.watchdog.seconds": seconds or 0.0})
     metrics.child(metrics.watchdog_fires, rec.model, phase).inc()
 
+
+class _PastDone(Exception):
+    """The engine wrote on after its answer's ``[DONE]``: the stream ends there (nothing after it
+    is relayed) and the engine's connection, whose next bytes are no answer's, is closed."""
+
+
 class FirstBytesFailed(Exception):
     """A gated stream (``Relay.answer``'s ``gate``: a P/D decode; ``Relay.stream_from_head``) failed
     before its first bytes passed the gate, so the client has seen nothing of it. ``kind``: ``timeout`` (``detail``: the
@@ -633,6 +639,9 @@ class Relay:
             rec.extra["finish_reasons"] = scanner.finish_reasons
         else:
             scanner = SSEScanner(strip_usage)
+        cut = api is None
+        if cut:     # the stream ends at [DONE]: what the engine writes after it is not relayed
+            scanner.ends_at_done = True     # type: ignore[union-attr]
         # the first bytes already here (a P/D decode's, read before the head), or a gate for them:
         # the head goes out with them, in one write, when the gateway writes it itself; behind a
         # gate the answer begins only once they pass it (until then the client has seen nothing)
@@ -673,6 +682,8 @@ class Relay:
         def after_end() -> None:
             nonlocal watch, ended
             ended = True
+            if cut and scanner.trailing:    # type: ignore[union-attr]   # bytes after [DONE] in its read
+                raise _PastDone
             if watch is None:
                 watch = Watchdog(resp, 0.0, END_GRACE_S)
             else:
@@ -724,7 +735,7 @@ class Relay:
             now = clock()
             early = passes is not None and passes(chunk)
             data = chunk if early else feed(chunk, now)
-            if scanner.error is not None and not ended and api is None:
+            if scanner.error is not None and not ended and cut:
                 data = string_code(data)    # the read whose error event ended the answer (never ``early``)
             if data:
                 if transport.is_closing():
@@ -739,6 +750,8 @@ class Relay:
                     unpipe()
             elif held:
                 out.send_head()         # type: ignore[attr-defined]   # nothing of it for the client
+            elif cut and scanner.trailing:  # type: ignore[union-attr]   # a read after [DONE]: dropped, the stream ends
+                raise _PastDone
             if held and before_head:
                 watch_idle()            # after the first write: off the first token's way
             # comments alone are no progress, nor is anything after the end (awaited END_GRACE_S at most)
@@ -792,13 +805,15 @@ class Relay:
                     now = clock()
                     early = passes is not None and passes(chunk)
                     data = chunk if early else feed(chunk, now)
-                    if scanner.error is not None and not ended and api is None:
+                    if scanner.error is not None and not ended and cut:
                         data = string_code(data)
                     if data:
                         await write(data)
                         sent = pipe_ok
                     elif holding:               # nothing of the first read for the client: the head alone
                         out.send_head()         # type: ignore[attr-defined]
+                    elif cut and scanner.trailing:  # type: ignore[union-attr]   # a read after [DONE]: dropped, the stream ends
+                        raise _PastDone
                     if early:
                         feed(chunk, now)
                     if first and scanner.moved:     # comments alone are not the first chunk
@@ -814,6 +829,13 @@ class Relay:
                 # after it is no failure of the answer's (no second error event after the engine's)
                 rec.extra["after_end"] = e.phase if isinstance(e, WatchdogFired) else "broken"
                 broke = not scanner.done
+            except _PastDone:           # (its read may have ended the body too: the end is read as such)
+                pass
+            if cut and scanner.trailing:    # type: ignore[union-attr]
+                # the engine wrote on after [DONE]: nothing of it went out, and its connection, whose
+                # next bytes would be no answer's, is not used again
+                rec.extra["after_end"] = "trailing"
+                resp.close()
             tail = scanner.finish()
             if broke:       # the start of an event the broken connection cut short is not passed on
                 tail = b""
@@ -825,7 +847,7 @@ class Relay:
             # ends in), dropped when it ends in the gateway's error event, which would be glued onto
             # it; a translated stream's tail is its API's own whole events
             if tail and (api is not None or scanner.done or scanner.error is not None):
-                if scanner.error is not None and api is None:
+                if scanner.error is not None and cut:
                     tail = string_code(tail)
                 await write(ended_event(tail))
             if not scanner.done and scanner.error is None:

@@ -62,6 +62,8 @@ ITL_KEEP = 4096
 BOM = b"\xef\xbb\xbf"
 
 _BOUNDARY = re.compile(rb"\n\r?\n")
+# a ``data: [DONE]`` event, whole, on its own line (as ``_event`` reads one: blanks around it)
+_DONE_EVENT = re.compile(rb"(?:\A|\n)(?:\xef\xbb\xbf)?data:[ \t]*\[DONE\][ \t]*\r?\n\r?\n")
 # a CR that no LF follows: a line ended by a bare CR, or, at the end of a read, a CR whose LF may
 # come with the next one (either way a line ends there)
 _CR_ALONE = re.compile(rb"\r(?!\n)")
@@ -367,7 +369,7 @@ class SSEScanner:
 
     __slots__ = (
         "strip_usage", "first_token_at", "last_token_at", "token_events", "itl", "usage", "finish_reason",
-        "error", "done", "events", "moved",
+        "error", "done", "events", "moved", "ends_at_done", "trailing",
         "_buf", "_sent", "_skip", "_now", "_cr", "_lf", "_lf_owed", "_big_index",
     )
 
@@ -383,6 +385,10 @@ class SSEScanner:
         self.done = False                          # saw `data: [DONE]`
         self.events = 0                            # events with a data payload (incl. [DONE])
         self.moved = False                         # the last read held more than comments (``has_fields``)
+        # the plain relay's: nothing after [DONE] is passed on (``_past_done``, ``_cut_at_done``), and
+        # ``trailing`` says the engine wrote more than blank space after it
+        self.ends_at_done = False
+        self.trailing = False
         self._buf = bytearray()    # the current incomplete event (or its last _BIG_TAIL bytes if skipped)
         self._sent = 0             # how many leading bytes of _buf went out already (an event past MAX_EVENT_BYTES)
         self._skip = False         # the current event outgrew MAX_EVENT_BYTES: do not scan it
@@ -396,6 +402,8 @@ class SSEScanner:
 
     def feed(self, chunk: bytes, now: float) -> bytes:
         """Scan ``chunk`` (received at ``now``) and return the bytes to forward for it."""
+        if self.done and self.ends_at_done:     # the answer ended at [DONE]: nothing after it passes
+            return self._past_done(chunk)
         self._now = now
         buf = self._buf
         end = len(chunk) - 2
@@ -430,10 +438,12 @@ class SSEScanner:
     def passes(self, chunk: bytes) -> bool:
         """Whether ``feed`` will return ``chunk`` itself, so the relay may write it before the scan:
         for whole events with nothing held from before (and, when usage is stripped, no usage in
-        them: a usage-only event is the one thing stripping drops), and no error event (whose
-        numeric code the relay writes as its string: ``string_code``)."""
-        return not self._buf and chunk.endswith(b"\n\n") and not self._lf_owed \
-            and not (self.strip_usage and chunk.find(b'"usage"') >= 0) and chunk.find(b'"error"') < 0
+        them: a usage-only event is the one thing stripping drops), no error event (whose
+        numeric code the relay writes as its string: ``string_code``) and no ``[DONE]`` (what
+        follows it is dropped), nor any read after it."""
+        return not self._buf and chunk.endswith(b"\n\n") and not self._lf_owed and not self.done \
+            and not (self.strip_usage and chunk.find(b'"usage"') >= 0) and chunk.find(b'"error"') < 0 \
+            and chunk.find(b"[DONE]") < 0
 
     def finish(self) -> bytes:
         """End of upstream: scan a trailing event that lacked its blank line, and return whatever
@@ -563,7 +573,31 @@ class SSEScanner:
             self._sent -= cut
         if flags & _CONTENT:
             self._mark(now)
+        if self.done and self.ends_at_done:     # this read brought [DONE]: what follows it is not passed on
+            return self._cut_at_done(result)
         return result
+
+    def _past_done(self, chunk: bytes) -> bytes:
+        """A read after [DONE]: dropped; ``trailing`` when it holds more than blank space."""
+        if not self.trailing and chunk.strip():
+            self.trailing = True
+        return b""
+
+    def _cut_at_done(self, result: bytes) -> bytes:
+        """``result`` up to the end of its [DONE] event; the rest, and anything held after it, dropped
+        (``trailing`` when more than blank space). A [DONE] in a framing the cut does not find
+        (bare-CR line ends, a multi-line event) leaves ``result`` whole."""
+        m = _DONE_EVENT.search(result)      # the first: it ended the answer
+        if m is None:
+            return result
+        rest = result[m.end():]
+        if rest.strip() or bytes(self._buf[self._sent:]).strip():
+            self.trailing = True
+        self._buf = bytearray()
+        self._lf = None
+        self._sent = 0
+        self._skip = False
+        return result[:m.end()] if rest else result
 
     def _overflow(self) -> int:
         """Give up scanning this event (its head read on its first overflow: ``_CONTENT`` when it

@@ -231,15 +231,15 @@ async def _done_then_chatters(request: web.Request) -> web.StreamResponse:
 
 
 async def test_an_engine_that_goes_on_sending_after_its_last_event_does_not_hold_the_client(gateway):
-    """The engine's end after ``[DONE]`` is awaited ``END_GRACE_S`` at most, whatever the engine
-    sends meanwhile: an engine that keeps writing events after its end holds the client no
-    longer than a silent one."""
+    """An engine that keeps writing events after its ``[DONE]`` holds the client no longer: the
+    stream ends at [DONE], none of what follows is relayed, and the engine's connection is closed
+    (``after_end: trailing``)."""
     async with fake_engine(_done_then_chatters) as url:
         gw = await gateway([model_block("m", "vllm", [url])])
         with gw.gw.request_log.capture() as logs:
             async with asyncio.timeout(10):
                 st, _, raw = await post(gw.url, body())
             assert await wait_for(lambda: any(e["event"] == "request" for e in logs), timeout=5)
-        assert st == 200 and b"[DONE]" in raw
+        assert st == 200 and raw.endswith(b"data: [DONE]\n\n") and raw.count(b"data: ") == 2, raw
         line = next(e for e in logs if e["event"] == "request")
-        assert line["status"] == 200 and line["after_end"] == "idle" and line["error_class"] is None
+        assert line["status"] == 200 and line["after_end"] == "trailing" and line["error_class"] is None

@@ -310,7 +310,7 @@ def test_finish_returns_held_unterminated_event():
 def test_feed_without_strip_returns_the_same_object():
     s = SSEScanner()
     for chunk in (VLLM_ROLE, VLLM_HEL, b"", VLLM_USAGE + DONE):
-        assert s.passes(chunk) == (chunk != b"")
+        assert s.passes(chunk) == (chunk != b"" and b"[DONE]" not in chunk)   # [DONE]: scanned before it goes
         assert s.feed(chunk, 0.0) is chunk
     assert s.finish() == b""
 
@@ -902,3 +902,14 @@ def test_string_code_writes_an_error_event_s_numeric_code_as_its_string():
     for same in (VLLM_HEL + VLLM_LO, said + b"\n\n", b'data: {"error":{"message":"x","code":true}}\n\n',
                  b'data: {"error":{"message":"x","code":null}}\n\n', b'data: {"error": "plain"}\n\n'):
         assert string_code(same) is same
+
+
+def test_the_plain_relay_s_scanner_passes_nothing_after_done():
+    s = SSEScanner()
+    s.ends_at_done = True
+    assert s.feed(VLLM_HEL + DONE + VLLM_LO, 0.0) == VLLM_HEL + DONE and s.trailing
+    assert s.feed(VLLM_LO, 0.0) == b"" and not s.passes(VLLM_LO) and s.finish() == b""
+    quiet = SSEScanner()
+    quiet.ends_at_done = True
+    assert quiet.feed(VLLM_HEL, 0.0) is VLLM_HEL and quiet.feed(DONE, 0.0) is DONE
+    assert quiet.feed(b"\n", 0.0) == b"" and not quiet.trailing       # blank space after it is no answer's either
