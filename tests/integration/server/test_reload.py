@@ -179,6 +179,38 @@ async def test_an_invalid_config_is_refused_and_the_old_one_keeps_serving(sims, 
     await client.close()
 
 
+async def test_a_name_no_request_can_match_is_refused_at_a_reload_and_the_old_config_keeps_serving(
+        sims, gateway, tmp_path):
+    """A ``limits.users`` entry named with whitespace at its ends, and a control character inside
+    a user's, a model's, an adapter's or an alias's name, are refused by a reload as by a start:
+    one line naming the key, and the running config serves on."""
+    sim = await sims("vllm", "m")
+    keys = [{"key": "sk-reload-test-alice-0001", "user": "alice"}]
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth={"api_keys": keys})
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    client = openai_client(gw, keys[0]["key"])
+    original = dict(f.data)
+    cases = [
+        (dict(auth={**original["auth"], "api_keys": [{**keys[0], "user": "alice\r"}]}), "auth.api_keys[0].user"),
+        (dict(limits={"users": {"alice ": {"rpm": 5}}}), "limits.users"),
+        (dict(limits={"users": {"al\x1bice": {"rpm": 5}}}), "limits.users"),
+        (dict(models=[model_block("m", "vllm", [sim.url]), model_block("m\x1f2", "vllm", [sim.url])]),
+         "models[1].name"),
+        (dict(models=[{**model_block("m", "vllm", [sim.url]), "adapters": {"lo\x00ra": "/a"}}]), "models[0].adapters"),
+        (dict(aliases=[{"name": "ch\nat", "targets": [{"model": "m"}]}]), "aliases[0].name"),
+    ]
+    for change, path in cases:
+        f.data = dict(original)
+        f.write(**change)
+        result = f.reloader.reload("test")
+        assert (result.result, result.key_path) == ("invalid", path), result
+        assert "\n" not in result.error, result.error
+        assert (await chat(client)).choices[0].message.content       # the old config serves
+    assert f.reloader.live.generation == 1
+    assert metric(await gw.metrics_text(), "switchyard_config_reload_total", result="invalid") == len(cases)
+    await client.close()
+
+
 async def test_strategy_watchdog_and_limits_apply_to_new_requests(sims, gateway, tmp_path):
     a, b = await sims("vllm", "m"), await sims("vllm", "m", ttft_base_ms=400.0)
     keys = [{"key": "sk-reload-test-alice-0001", "user": "alice"}]

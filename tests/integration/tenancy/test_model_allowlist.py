@@ -122,8 +122,9 @@ async def test_the_admin_api_reads_sets_and_clears_the_list(gw):
     assert status == 201 and dave["models"] == ["m"]
     status, dave = await _admin(gw, "PUT", "/admin/users/dave", {"rpm": 1})
     assert status == 200 and dave["models"] is None             # a whole record: no list, every model
-    # a name with whitespace at its ends matches no request (a model so named is refused with the config)
-    for bad in ([], [""], "m", [1], ["m", None], ["m "], ["m", "\tchat"]):
+    # a name with whitespace at its ends matches no request, and a control character in one breaks the
+    # log lines and headers it goes into (a model so named is refused with the config)
+    for bad in ([], [""], "m", [1], ["m", None], ["m "], ["m", "\tchat"], ["m\x01"], ["ch\nat"]):
         status, err = await _admin(gw, "PATCH", "/admin/users/alice", {"models": bad})
         assert status == 400 and err["error"]["param"] == "models", (bad, err)
     status, user = await _admin(gw, "GET", "/admin/users/alice")

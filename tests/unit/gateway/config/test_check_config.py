@@ -463,3 +463,36 @@ def test_a_users_model_list_naming_no_model_is_a_warning_at_check(tmp_path, caps
     ], err
     rc, out, err = check(tmp_path, text + "kubernetes: {enabled: true}\n", capsys)
     assert rc == 0 and err == ""
+
+
+@pytest.mark.parametrize(("text", "key", "shown", "why"), [
+    # a user's entry that no request's user could match
+    ("limits: {users: {'alice ': {rpm: 5}}}", "limits.users", "'alice '", "whitespace at its ends"),
+    ("limits: {users: {ok: {rpm: 1}, \"\\tbob\": {rpm: 5}}}", "limits.users", "'\\tbob'", "whitespace at its ends"),
+    ("auth: {api_keys: [{key: sk-0123456789abcdef, user: 'carol '}]}", "auth.api_keys[0].user", "'carol '",
+     "whitespace at its ends"),
+    # a control character inside a name: it would split a log line, a metric label or a header
+    ("limits: {users: {\"al\\x01ice\": {rpm: 5}}}", "limits.users", "'al\\x01ice'", "control character"),
+    ("auth: {api_keys: [{key: sk-0123456789abcdef, user: \"ca\\x1brol\"}]}", "auth.api_keys[0].user",
+     "'ca\\x1brol'", "control character"),
+    ("models: [{name: \"lla\\tma\", endpoints: ['http://127.0.0.1:1']}]", "models[0].name", "'lla\\tma'",
+     "control character"),
+    ("models: [{name: llama, endpoints: ['http://127.0.0.1:1'], adapters: {\"lo\\x7fra\": /a}}]",
+     "models[0].adapters", "'lo\\x7fra'", "control character"),
+    ("models: [{name: llama, endpoints: ['http://127.0.0.1:1']}]\naliases: [{name: \"ch\\nat\", "
+     "targets: [{model: llama}]}]", "aliases[0].name", "'ch\\nat'", "control character"),
+    ("models: [{name: llama, endpoints: ['http://127.0.0.1:1']}]\n"
+     "limits: {users: {alice: {models: [\"lla\\x00ma\"]}}}", "limits.users.alice.models[0]", "'lla\\x00ma'",
+     "control character"),
+])
+def test_a_user_or_model_name_no_request_can_match_is_refused_on_one_line_naming_its_key(
+        tmp_path, capsys, text, key, shown, why):
+    """A ``limits.users`` entry whose name has whitespace at its ends loaded and matched no
+    request's user (a header's value is read without it); a control character inside a model's,
+    an alias's, an adapter's or a user's name loaded and then split the log lines, metric labels
+    and headers it went into. Each is refused on one line naming the key, as a model name with
+    whitespace at its ends is."""
+    text = (text if text.startswith("models") else GOOD + text) + "\n"
+    rc, out, err = check(tmp_path, text, capsys)
+    assert rc == 2 and out == "", err
+    assert err.count("\n") == 1 and f" {key}: " in err and shown in err and why in err, err
