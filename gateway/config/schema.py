@@ -117,13 +117,36 @@ def _unmatched_name(name: str) -> str | None:
     a ``limits.models`` or ``kubernetes.models`` key), or None. A request's model is matched as it
     is written, and clients write none with whitespace at its ends, so a name with some (``"m "``,
     a quoted name that kept a space) matches no request: a model or an alias ``/v1/models`` lists
-    as ``m `` and a client asking for ``m`` is answered 404."""
+    as ``m `` and a client asking for ``m`` is answered 404. A control character inside one
+    (``\\x00``-``\\x1f``, ``\\x7f``) would split the log lines, metric labels and headers it goes into."""
     if name == name.strip():
-        return None
+        return _control(name)
     if not name.strip():
         return f"the name {name!r} is only whitespace, which no request names"
     return (f"the name {name!r} has whitespace at its ends: a request's model is matched as it is written, "
             f"so one naming {name.strip()!r} would not match it (write it without)")
+
+
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")     # in a name: it would split a log line, a label, a header
+
+
+def _control(name: str, what: str = "name") -> str | None:
+    """What is wrong with a name that holds a control character, or None."""
+    if (c := CONTROL_CHARACTER.search(name)) is None:
+        return None
+    return (f"the {what} {name!r} holds a control character ({c[0]!r}), which would split the log lines, "
+            "metric labels and headers it goes into")
+
+
+def _unmatched_user(name: str) -> str | None:
+    """What is wrong with a user's name written in the config (a ``limits.users`` key, an API
+    key's ``user``), or None: a request's user is read from a header without whitespace at its
+    ends (RFC 9110 section 5.5), so a name with some matches no request; a control character
+    would split the log lines and the user header to the engine it goes into."""
+    if name != name.strip():
+        return (f"the user {name!r} has whitespace at its ends: a request's user is read without it, so "
+                "no request would match it (write it without)")
+    return _control(name, "user")
 
 
 _UNPRESENTABLE = ("has whitespace at its ends, or a line break or a NUL, which no header a client sends "
@@ -355,7 +378,7 @@ class RolesetConfig(Block):
 
 class ModelConfig(Block):
     _secret = ("api_key",)
-    name: Annotated[Name, Meta(description="The model's name, as clients write it in the request's model field (matched as it is written: no whitespace at its ends, nor at an adapter's, an alias's or a name in limits or kubernetes.models).")]
+    name: Annotated[Name, Meta(description="The model's name, as clients write it in the request's model field (matched as it is written: no whitespace at its ends, nor at an adapter's, an alias's or a name in limits or kubernetes.models; none of them holds a control character).")]
     engine: Annotated[Engine, Meta(description="Engine serving the model's endpoints: vllm or sglang.")] = "vllm"
     strategy: Annotated[str | None, Meta(description="This model's default routing strategy (a name or a weighted list); null: the pods' annotation, else pd for a model with prefill/decode endpoints, else routing.strategy.")] = None
     lock_strategy: Annotated[str | None, Meta(description="A strategy that always applies to this model, whatever the routing-strategy header says; null: no lock.")] = None
@@ -428,7 +451,7 @@ class ApiKey(Block):
 
     _secret = ("key",)
     key: Annotated[str, Meta(description="The API key in plain text; give this or key_sha256. No whitespace at its ends, line break or NUL, which no request could present.")] = ""
-    user: Annotated[Name, Meta(description="The user this key authenticates as (limits.users names users); sent to the engine in the user header, so it holds no line break (CR, LF) or NUL.")] = "default"
+    user: Annotated[Name, Meta(description="The user this key authenticates as (limits.users names users); sent to the engine in the user header, so it has no whitespace at its ends and no control character.")] = "default"
     key_sha256: Annotated[str, Meta(description="Hex SHA-256 of the API key, so the file holds no secret; give this or key.")] = ""
     name: Annotated[str, Meta(description="A label for the key, shown by the admin API.")] = ""
 
@@ -441,11 +464,11 @@ class ApiKey(Block):
             raise ValueError("key_sha256: must be 64 hex digits (sha256 of the key)")
         if self.key and not _presentable(self.key):
             raise ValueError(f"key: the key {_UNPRESENTABLE}")
-        if any(c in self.user for c in "\r\n\0"):
+        if why := _unmatched_user(self.user):
             # the key's user replaces the client's `user` header to the engine (gateway/tenants),
-            # and a header value holds none of these (RFC 9110 section 5.5)
-            raise ValueError(f"user: {self.user!r} holds a line break or a NUL, which the user header "
-                             "to the engine cannot carry")
+            # and a header value holds no control character nor whitespace at its ends (RFC 9110
+            # section 5.5); limits.users names users as they are written
+            raise ValueError(f"user: {why}")
         force_setattr(self, "key_sha256", digest)
 
 
@@ -496,7 +519,7 @@ class ModelLimits(Block):
 
 
 class LimitsConfig(Block):
-    users: Annotated[dict[Name, UserLimits], Meta(description="Limits per user name.")] = {}
+    users: Annotated[dict[Name, UserLimits], Meta(description="Limits per user name (a request's user as it is written: no whitespace at its ends, no control character).")] = {}
     models: Annotated[dict[Name, ModelLimits], Meta(description="Limits per model name (a model's: the requests of an alias or a LoRA adapter count under their model's name).")] = {}
     default_user: Annotated[UserLimits | None, Meta(description="Limits of every user without an entry in users, each with counters of their own; null: such users are unlimited.")] = None
 
@@ -597,6 +620,9 @@ class Config(Block, dict=True):
     batch: Annotated[BatchConfig, Meta(description="OpenAI's Files and Batches API (/v1/files, /v1/batches): batches run as the lowest priority class on idle engine capacity, and resume after a restart.")] = BatchConfig()
 
     def __post_init__(self) -> None:
+        for user in self.limits.users:
+            if why := _unmatched_user(user):
+                raise ValueError(f"limits.users: {why}")
         for key, name in self._model_names():
             if why := _unmatched_name(name):
                 raise ValueError(f"{key}: {why}")

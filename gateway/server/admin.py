@@ -36,7 +36,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
-from gateway.config.schema import UserLimits
+from gateway.config.schema import CONTROL_CHARACTER, UserLimits
 from gateway.errors import ErrorClass, GatewayError, printable
 from gateway.observability.logs import RequestLog
 from gateway.observability.tracing import NO_TRACE, TRACE_KEY
@@ -222,11 +222,13 @@ def _changes(data: dict[str, Any]) -> dict[str, Any]:
     for key, v in data.items():
         if key == "models":
             if v is not None and (not isinstance(v, list) or not v or len(v) > MAX_MODELS or not all(
-                    isinstance(m, str) and 0 < len(m) <= MAX_MODEL_NAME and m == m.strip() for m in v)):
-                # a name with whitespace at its ends matches no request's model (the config refuses it too)
+                    isinstance(m, str) and 0 < len(m) <= MAX_MODEL_NAME and m == m.strip()
+                    and not CONTROL_CHARACTER.search(m) for m in v)):
+                # a name with whitespace at its ends matches no request's model, and a control character
+                # in one would split the log lines it goes into (the config refuses both too)
                 raise _bad(f"'models' must be null (every model) or a list of 1 to {MAX_MODELS} model names "
                            f"(each a non-empty string of at most {MAX_MODEL_NAME} characters, without "
-                           "whitespace at its ends)", key)
+                           "whitespace at its ends or control characters)", key)
             out[key] = list(dict.fromkeys(v)) if v is not None else None
             continue
         if key == "priority":
