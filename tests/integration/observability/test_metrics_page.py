@@ -135,3 +135,32 @@ async def test_two_workers_answer_the_format_a_scrape_asks_for_whole_and_valid(s
         assert "# EOF" not in plain
         r = subprocess.run([promtool(), "check", "metrics"], input=plain, capture_output=True, text=True, timeout=30)
         assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
+
+
+async def test_an_engine_that_is_both_a_prefill_and_a_decode_is_one_series_per_endpoint(sims, gateway):
+    """One vLLM engine may be the prefill and the decode of a model (a KV connector with kv_both),
+    which the config takes: two endpoints of one name. Each per-endpoint gauge is one series for it
+    (labelled by model and endpoint, not role), as Prometheus takes a page (a sample twice is a
+    duplicate series, and the scrape fails); ``switchyard_endpoint_info`` names its two roles."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([{"name": "m", "engine": "vllm", "rolesets": [{"name": "rs-0", "prefill": [sim.url],
+                                                                       "decode": [sim.url]}]}])
+    name = gw.gw.pool.endpoints("m")[0].name
+    assert [ep.role for ep in gw.gw.pool.endpoints("m")] == ["prefill", "decode"]
+    plain = await gw.metrics_text()
+    r = subprocess.run([promtool(), "check", "metrics"], input=plain, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
+    families = {f.name: f for f in text_string_to_metric_families(plain)}
+    for fam in families.values():
+        keys = [tuple(sorted(s.labels.items())) + (s.name,) for s in fam.samples]
+        assert len(keys) == len(set(keys)), fam.name
+    assert [s.value for s in families["switchyard_endpoint_ready"].samples
+            if s.labels == {"model": "m", "endpoint": name}] == [1]
+    assert sorted(s.labels["role"] for s in families["switchyard_endpoint_info"].samples
+                  if s.labels["endpoint"] == name) == ["decode", "prefill"]
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics", headers={"Accept": PROMETHEUS_ACCEPT}) as r:
+        om = await r.text()
+    assert r.headers["Content-Type"].startswith("application/openmetrics-text") and om.endswith("# EOF\n")
+    for fam in om_parse(om):
+        keys = [tuple(sorted(s.labels.items())) + (s.name,) for s in fam.samples]
+        assert len(keys) == len(set(keys)), fam.name
