@@ -185,6 +185,7 @@ class EndpointPool:
         # and go (an endpoint's role and annotations are fixed once it is added: a changed pod is a
         # new endpoint): whether it has prefill/decode endpoints, and their strategy hint
         self._pd: set[str] = set()
+        self._shared: set[str] = set()       # models with two endpoints of one name (one engine in two roles)
         self._hints: dict[str, str] = {}
         # the models that have endpoints: ``has_model`` is its lookup, in C (twice a request)
         self._live: set[str] = set()
@@ -320,6 +321,10 @@ class EndpointPool:
             self._pd.add(model)
         else:
             self._pd.discard(model)
+        if len({ep.name for ep in eps}) < len(eps):
+            self._shared.add(model)
+        else:
+            self._shared.discard(model)
         hint = next((h for ep in eps if (h := ep.extra.get("routing_strategy"))), None)
         if hint:
             self._hints[model] = hint
@@ -333,6 +338,12 @@ class EndpointPool:
         if model is not None:
             return list(self._by_model.get(model, ()))
         return [ep for eps in self._by_model.values() for ep in eps]
+
+    def shares_names(self) -> bool:
+        """Whether some model has two endpoints of one name: one engine that is its prefill and its
+        decode (or whole-request endpoint too), whose per-endpoint series, labelled by model and
+        endpoint, are then written once for each role unless merged."""
+        return bool(self._shared)
 
     def has_pd(self, model: str) -> bool:
         """Whether the model has prefill/decode endpoints (static rolesets or discovered pods)."""

@@ -36,7 +36,7 @@ from gateway.endpoints import EndpointPool
 from gateway.errors import ErrorClass, GatewayError, error_response
 from gateway.observability.logs import RequestLog
 from gateway.observability.looplag import LoopLagMonitor
-from gateway.observability.merge import counter_rules
+from gateway.observability.merge import OPENMETRICS, counter_rules, merge, openmetrics, render
 from gateway.observability.metrics import GatewayMetrics, RetiredSeries
 from gateway.observability.status import StatusBoard, StatusSources
 from gateway.observability.status_http import StatusPage, add_status
@@ -542,7 +542,13 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
             encoder, content_type = choose_encoder(request.headers.get(hdrs.ACCEPT, ""))
         except (TypeError, ValueError):     # a version that is no number (``version=abc``): none asked for
             encoder, content_type = generate_latest, CONTENT_TYPE_PLAIN_0_0_4
-        if siblings is None:
+        if siblings is None and pool.shares_names():
+            # one engine in two roles of a model: one endpoint name, two endpoints, whose gauges
+            # would be two samples of one series (Prometheus drops one, and OpenMetrics refuses the
+            # page); merged as the workers' pages are (in flight summed, readiness the largest, ...)
+            families = merge([metrics.render().decode()], counter_rules={})
+            body = render(openmetrics(families) if content_type.startswith(OPENMETRICS) else families, encoder)
+        elif siblings is None:
             body = metrics.render(encoder)
         else:                           # the whole gateway: every worker's figures (text) merged
             body = await siblings.metrics(metrics.render(), (encoder, content_type))
