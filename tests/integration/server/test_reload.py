@@ -211,6 +211,25 @@ async def test_a_name_no_request_can_match_is_refused_at_a_reload_and_the_old_co
     await client.close()
 
 
+async def test_a_refused_reload_names_the_line_and_column_of_the_key_at_fault(sims, gateway, tmp_path):
+    """A reload's error in what the file says names where in the file, then the key path, as
+    --check-config and a start do; the key path is the result's, and the old config serves on."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    f.raw(f"models:\n  - name: m\n    endpoints:\n      - url: {sim.url}\n        engine: vlm\n")
+    result = f.reloader.reload("test")
+    assert (result.result, result.key_path) == ("invalid", "models[0].endpoints[0].engine"), result
+    assert result.error.startswith(f"{f.path}:5:9: models[0].endpoints[0].engine: "), result.error
+    f.raw(f"models:\n  - name: m\n    endpoints: ['{sim.url}']\n    strategy: fastest\n")
+    result = f.reloader.reload("test")
+    assert result.error.startswith(f"{f.path}:4:5: models[0].strategy: "), result.error
+    client = openai_client(gw)
+    assert (await chat(client)).choices[0].message.content       # the old config serves
+    assert f.reloader.live.generation == 1
+    await client.close()
+
+
 async def test_strategy_watchdog_and_limits_apply_to_new_requests(sims, gateway, tmp_path):
     a, b = await sims("vllm", "m"), await sims("vllm", "m", ttft_base_ms=400.0)
     keys = [{"key": "sk-reload-test-alice-0001", "user": "alice"}]

@@ -496,3 +496,43 @@ def test_a_user_or_model_name_no_request_can_match_is_refused_on_one_line_naming
     rc, out, err = check(tmp_path, text, capsys)
     assert rc == 2 and out == "", err
     assert err.count("\n") == 1 and f" {key}: " in err and shown in err and why in err, err
+
+
+LINED = """\
+listen:
+  host: 127.0.0.1
+models:
+  - name: llama
+    endpoints:
+      - http://127.0.0.1:8001
+      - url: http://127.0.0.1:8002
+        engine: vllm
+limits:
+  users:
+    org.team:
+      models: [llama, qwen]
+"""
+
+
+@pytest.mark.parametrize(("old", "new", "where", "key"), [
+    ("engine: vllm", "engine: vlm", "8:9", "models[0].endpoints[1].engine"),
+    ("engine: vllm", "enigne: vllm", "8:9", "models[0].endpoints[1].enigne"),     # an unknown key: the key's place
+    ("[llama, qwen]", "[llama, ' qwen']", "12:23", "limits.users.org.team.models[1]"),   # a user's name with a dot
+    ("engine: vllm\n", "engine: vllm\n    strategy: fastest\n", "9:5", "models[0].strategy"),
+    ("http://127.0.0.1:8001", "ftp://127.0.0.1:8001", "6:9", "models[0].endpoints[0].url"),   # a URL string
+    ("  - name: llama\n", "  - nme: llama\n", "4:5", "models[0].nme"),
+])
+def test_an_error_past_the_yaml_names_its_line_and_column_and_its_key(tmp_path, capsys, old, new, where, key):
+    """An error in what the YAML says (past its syntax) names the file's line and column of the key
+    or the value at fault, as a compiler's does, and then the key path."""
+    rc, out, err = check(tmp_path, LINED.replace(old, new, 1), capsys)
+    assert rc == 2 and out == ""
+    assert err.startswith(f"switchyard: config error: {tmp_path / 'gw.yaml'}:{where}: {key}: "), err
+
+
+def test_an_error_of_a_key_the_file_does_not_write_names_the_nearest_one_written(tmp_path, capsys):
+    """A missing key is named at the mapping that misses it; one of the file as a whole at no line."""
+    rc, _, err = check(tmp_path, "models:\n  - engine: vllm\n    endpoints: ['http://127.0.0.1:1']\n", capsys)
+    assert rc == 2 and err.startswith(f"switchyard: config error: {tmp_path / 'gw.yaml'}:2:5: models[0].name: "), err
+    rc, _, err = check(tmp_path, "listen: {port: 8000}\n", capsys)
+    assert rc == 2 and err.startswith(f"switchyard: config error: {tmp_path / 'gw.yaml'}: models: "), err
