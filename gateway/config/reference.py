@@ -208,9 +208,10 @@ like the JSON Schema that `python -m gateway --print-config-schema` prints.
     gateway.yaml: OK (1 model)
     ```
 
-    An error names the file and the key (`gateway.yaml: models[0].endpionts: unknown key (did you
-    mean 'endpoints'?) ...`), and the command exits non-zero, so it fits a CI step or a
-    Kubernetes init container. Old key names that still work are printed as warnings. A file
+    An error names the file, the line and column where the key or value at fault is written (a
+    missing key: where its mapping is), and the key (`gateway.yaml:4:5: models[0].endpionts:
+    unknown key (did you mean 'endpoints'?) ...`), and the command exits non-zero, so it fits a
+    CI step or a Kubernetes init container. Old key names that still work are printed as warnings. A file
     that declares no model, with `kubernetes.enabled` false, is an error too (`models: no model is
     declared ...`), as it is at a start or a reload: an empty ConfigMap key or a `models:` block
     lost in an edit would start a gateway that answers every request 404, or, reloaded, remove

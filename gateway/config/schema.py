@@ -85,7 +85,7 @@ class ConfigError(ValueError):
     def __init__(self, path: str, message: str, source: str | None = None) -> None:
         where = f"{source}: " if source else ""
         super().__init__(f"{where}{path}: {message}")
-        self.key_path = path
+        self.key_path, self.message = path, message
 
 
 def _from_env(inline: str | None, env: str | None, key: str) -> str | None:
@@ -928,11 +928,14 @@ def _read_all(fd: int, path: str, stopped: Callable[[], bool] | None, wait_s: fl
 
 def config_from_file(text: str, path: str | Path, deprecations: list[Deprecation] | None = None) -> Config:
     """The config in ``text``, read from the file ``path``: as ``load_config`` checks a file's."""
-    config = parse_config(text, source=str(path), deprecations=deprecations)
+    try:
+        config = parse_config(text, source=str(path), deprecations=deprecations)
+    except ConfigError as e:
+        raise located(e, text, str(path)) from None
     if not config.models and not config.kubernetes.enabled:
-        raise ConfigError("models", "no model is declared, and kubernetes.enabled is false: the gateway would "
-                                    "answer every request 404 (declare models, or discover them with "
-                                    "kubernetes.enabled: true)", str(path))
+        raise located(ConfigError("models", "no model is declared, and kubernetes.enabled is false: the gateway "
+                                             "would answer every request 404 (declare models, or discover them "
+                                             "with kubernetes.enabled: true)"), text, str(path))
     return config
 
 
@@ -1050,6 +1053,65 @@ def parse_config(text: str, source: str | None = None, deprecations: list[Deprec
     except yaml.YAMLError as e:
         raise ConfigError("<yaml>", f"invalid YAML, {_yaml_problem(e, text)}", source) from None
     return config_from_dict(raw, source, deprecations)
+
+
+def located(e: ConfigError, text: str, source: str) -> ConfigError:
+    """``e`` of the file ``source`` whose text is ``text`` (a start's, a reload's, --check-config's),
+    named where in the file its key path
+    leads, as a compiler names a line: ``gw.yaml:12:5: models[0].engine: ...``. The key path's last
+    key written in the file (a key, or an item of a list), the nearest one written when the path
+    goes on past it (a key that is missing, a URL string read as an endpoint's ``url``); the file
+    alone when the path names nothing in it. The text is composed again for it: an error's cost,
+    never a valid config's."""
+    mark = None
+    if not e.key_path.startswith("<"):
+        try:
+            root = yaml.compose(text, Loader=_UniqueKeyLoader)     # noqa: S506 (a SafeLoader; nodes, no objects)
+        except yaml.YAMLError:
+            root = None
+        mark = _mark_of(root, e.key_path)
+    where = source if mark is None else f"{source}:{mark.line + 1}:{mark.column + 1}"
+    return ConfigError(e.key_path, e.message, where)
+
+
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
+def _mark_of(node: yaml.Node | None, path: str) -> Any:
+    """Where in the text the nodes ``node`` heads lead along ``path`` (``models[0].adapters``; a
+    mapping's key may hold dots, ``limits.users.org.team``): the last key or list item on the way."""
+    mark = None
+    while path and node is not None:
+        if (m := _INDEX.match(path)) is not None:
+            if not isinstance(node, yaml.SequenceNode) or int(m[1]) >= len(node.value):
+                break
+            node = node.value[int(m[1])]
+            mark, path = node.start_mark, path[m.end():]
+        elif isinstance(node, yaml.MappingNode):
+            step = path.removeprefix(".")
+            found = max(((k, v) for k, v in _pairs(node) if isinstance(k.value, str) and (
+                step == k.value or step.startswith((f"{k.value}.", f"{k.value}[")))),
+                key=lambda kv: len(kv[0].value), default=None)
+            if found is None:
+                break
+            mark, node, path = found[0].start_mark, found[1], step[len(found[0].value):]
+        else:
+            break
+    return mark
+
+
+def _pairs(node: yaml.MappingNode, seen: set[int] | None = None) -> list[tuple[yaml.Node, yaml.Node]]:
+    """A mapping's keys and values, those a merge key (``<<: *base``) brings after its own (each
+    mapping once: an anchor merged into itself loads as a mapping without end)."""
+    seen = seen if seen is not None else {id(node)}
+    own = [(k, v) for k, v in node.value if k.tag != "tag:yaml.org,2002:merge"]
+    for k, v in node.value:
+        if k.tag == "tag:yaml.org,2002:merge":
+            for m in (v.value if isinstance(v, yaml.SequenceNode) else [v]):
+                if isinstance(m, yaml.MappingNode) and id(m) not in seen:
+                    seen.add(id(m))
+                    own += _pairs(m, seen)
+    return own
 
 
 def config_from_dict(raw: Any, source: str | None = None, deprecations: list[Deprecation] | None = None) -> Config:

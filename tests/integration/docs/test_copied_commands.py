@@ -213,9 +213,9 @@ def test_every_python_module_the_manual_runs_is_there():
 
 
 def test_the_check_config_error_the_readme_quotes_is_the_one_printed(tmp_path, capsys):
-    """README: errors "name the file and the key path (`switchyard.yaml: models[0].endpoints[1].url:
-    must be an http(s):// URL`)"; the home page quotes the same line."""
-    quoted = re.search(r"\(`(switchyard\.yaml: models\[0\]\.endpoints\[1\]\.url: must\s+be\s+an[^`]*)`\)",
+    """README: errors "name the file, the place in it (row:column) and the key path (`switchyard.yaml:6:9:
+    models[0].endpoints[1].url: must be an http(s):// URL`)"; the home page quotes the same line."""
+    quoted = re.search(r"\(`(switchyard\.yaml:6:9:\s+models\[0\]\.endpoints\[1\]\.url: must\s+be\s+an[^`]*)`\)",
                        (ROOT / "README.md").read_text(encoding="utf-8"))
     assert quoted, "the README no longer quotes the error"
     quoted_text = re.sub(r"\s+", " ", quoted.group(1))
@@ -225,8 +225,8 @@ def test_the_check_config_error_the_readme_quotes_is_the_one_printed(tmp_path, c
                     "      - http://10.0.0.5:8000\n      - 10.0.0.6:8000\n", encoding="utf-8")
     assert main(["--check-config", str(path)]) == 2
     err = capsys.readouterr().err
-    assert f"{path}: models[0].endpoints[1].url: must be an http(s):// URL" in err, err
-    assert quoted_text.startswith("switchyard.yaml: models[0].endpoints[1].url: must be an http(s):// URL")
+    assert f"{path}:6:9: models[0].endpoints[1].url: must be an http(s):// URL" in err, err
+    assert quoted_text.startswith("switchyard.yaml:6:9: models[0].endpoints[1].url: must be an http(s):// URL")
 
 
 def test_the_demo_banner_shows_a_continuation_its_lines_run_in_order_can_see():

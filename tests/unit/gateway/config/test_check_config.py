@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,7 +93,9 @@ def test_a_valid_file_is_ok_with_its_model_count(tmp_path, capsys):
 def test_an_error_names_the_file_and_the_key(tmp_path, capsys, text, expected):
     rc, out, err = check(tmp_path, text, capsys)
     assert rc == 2 and out == ""
-    assert err.startswith(f"switchyard: config error: {tmp_path / 'gw.yaml'}: {expected}"), err
+    # the file's line and column of the key or value at fault, then its key path (one line of YAML: line 1)
+    assert re.match(rf"switchyard: config error: {re.escape(str(tmp_path / 'gw.yaml'))}:1:\d+: {re.escape(expected)}",
+                    err), err
 
 
 def test_a_missing_file_or_bad_yaml_is_an_error(tmp_path, capsys):
@@ -304,7 +307,8 @@ def test_a_file_that_declares_no_model_is_an_error(tmp_path, capsys, text):
     the pods."""
     rc, out, err = check(tmp_path, text, capsys)
     assert rc == 2 and out == ""
-    assert err.startswith(f"switchyard: config error: {tmp_path / 'gw.yaml'}: models: no model is declared"), err
+    at = ":1:1" if text.startswith("models") else ""       # the models: key written, else the file
+    assert err.startswith(f"switchyard: config error: {tmp_path / 'gw.yaml'}{at}: models: no model is declared"), err
     rc, out, err = check(tmp_path, text + "kubernetes: {enabled: true}\n", capsys)
     assert rc == 0 and "OK (0 models, models discovered through Kubernetes)" in out, err
 
