@@ -128,6 +128,24 @@ async def test_follow_ups_reach_the_engine_that_holds_the_response(sims, gateway
     assert 'switchyard_responses_state_lookups_total{kind="affinity",result="hit"} 8.0' in text
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_an_engines_405_is_passed_on_with_the_methods_its_allow_names(sims, gateway, engine):
+    """Neither engine serves DELETE of a stored response: its 405 is the client's answer, in
+    OpenAI's shape, and so is the ``Allow`` header that names what the engine serves there
+    (RFC 9110 §15.5.6), which was dropped."""
+    sim = await sims(engine, "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", engine, [sim.url])])
+    c = openai_client(gw)
+    r = await c.responses.create(model="m", input="Hello", max_output_tokens=2)
+    async with aiohttp.ClientSession() as s, s.delete(f"{sim.url}/v1/responses/{r.id}") as direct:
+        assert direct.status == 405
+        allowed = direct.headers["Allow"]
+    with pytest.raises(openai.APIStatusError) as ei:
+        await c.responses.delete(r.id)
+    assert ei.value.status_code == 405
+    assert ei.value.response.headers.get("Allow") == allowed
+
+
 async def test_owner_gone_unknown_left_the_pool_or_not_ready(sims, gateway):
     a = await sims("vllm", "m", enable_responses_store=True)
     b = await sims("vllm", "m", enable_responses_store=True)
