@@ -661,3 +661,17 @@ async def test_bytes_are_relayed_only_to_a_request_that_asked_for_them(gateway):
             assert r.status == status, (fmt, r.body[:200])
             if status == 502:
                 assert r.headers["x-error-upstream"] == "protocol" and r.json()["error"]["code"] == "upstream_bad_response"
+
+
+async def test_an_engines_405_to_a_relayed_request_keeps_the_allow_header_it_sent(gateway):
+    """An engine that serves a path with other methods only answers a 405 naming them in ``Allow``
+    (RFC 9110 §15.5.6): the client gets both, the error in OpenAI's shape."""
+    async def engine(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"detail": "Method Not Allowed"}, status=405, headers={"Allow": "GET, HEAD"})
+
+    async with fake_engine(engine, paths=("/pooling",)) as url:
+        gw = await gateway([model_block("llama", "vllm", [url])])
+        async with aiohttp.ClientSession() as s, s.post(gw.url + "/pooling", json={"model": "llama", "input": "hi"}) as r:
+            assert r.status == 405 and r.headers.get("Allow") == "GET, HEAD"
+            assert (await r.json())["error"]["message"] == "Method Not Allowed"
