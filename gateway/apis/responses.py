@@ -1115,6 +1115,8 @@ class ResponsesApi(ApiShape):
                     status, err = normalize_upstream_error(r.status, raw)
                     rec.status, rec.error_class = status, ErrorClass.UPSTREAM_STATUS
                     rec.error = str(err["error"].get("message"))[:200]
+                    if r.status == 405 and "Allow" in r.headers:    # what the engine serves there
+                        out_headers["Allow"] = r.headers["Allow"]
                     return error_response(status, orjson.dumps(err), out_headers)
                 rec.status = r.status
                 ctype = r.headers.get("Content-Type", "application/json")

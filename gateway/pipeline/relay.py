@@ -618,6 +618,8 @@ class Relay:
             headers["Retry-After"] = resp.headers["Retry-After"]
         elif resp.status in ENGINE_RETRY_AFTER:     # the engine named no wait: every 429, 503 and 529 names one
             headers["Retry-After"] = ENGINE_RETRY_AFTER[resp.status]
+        if resp.status == 405 and "Allow" in resp.headers:      # the methods the engine serves there
+            headers["Allow"] = resp.headers["Allow"]
         if ctx.pd_plan is not None:     # a P/D decode leg's answer: which leg failed, as a prefill's says
             headers["x-error-pd-decode"] = "http_status"
         return self.error_answer(ctx, status, body, headers)
