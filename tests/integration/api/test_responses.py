@@ -783,6 +783,71 @@ async def test_a_stored_stream_still_generating_is_retrieved_in_progress(gateway
             assert (await c.responses.retrieve("resp_cut1")).status == "completed"
 
 
+@pytest.mark.parametrize("state", ["engine", "gateway"])
+async def test_the_calls_on_a_stored_stream_still_generating_answer_as_on_the_response_it_announced(gateway, state):
+    """A GET of a stored stream still generating answered it in progress, while its other calls
+    were a 404. As at OpenAI: a cancel is the 400 of a response not created in the background;
+    with gateway state its ``input_items`` list the input it was sent and a DELETE removes it (its
+    record is not written when it ends); with engine state a DELETE or ``input_items`` reaches its
+    engine, as once it ended (which serves neither: its 405 is passed on)."""
+    go_on = asyncio.Event()
+    engine_calls: list[str] = []
+
+    async def engine(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        events = _function_call_events()
+        for event in events[:4]:
+            await out.write(event)
+        await go_on.wait()
+        for event in events[4:]:
+            await out.write(event)
+        await out.write_eof()
+        return out
+
+    async def retrieve(request: web.Request) -> web.Response:
+        engine_calls.append(request.method)
+        return web.json_response({"error": {"message": "not yet", "type": "invalid_request_error"}}, status=404)
+
+    routes = (web.get("/v1/responses/{rid}", retrieve),)
+    async with fake_engine(engine, paths=("/v1/responses",), routes=routes) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], responses={"state": state})
+        c = openai_client(gw)
+        stream = await c.responses.create(model="m", input="weather?", stream=True)
+        seen = []
+        async for ev in stream:
+            seen.append(ev.type)
+            if ev.type == "response.function_call_arguments.delta":
+                break
+        try:
+            with pytest.raises(openai.BadRequestError) as ei:
+                await c.responses.cancel("resp_cut1")
+            assert (ei.value.body["message"], ei.value.body["param"]) == \
+                ("Cannot cancel a synchronous response.", "response_id")
+            if state == "gateway":
+                items = await c.responses.input_items.list("resp_cut1")
+                assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", "weather?")]
+                deleted = await c.responses.delete("resp_cut1")
+                assert deleted is None or getattr(deleted, "deleted", True)
+                with pytest.raises(openai.NotFoundError):
+                    await c.responses.retrieve("resp_cut1")
+            else:
+                with pytest.raises(openai.APIStatusError) as ei:
+                    await c.responses.delete("resp_cut1")
+                assert ei.value.status_code == 405 and "GET" in ei.value.response.headers.get("Allow", "")
+                assert (await c.responses.retrieve("resp_cut1")).status == "in_progress"
+        finally:
+            go_on.set()         # the engine ends its stream, whatever the calls answered
+        seen += [ev.type async for ev in stream]
+        assert seen[-1] == "response.completed"
+        if state == "gateway":      # deleted while it ran: not kept when it ended
+            with pytest.raises(openai.NotFoundError):
+                await c.responses.retrieve("resp_cut1")
+            with pytest.raises(openai.BadRequestError):
+                await c.responses.create(model="m", input="and then?", previous_response_id="resp_cut1")
+
+
 async def test_an_engine_that_breaks_mid_event_ends_the_stream_with_error_and_response_failed(gateway):
     """The half event an engine sent before its connection broke never reaches the client: the
     SDK reads the stream up to the gateway's error and response.failed events, rather than

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
+import aiohttp
 import anthropic
 import openai
 import orjson
@@ -185,3 +187,48 @@ async def test_a_stored_stream_still_generating_is_retrieved_in_progress_from_ev
     for text in answers.values():
         body = orjson.loads(text)
         assert (body["id"], body["status"]) == (rid, "in_progress"), text
+
+
+@pytest.mark.timeout(90)
+async def test_the_calls_on_a_stored_stream_still_generating_are_answered_by_every_worker(sims, tmp_path):
+    """With gateway state in memory the worker serving a stored stream still generating holds it:
+    its sibling asks it, so a cancel (a 400: not background) and ``input_items`` are answered by
+    either worker, and a DELETE its sibling takes removes it from the worker that serves it."""
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "listen": {"host": "127.0.0.1", "port": port}, "server": {"drain_delay_s": 0, "log_level": "warning"},
+        "responses": {"state": "gateway"},
+        "models": [{"name": "m", "engine": "vllm", "endpoints": [sim.url]}]}))
+    base = f"http://127.0.0.1:{port}"
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2), \
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as held:
+        async with held.get(base + "/status.json") as r:
+            holder = (await r.json())["gateway"]["pid"]
+        async with held.post(base + "/v1/responses", json={"model": "m", "input": "a long story", "stream": True,
+                                                           "max_output_tokens": 2000}) as stream:
+            first = await stream.content.readuntil(b"\n\n")
+            while b"response.created" not in first:
+                first = await stream.content.readuntil(b"\n\n")
+            rid = orjson.loads(first.split(b"data: ", 1)[1])["response"]["id"]
+            answers: dict[int, tuple[int, Any, int, Any]] = {}
+            other = None
+            async with asyncio.timeout(20):
+                while len(answers) < 2:
+                    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
+                        async with s.get(base + "/status.json") as r:
+                            pid = (await r.json())["gateway"]["pid"]
+                        async with s.post(f"{base}/v1/responses/{rid}/cancel") as r:
+                            cancel = (r.status, await r.json())
+                        async with s.get(f"{base}/v1/responses/{rid}/input_items") as r:
+                            answers[pid] = (*cancel, r.status, await r.json())
+                        if pid != holder and other is None:
+                            async with s.delete(f"{base}/v1/responses/{rid}") as r:
+                                other = (r.status, await r.json())
+            for status, body, items_status, items in answers.values():
+                assert (status, body["error"]["message"]) == (400, "Cannot cancel a synchronous response."), body
+                assert items_status == 200 and [i["content"][0]["text"] for i in items["data"]] == ["a long story"]
+            assert other is not None and other[0] == 200 and other[1]["deleted"] is True, other
+            gone = await per_worker(port, 2, f"/v1/responses/{rid}")
+            assert all(orjson.loads(text)["error"]["code"] == "response_not_found" for text in gone.values()), gone
