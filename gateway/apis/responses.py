@@ -128,6 +128,7 @@ class Exchange:
     chain: list[str] = field(default_factory=list)       # item ids of the turns before (gateway-held history)
     place: InFlight | None = None                        # a cut background stream's place, for its poll
     running: str | None = None                           # the id of its stored stream, while it runs
+    deleted: bool = False                                # that stream deleted while it ran: not kept
 
 
 class ResponsesMetrics:
@@ -306,10 +307,12 @@ class ResponsesApi(ApiShape):
 
     async def answer_sibling(self, question: str) -> bytes:
         """A sibling worker's ``rget|rdel <owner|hist> <response id>`` about this worker's entries,
-        or ``rget run <response id>`` about its stored streams still running."""
+        or ``rget|rdel run <response id>`` about its stored streams still running."""
         op, _, rest = question.partition(" ")
         name, _, key = rest.partition(" ")
         if name == "run":
+            if op == "rdel":
+                return b"1" if self._drop_running(key) else b""
             ctx = self._running.get(key) if op == "rget" else None
             return orjson.dumps(self._running_record(ctx)) if ctx is not None else b""
         store = {"owner": self.owners, "hist": self.history}.get(name)
@@ -605,9 +608,10 @@ class ResponsesApi(ApiShape):
         assert ireq is not None
         rec.extra["response_id"] = safe_header_value(rid)
         user = self._owner_user(rec.user)
-        if not ex.store:
-            # nothing kept, so nothing to continue: no lineage either, which the memory backend's
-            # owner lookup falls back to and would send a follow-up or a GET to the engine
+        if not ex.store or ex.deleted:
+            # nothing kept (or deleted while it ran), so nothing to continue: no lineage either,
+            # which the memory backend's owner lookup falls back to and would send a follow-up or a
+            # GET to the engine
             return
         if self.gateway_held:
             assert self.history is not None
@@ -927,9 +931,9 @@ class ResponsesApi(ApiShape):
                     return await self._from_history(rec, rid, action, user, request)
                 return await self._on_owner(rec, rid, user, request)
             except GatewayError as e:
-                if e.status != 404 or action != "get":
+                if e.status != 404:
                     raise
-                return await self._in_progress(rec, rid, user, request, e)
+                return await self._in_progress(rec, rid, action, user, request, e)
         except GatewayError as e:
             rec.status = e.status
             rec.error_class, rec.error = e.error_class, e.message
@@ -952,14 +956,30 @@ class ResponsesApi(ApiShape):
         snap = ex.scanner.snapshot if isinstance(ex, Exchange) and ex.scanner is not None else None
         if not isinstance(snap, dict) or ctx.ireq is None:
             return None
-        return {"response": {**snap, "status": "in_progress"}, "user": self._owner_user(ctx.rec.user),
-                "model": ctx.ireq.model}
+        record = {"response": {**snap, "status": "in_progress"}, "user": self._owner_user(ctx.rec.user),
+                  "model": ctx.ireq.model, "url": ctx.decision.endpoint.url if ctx.decision is not None else None}
+        if self.gateway_held:           # what its record will keep, for its input_items
+            record["input"] = ex.input
+        return record
 
-    async def _in_progress(self, rec: RequestRecord, rid: str, user: str | None, request: web.Request,
-                           missing: GatewayError) -> web.Response:
-        """A GET of an id neither the store nor an engine holds yet: a stored stream still running,
-        on this worker or a sibling (asked only on such a miss), is answered as its stream announced
-        it, ``in_progress``, as OpenAI answers a response still generating; else ``missing``."""
+    def _drop_running(self, rid: str) -> bool:
+        """A running stored stream deleted: no longer answered in progress, and not kept when it ends."""
+        ctx = self._running.pop(rid, None)
+        if ctx is None:
+            return False
+        ex = self._exchange(ctx)
+        ex.running, ex.deleted = None, True
+        return True
+
+    async def _in_progress(self, rec: RequestRecord, rid: str, action: str, user: str | None,
+                           request: web.Request, missing: GatewayError) -> web.StreamResponse:
+        """A call on an id neither the store nor an engine holds yet: a stored stream still running,
+        on this worker or a sibling (asked only on such a miss), is answered as OpenAI answers a
+        response still generating; else ``missing``. A GET answers it as its stream announced it,
+        ``in_progress``; a cancel is the 400 of a response not created in the background (only
+        those can be). With gateway state its ``input_items`` are the input it was sent and a
+        DELETE removes it (its record is not written when it ends); with engine state those two
+        reach its engine, as once it ended."""
         ctx = self._running.get(rid)
         record = self._running_record(ctx) if ctx is not None else None
         if record is None and self._ask is not None and sibling_key_ok(rid):
@@ -971,10 +991,26 @@ class ResponsesApi(ApiShape):
         if not isinstance(record, dict) or not isinstance(record.get("response"), dict) \
                 or (self.auth_on and record.get("user") != self._owner_user(user)):
             raise missing
-        _not_streamed(request.query)
         rec.model, rec.model_known = str(record.get("model") or "-"), True
+        if action == "cancel":
+            raise GatewayError(400, "Cannot cancel a synchronous response.", param="response_id",
+                               error_class=ErrorClass.VALIDATION)
+        body: Any = record["response"]
+        if action in ("delete", "input_items") and not self.gateway_held:
+            owner = {"url": record.get("url"), "model": record.get("model"), "user": record.get("user")}
+            rec.error_class, rec.error = None, None
+            return await self._at_owner(rec, rid, owner, request)
+        if action == "delete":
+            if not self._drop_running(rid) and self._ask is not None:
+                await self._ask(f"rdel run {rid}")
+            body = {"id": rid, "object": "response", "deleted": True}
+        elif action == "input_items":
+            page = _page_query(request.query)
+            body = _input_items_page(rid, unique_items(list(record.get("input") or ())), page)
+        else:
+            _not_streamed(request.query)
         rec.status, rec.error_class, rec.error = 200, None, None
-        return web.Response(body=orjson.dumps(record["response"]), headers=rec.response_headers(),
+        return web.Response(body=orjson.dumps(body), headers=rec.response_headers(),
                             content_type="application/json")
 
     async def _from_history(self, rec: RequestRecord, rid: str, action: str, user: str | None,
@@ -1008,6 +1044,11 @@ class ResponsesApi(ApiShape):
         rec.model, rec.model_known = owner["model"], True
         if isinstance(owner.get("failed"), dict):
             return await self._failed_call(rec, rid, owner["failed"], request)
+        return await self._at_owner(rec, rid, owner, request)
+
+    async def _at_owner(self, rec: RequestRecord, rid: str, owner: dict[str, Any],
+                        request: web.Request) -> web.StreamResponse:
+        """The call on ``rid`` sent to the endpoint ``owner`` names."""
         ep = self._owner_endpoint(rid, owner)
         if not ep.ready:
             self._gone(owner["model"], "not_ready")
