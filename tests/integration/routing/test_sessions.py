@@ -142,3 +142,29 @@ async def test_a_user_naming_a_new_session_on_every_request_does_not_push_out_an
     await turn(bob, "bob-0")            # his own oldest went to make room for his newest
     page = await gw.metrics_text()
     assert metric_total(page, "switchyard_routing_session_total", outcome="kept") == 1
+
+
+async def test_a_users_stored_responses_count_against_that_users_share_of_the_session_map(sims, gateway):
+    """With gateway-held Responses state each stored response's lineage (``r:<id>``) is an entry of
+    the session map, named by its owner: bob's stream of stored responses churns his own share, as
+    his fresh session names would, and alice's session stays. Evictions are counted by reason."""
+    engines = [await sims("vllm", "m") for _ in range(2)]
+    gw = await gateway([model_block("m", "vllm", [e.url for e in engines], strategy="prefix-cache")], auth=KEYS,
+                       routing={"session_max_entries": 20}, responses={"state": "gateway"})
+    alice, bob = openai_client(gw, ALICE), openai_client(gw, BOB)
+
+    async def turn() -> str:
+        raw = await alice.chat.completions.with_raw_response.create(
+            model="m", max_tokens=2, messages=CHAT, prompt_cache_key="alice-conv")
+        assert raw.parse().choices[0].message.content
+        return raw.headers["target-pod"]
+
+    first = await turn()
+    for i in range(40):
+        assert (await bob.responses.create(model="m", input=f"question {i}", max_output_tokens=2)).id
+    assert await turn() == first
+    page = await gw.metrics_text()
+    assert metric_total(page, "switchyard_routing_session_total", outcome="kept") == 1
+    # bob holds five (a quarter of twenty): his 35 oldest went to make room for his newest
+    assert metric_total(page, "switchyard_session_map_evictions_total", reason="user_share") == 35
+    assert metric_total(page, "switchyard_session_map_evictions_total", reason="full") == 0

@@ -226,3 +226,21 @@ def test_a_users_sessions_are_bounded_by_their_share_and_evict_only_their_own():
     m.reconfigure(1800.0, 20, user_share=0.1)                # 2 a user, at once
     assert [k for k in m.keys() if k.startswith("\1bob")] == [f"\1bob\0m\0s:{i}" for i in range(38, 40)]
     assert m.forget(ep) == 4 and len(m) == 0 and not m._owned
+
+
+def test_a_users_responses_lineage_counts_against_that_users_share_and_keeps_its_owner():
+    m = SessionMap(max_entries=20, user_share=0.25)          # 5 a user
+    a, b = Endpoint(url="http://a:1", model="m"), Endpoint(url="http://b:1", model="m")
+    m.put("\1alice\0m\0s:keep", a)
+    m.put(RESPONSE + "resp_anon", a)                          # auth off: no owner, the whole map's
+    for i in range(40):                                       # the Responses API tags each with its owner
+        m.put(f"{RESPONSE}resp_{i}", a, "bob") if i % 2 else m.apply(f"{RESPONSE}resp_{i}", a, "bob")
+    assert m.get("\1alice\0m\0s:keep") is a and m.get(RESPONSE + "resp_anon") is a
+    assert [k for k in m.keys() if k.startswith(RESPONSE + "resp_") and k != RESPONSE + "resp_anon"] == \
+        [f"{RESPONSE}resp_{i}" for i in range(35, 40)]
+    assert m.user_evictions == 35 and len(m) == 7
+    m.put(f"{RESPONSE}resp_39", b)        # a router's turn on the chain (no tag): still bob's
+    assert m.entry(f"{RESPONSE}resp_39") == (b, "bob")
+    m.put(f"{RESPONSE}resp_40", a, "bob")
+    assert m.get(f"{RESPONSE}resp_35") is None and m.user_evictions == 36
+    assert m.forget(a, lineage=True) + m.forget(b, lineage=True) == 7 and not m._owned
