@@ -32,14 +32,16 @@ Whose: with auth on (``InferenceRequest.tenant``, the user the API key names), a
 that user's (``OWNED``, the user, a 0 byte, the key): two users who name a session alike hold two
 sessions, and one user's turns neither steer the other's nor tell them (by a faster answer) what
 the other sent. Lineage keys are not: a response id is unique, and its owner is checked where it is
-read (gateway/apis/responses.py).
+read (gateway/apis/responses.py); the Responses API keeps that owner as the entry's tag.
 
 Bounds: at most ``max_entries`` entries, least recently recorded dropped first; an entry not
 recorded again for ``ttl_s`` is forgotten. Keys longer than ``MAX_KEY_CHARS`` are not sessions.
 One user holds at most ``user_share`` of ``max_entries`` (``user_max``): a new session past it
 drops that user's own least recently recorded one, so a client that names a new session on every
-request churns its own sessions, not the other users'. Sessions no API key owns (auth off) share
-the whole map.
+request churns its own sessions, not the other users'. A response's lineage whose tag names its
+owner counts against that owner's share too (one user's stored responses in volume churn that
+user's own), and keeps its owner when a router records the chain's next turn on it (no tag).
+Sessions no API key owns (auth off) share the whole map.
 
 Sharing: ``on_put`` (set by the gateway's shared view) is told of a new or changed entry, and of
 an unchanged one at most every quarter TTL (so the other processes' copies do not expire) or once
@@ -154,6 +156,11 @@ class SessionMap:
     def __len__(self) -> int:
         return len(self._d)
 
+    def stats(self) -> dict[str, int]:
+        """For metrics: entries, evictions (every entry pushed out before its TTL), and those of
+        them a user's own share pushed out."""
+        return {"entries": len(self._d), "evictions": self.evictions, "user_evictions": self.user_evictions}
+
     def entry(self, key: str) -> tuple[Endpoint, str | None] | None:
         e = self._d.get(key)
         if e is None:
@@ -183,6 +190,8 @@ class SessionMap:
         now = self.clock()
         e = self._d.get(key)
         self.recorded += 1
+        if tag is None and e is not None and e.tag is not None and key.startswith(RESPONSE):
+            tag = e.tag         # a router's turn on a response's chain: the response is still its owner's
         if e is not None and e.ep is ep and e.tag == tag:
             e.touched = now
             self._d.move_to_end(key)
@@ -291,7 +300,13 @@ class SessionMap:
     def _store(self, key: str, e: _Entry) -> None:
         d = self._d
         if key[0] == OWNED:
-            self._own(key, e)
+            self._own(key, e, key[1:key.index("\0")])
+        elif key.startswith(RESPONSE):          # a response's lineage: its owner's, when its tag names one
+            old = d.get(key)
+            if old is not None and old.owner is not None and old.owner != e.tag:
+                self._disown(key, old.owner)
+            if e.tag is not None:
+                self._own(key, e, e.tag)
         d[key] = e
         d.move_to_end(key)
         over = len(d) - self.max_entries
@@ -307,10 +322,10 @@ class SessionMap:
                 break
             self._pop_oldest()
 
-    def _own(self, key: str, e: _Entry) -> None:
-        """``key`` (an ``OWNED`` one) is recorded now: last of its user's, whose least recently
-        recorded over ``user_max`` goes."""
-        owner = e.owner = key[1:key.index("\0")]
+    def _own(self, key: str, e: _Entry, owner: str) -> None:
+        """``key`` (an ``OWNED`` one, or a response's lineage) is recorded now: last of ``owner``'s,
+        whose least recently recorded over ``user_max`` goes."""
+        e.owner = owner
         keys = self._owned.get(owner)
         if keys is None:
             keys = self._owned[owner] = OrderedDict()

@@ -62,6 +62,7 @@ GAUGE_RULES: dict[str, str] = {
     "switchyard_prefix_index_blocks": MAX,
     "switchyard_prefix_index_capacity": MAX,
     "switchyard_prefix_index_entries": MAX,
+    "switchyard_session_map_entries": MAX,      # each worker holds the whole map (the shared view)
     "switchyard_kubernetes_pods": MAX,
     "switchyard_kubernetes_pods_skipped": MAX,
     # the batch job store as the worker that runs batches sees it (the others export none)
@@ -98,6 +99,8 @@ COUNTER_RULES: dict[str, str] = {
     # an endpoint's breaker moved: the worker that decided tells its siblings, which adopt the same
     # ejection or close (gateway/resilience/breaker.py), and each ejection ends on the same timer
     "switchyard_breaker_transitions": MAX,
+    # each worker's copy of the session map (the shared view) pushes out the same entries
+    "switchyard_session_map_evictions": MAX,
 }
 
 

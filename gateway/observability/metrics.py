@@ -339,14 +339,16 @@ class GatewayMetrics:
                           engine_max_age: float | Callable[[], float] = 10.0,
                           fleet_load: Callable[[Any], float] | None = None,
                           served: Callable[[str], bool] | None = None,
-                          connections: Callable[[], tuple[int, int]] | None = None) -> None:
+                          connections: Callable[[], tuple[int, int]] | None = None,
+                          session_stats: Callable[[], dict[str, int]] | None = None) -> None:
         """Gauges of live counts, read from the objects that hold them at scrape time. ``served``:
         whether a model is still served (one a reload or discovery removed keeps its in-flight
         series while requests of it run, no longer); ``engine_max_age``: a number of seconds, or
         what gives the live one at each scrape (a reload changes it); ``connections``: the
-        upstream pool's (busy, idle) connections."""
+        upstream pool's (busy, idle) connections; ``session_stats``: the session map's entries and
+        evictions (``SessionMap.stats``)."""
         self.registry.register(LiveState(endpoints, model_in_flight, prefix_stats, engine_max_age, fleet_load,
-                                         served, connections))
+                                         served, connections, session_stats))
 
     def child(self, metric, *labels: str):
         """A cached labelled child: one dict lookup on the hot path (a family hashes by identity;
@@ -438,8 +440,10 @@ class LiveState(Collector):
                  engine_max_age: float | Callable[[], float] = 10.0,
                  fleet_load: Callable[[Any], float] | None = None,
                  served: Callable[[str], bool] | None = None,
-                 connections: Callable[[], tuple[int, int]] | None = None) -> None:
+                 connections: Callable[[], tuple[int, int]] | None = None,
+                 session_stats: Callable[[], dict[str, int]] | None = None) -> None:
         self._connections = connections
+        self._session_stats = session_stats
         self._fleet_load = fleet_load
         self._served = served
         self._endpoints = endpoints
@@ -490,6 +494,17 @@ class LiveState(Collector):
             if "evictions" in stats:
                 yield CounterMetricFamily("switchyard_prefix_index_evictions", "Blocks evicted from the prefix-cache index",
                                           value=stats["evictions"])
+        if self._session_stats is not None:
+            sessions = self._session_stats()
+            yield GaugeMetricFamily("switchyard_session_map_entries",
+                                    "Sessions and Responses lineage held by the session map", value=sessions["entries"])
+            fam = CounterMetricFamily("switchyard_session_map_evictions",
+                                      "Session map entries pushed out before their TTL: full (the least recently "
+                                      "recorded, past routing.session_max_entries) or user_share (a user's own least "
+                                      "recently recorded, past routing.session_user_share)", labels=["reason"])
+            fam.add_metric(["full"], sessions["evictions"] - sessions["user_evictions"])
+            fam.add_metric(["user_share"], sessions["user_evictions"])
+            yield fam
         try:
             tasks = len(asyncio.all_tasks())
         except RuntimeError:          # rendered outside an event loop (unit tests)

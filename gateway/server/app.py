@@ -311,7 +311,8 @@ def build_app(config: Config, pool: EndpointPool | None = None,
                               fleet_load=lambda ep: fleet_load(ep, time.monotonic(),
                                                                reloader.live.config.routing.metrics_max_age_s),
                               served=lambda m: pool.has_model(m) or reloader.live.config.model(m) is not None,
-                              connections=s.upstream.connections)
+                              connections=s.upstream.connections,
+                              session_stats=s.view.sessions.stats)
     started_at = int(time.time() if worker is None or worker.started_at is None else worker.started_at)
 
     # the trace middleware is outermost, so the request span sees the status the client gets

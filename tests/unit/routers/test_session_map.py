@@ -244,3 +244,6 @@ def test_a_users_responses_lineage_counts_against_that_users_share_and_keeps_its
     m.put(f"{RESPONSE}resp_40", a, "bob")
     assert m.get(f"{RESPONSE}resp_35") is None and m.user_evictions == 36
     assert m.forget(a, lineage=True) + m.forget(b, lineage=True) == 7 and not m._owned
+    m.put(f"{RESPONSE}resp_x", a, "carol")
+    m.apply(f"{RESPONSE}resp_x", b)           # another process's entry with no owner: no longer carol's
+    assert not m._owned and m.get(f"{RESPONSE}resp_x") is b
