@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from urllib.parse import unquote
 
+import aiohttp
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -419,6 +420,63 @@ def test_the_metric_table_check_reads_tails_and_families():
     assert {"switchyard_engine_running_requests", "switchyard_engine_waiting_requests", "switchyard_a"} <= names
     assert "switchyard_engine_waiting_requests_requests" not in names and families == {"switchyard_pd_"}
     assert not any(n.endswith("_not_a_tail") for n in names)
+
+
+@pytest.mark.timeout(90)
+async def test_every_metric_a_running_gateway_exports_is_in_the_observability_tables(sims, tmp_path):
+    """What a scrape of a running gateway shows, with two workers, P/D, streams and errors behind
+    it: each family is a row of docs/observability.md's tables (or in a family a row sends on to
+    its page), and each series' labels are ones its row gives. The checks above read the code, so
+    they miss a metric whose name or labels the code builds (an endpoint's gauges from a table of
+    names, ``switchyard_prefix_index_{key}``, the process collector's)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.support.gateway_process import gateway_process, post_new
+    from tests.support.ports import listen_port
+
+    a, b = await sims("vllm", "m"), await sims("vllm", "m")
+    prefill, decode = await sims("vllm", "p", role="prefill"), await sims("vllm", "p", role="decode")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 5}\n"
+                   "models:\n"
+                   f"  - {{name: m, engine: vllm, strategy: prefix-cache, endpoints: ['{a.url}', '{b.url}']}}\n"
+                   "  - name: p\n    engine: vllm\n"
+                   f"    rolesets: [{{name: rs, prefill: ['{prefill.url}'], decode: ['{decode.url}']}}]\n")
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+        for model, extra, headers, want in (("m", {}, None, 200), ("m", {"stream": True}, None, 200),
+                                            ("p", {}, None, 200), ("p", {"stream": True}, None, 200),
+                                            ("nope", {}, None, 404), ("m", {}, {"x-sim-fault": "status=503"}, 503)):
+            async with aiohttp.ClientSession() as s, \
+                    s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"model": model, **chat, **extra},
+                           headers=headers or {}) as r:
+                await r.read()
+                assert r.status == want, (model, extra, headers)
+        status, _, _ = await post_new(port, "/v1/embeddings", {"model": "m", "input": "hi"})
+        assert status == 200
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
+            page = await r.text()
+    md = (ROOT / "docs" / "observability.md").read_text(encoding="utf-8")
+    listed, families = _metrics_listed(md)
+    rows = {m.removesuffix("_total"): (line, labels) for line, metrics, labels in _table_labels(md) for m in metrics}
+    exported = [f for f in text_string_to_metric_families(page) if not f.name.endswith("_created")]
+    assert {"switchyard_requests", "switchyard_endpoint_ready", "switchyard_pd_pending_decode"} <= {f.name for f in exported}
+    wrong = []
+    for fam in exported:
+        if not fam.name.startswith("switchyard_"):
+            if f"`{fam.name}" not in md:
+                wrong.append(f"{fam.name}: not named on the page")
+            continue
+        if fam.name not in listed and not any((fam.name + "_total").startswith(f) for f in families):
+            wrong.append(f"{fam.name}: no row")
+        elif fam.name in rows:
+            line, labels = rows[fam.name]
+            seen = {k for s in fam.samples for k in s.labels} - {"le", "quantile"}
+            if not seen <= labels:
+                wrong.append(f"{fam.name}: exported with {sorted(seen)}, its row (line {line}) gives {sorted(labels)}")
+    assert not wrong, "what the gateway exports that docs/observability.md does not describe:\n" + "\n".join(wrong)
 
 
 def _config_paths() -> tuple[set[str], set[str]]:
