@@ -719,6 +719,44 @@ def test_every_log_event_the_manual_quotes_is_one_the_code_writes():
     assert not wrong, "log events the manual quotes that the code does not write:\n" + "\n".join(wrong)
 
 
+async def test_every_field_of_a_request_log_line_is_in_the_logs_section(sims, gateway):
+    """The request log lines of a gateway serving whole and P/D requests, streamed and not, an
+    alias, a retry past a dead endpoint and errors: each field is one docs/observability.md's Logs
+    section names, where an operator looks up what a field of the line means."""
+    from tests.support.factories import model_block, roleset
+
+    a = await sims("vllm", "w")
+    prefill, decode = await sims("vllm", "pd", role="prefill"), await sims("vllm", "pd", role="decode")
+    gw = await gateway([model_block("w", "vllm", [a.url, "http://127.0.0.1:9"]),
+                        {"name": "pd", "engine": "vllm", "rolesets": [roleset("vllm", prefill, decode)]}],
+                       aliases=[{"name": "chat", "targets": [{"model": "w", "weight": 1}]}],
+                       # no probe takes the closed port out before a request meets it: the first
+                       # request sent there, by the round-robin pair below at the latest, is retried
+                       health={"enabled": False})
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with gw.gw.request_log.capture() as lines:
+        async with aiohttp.ClientSession() as s:
+            for model, extra, headers, want in (
+                    ("w", {}, {}, 200), ("w", {"stream": True, "n": 2}, {}, 200), ("chat", {}, {}, 200),
+                    ("pd", {}, {}, 200), ("pd", {"stream": True}, {}, 200), ("nope", {}, {}, 404),
+                    ("w", {}, {"x-sim-fault": "status=400", "x-request-id": "bad id"}, 400),
+                    ("w", {"priority": 1}, {"routing-strategy": "round-robin"}, 200)):
+                for _ in range(2):      # each endpoint of w in turn for round-robin: the dead one is retried
+                    async with s.post(gw.url + "/v1/chat/completions", json={"model": model, **chat, **extra},
+                                      headers=headers) as r:
+                        await r.read()
+                        assert r.status == want, (model, extra, headers)
+            async with s.get(gw.url + "/v1/nope") as r:
+                assert r.status == 404
+    fields = {k for line in lines for k in line} - {"log_level"}
+    assert {"prefill_endpoint", "alias", "retry_causes", "finish_reasons", "request_id_replaced",
+            "dropped_fields", "method"} <= fields, sorted(fields)
+    page = (ROOT / "docs" / "observability.md").read_text(encoding="utf-8")
+    section = page[page.index("\n## Logs\n"):page.index("\n## Tracing\n")]
+    missing = sorted(f for f in fields if not re.search(rf"`{f}[`:]", section))
+    assert not missing, f"request log fields docs/observability.md's Logs section does not name: {missing}"
+
+
 def test_the_log_event_check_reads_quotes_elisions_and_fields():
     md = ("logs `worker stopped` (with `worker`); a warning, `kv events: tiktoken encoded ...`;\n"
           "logged (`config reload refused; the running config is kept key_path=models[0] ...`)\n"
