@@ -957,3 +957,62 @@ def test_the_flag_check_reads_command_lines():
           "python -m gateway --log-format auto|json | grep --count x\n")
     assert _command_flags(md, "gateway") == [(1, "--config"), (1, "--workers"), (2, "--demo"), (2, "--port"),
                                              (5, "--log-format")]
+
+
+# each program's --help, run in one process (the bench scripts import the gateway: a process each
+# would take seconds apiece); a script's own folder first on its path, as `python bench/x.py` has it
+_HELPS = """
+import contextlib, io, json, os, runpy, sys
+out = {}
+for prog in sys.argv[1:]:
+    text, path = io.StringIO(), list(sys.path)
+    sys.argv = [prog, "--help"]
+    with contextlib.redirect_stdout(text), contextlib.suppress(SystemExit):
+        if prog.endswith(".py"):
+            sys.path.insert(0, os.path.dirname(os.path.abspath(prog)))
+            runpy.run_path(prog, run_name="__main__")
+        else:
+            runpy.run_module(prog, run_name="__main__", alter_sys=True)
+    sys.path[:] = path
+    out[prog] = text.getvalue()
+print(json.dumps(out))
+"""
+
+
+def _bench_flags(text: str) -> list[tuple[int, str, str]]:
+    """(line, program, flag) for each ``--flag`` of a ``python -m bench.x ...`` or ``python
+    bench/x.py ...`` command line of a page, read as ``_command_flags`` reads the gateway's."""
+    out = []
+    for m in re.finditer(r"python3? (?:-m (bench\.[a-z_]+)|(bench/[a-z_]+\.py))(?![\w.])((?:\\\n|[^`\n#|]|\|(?=[a-z]))*)", text):
+        line = text.count("\n", 0, m.start()) + 1
+        out += [(line, m.group(1) or m.group(2), f) for f in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", m.group(3))]
+    return out
+
+
+def test_every_flag_of_a_documented_benchmark_command_is_one_its_script_has(tmp_path):
+    """`python bench/overhead.py --...` and `python -m bench.routing --...` as the benchmarks page,
+    the manual and bench/README.md write them: each flag is one the script's --help lists."""
+    import json
+
+    pages = [*_manual(), ROOT / "bench" / "README.md"]
+    uses = [(page, *use) for page in pages for use in _bench_flags(page.read_text(encoding="utf-8"))]
+    programs = sorted({prog for _, _, prog, _ in uses})
+    assert len(programs) > 20 and "bench/overhead.py" in programs and "bench.routing" in programs
+    # run elsewhere, so that a script that takes --help for a path of its output writes nothing here
+    args = [str(ROOT / prog) if prog.endswith(".py") else prog for prog in programs]
+    proc = subprocess.run([sys.executable, "-c", _HELPS, *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "COLUMNS": "200", "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    helps = dict(zip(programs, json.loads(proc.stdout.splitlines()[-1]).values(), strict=True))
+    known = {prog: set(re.findall(r"(--[a-z][a-z0-9-]*)", text)) for prog, text in helps.items()}
+    assert not [prog for prog in programs if "--help" not in known[prog]], "scripts whose --help printed nothing"
+    wrong = [f"{page.relative_to(ROOT)}:{line}: {prog} {flag}" for page, line, prog, flag in uses
+             if flag not in known[prog]]
+    assert not wrong, "flags the documented benchmark commands do not take:\n" + "\n".join(wrong)
+
+
+def test_the_benchmark_flag_check_reads_both_ways_of_running_a_script():
+    md = ("`python bench/overhead.py --full \\\n  --peers x` and python -m bench.routing --seeds 3 # --not\n"
+          "python -m bench.routing_sim --n 1 | grep --count y\n")
+    assert _bench_flags(md) == [(1, "bench/overhead.py", "--full"), (1, "bench/overhead.py", "--peers"),
+                                (2, "bench.routing", "--seeds"), (3, "bench.routing_sim", "--n")]
