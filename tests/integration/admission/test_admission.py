@@ -1111,10 +1111,11 @@ async def test_a_request_whose_prompt_is_tokenized_off_the_loop_takes_its_room_a
     assert gw.gw.admission._models["m"].granted == 0
 
 
-async def bound_to_a_busy_engine(sims, gateway, headers=None, **admission):
+async def bound_to_a_busy_engine(sims, gateway, headers=None, followers=1, **admission):
     """Two engines, one request at a time on each; the engine that holds a Responses answer is kept
     busy (the hold returned), and a follow-up of that answer, which only that engine may serve,
-    waits in the queue (sent with ``headers``). The other engine is idle."""
+    waits in the queue (sent with ``headers``; ``followers`` of them: the task that gathers them).
+    The other engine is idle."""
     s1 = await sims("vllm", "m", enable_responses_store=True)
     s2 = await sims("vllm", "m", enable_responses_store=True)
     gw = await gateway([model_block("m", "vllm", [s1.url, s2.url])], scrape={"enabled": False},
@@ -1129,11 +1130,11 @@ async def bound_to_a_busy_engine(sims, gateway, headers=None, **admission):
         assert await wait_for(lambda: owner.in_flight == 1)
         await cancel(holds.pop(0))
     assert await wait_for(lambda: sum(ep.in_flight for ep in eps) == 1 and owner.in_flight == 1)
-    follow_up = asyncio.create_task(post(gw.url, {"model": "m", "input": "and then?", "max_output_tokens": 4,
-                                                  "previous_response_id": first.json()["id"]}, headers,
-                                         path="/v1/responses"))
-    assert await wait_for(lambda: len(queue(gw)) == 1)
-    return gw, owner, holds[0], follow_up
+    ups = [asyncio.create_task(post(gw.url, {"model": "m", "input": "and then?", "max_output_tokens": 4,
+                                             "previous_response_id": first.json()["id"]}, headers,
+                                    path="/v1/responses")) for _ in range(followers)]
+    assert await wait_for(lambda: len(queue(gw)) == followers)
+    return gw, owner, holds[0], ups[0] if followers == 1 else asyncio.gather(*ups)
 
 
 async def test_a_request_bound_to_a_busy_engine_does_not_hold_the_queue_back_from_an_idle_one(sims, gateway):
@@ -1186,3 +1187,25 @@ async def test_a_sheddable_request_the_idle_engine_takes_is_not_shed_for_a_waite
     await cancel(other)
     text = await gw.metrics_text()
     assert 'switchyard_admission_shed_total{model="m",priority="sheddable",reason="shed"} 1.0' in text
+
+
+async def test_a_request_the_idle_engine_takes_is_served_behind_many_waiters_bound_to_the_busy_one(sims, gateway):
+    """More waiters than a pump passes over that hold distinct endpoints (``MAX_SKIPPED``, 32) wait
+    for the same busy engine: those after the first hold no endpoint it does not, so they are passed
+    over without counting, and a request any engine may serve goes to the idle one, whether it finds
+    the room on arriving or waits behind them for it."""
+    gw, owner, blocker, follow_ups = await bound_to_a_busy_engine(sims, gateway, followers=40, queue_timeout_s=5)
+    other = next(ep for ep in gw.gw.pool.endpoints("m") if ep is not owner)
+    status, headers, _ = await asyncio.wait_for(post(gw.url, body()), 4)      # finds the room on arriving
+    assert status == 200 and headers["target-pod"] == other.name
+    taker = asyncio.create_task(post(gw.url, body(), HOLD))                   # the idle engine taken
+    assert await wait_for(lambda: other.in_flight == 1)
+    waiting = asyncio.create_task(post(gw.url, body()))                       # waits behind them
+    assert await wait_for(lambda: len(queue(gw)) == 41)
+    await cancel(taker)
+    status, headers, _ = await asyncio.wait_for(waiting, 4)
+    assert status == 200 and headers["target-pod"] == other.name
+    assert not follow_ups.done() and len(queue(gw)) == 40
+    await cancel(blocker)
+    assert [r[0] for r in await follow_ups] == [200] * 40
+    assert gw.gw.admission._models["m"].granted == 0
