@@ -71,7 +71,7 @@ WHOLE_REQUEST_ROLES = ("aggregated", "combined")     # as gateway.pipeline.routi
 REASONS = ("queue_full", "displaced", "fair_share", "shed", "queue_timeout", "deadline")
 OUTPUT_WEIGHT = 2.0          # an output token costs two prompt tokens in a user's counter (VTC's weights)
 OBJECTIVES = ("ttft", "tpot")
-MAX_SKIPPED = 32             # waiters a pump passes over that their own endpoints hold back, at most
+MAX_SKIPPED = 32             # waiters a pump passes over that keep endpoints no waiter before them keeps, at most
 ENGINE_TTFT_ALPHA = 0.2      # weight of the newest request in the engine-side TTFT average
 _MESSAGES = {
     "queue_full": "model {model} is at capacity and its admission queue is full",
@@ -488,47 +488,68 @@ class Admission:
         q = mq.queue
         # a waiter whose endpoints have no room keeps them for itself, and the waiters after it may
         # go to the others: one bound to a busy engine (a LoRA adapter's, a response's owner) does
-        # not hold the queue back from an idle one. Once every endpoint is kept, nobody can go.
+        # not hold the queue back from an idle one. Once every endpoint is kept, nobody can go. A
+        # waiter all of whose endpoints are kept already is passed over at the cost of a look, not
+        # counted in ``MAX_SKIPPED``: the queue is walked once per grant, however many wait so.
         skip: set[int] = set()
         reserved: set[Endpoint] = set()
-        while (w := q.peek(skip)) is not None:
-            if w.deadline <= now and not w.fut.done() and (s := self.settings(model)) is not None:
-                # its deadline passed before its timer ran (a busy event loop ran the release that
-                # frees a slot first): shed now, never served late
-                err = self._rejection(model, s, mq, w.rank, "deadline", q.position(w.rank, w.user, w), w.rec,
-                                      slo=w.slo_ms)
-                q.remove(w)                 # shed, not served: nothing on its user's counter
-                w.fut.set_exception(err)
-                continue
-            if w.fut.done():                # its task was cancelled and has not run yet: not served
-                q.remove(w)
-                continue
-            eps = self._ready(model, w)
-            if not eps:
-                q.remove(w)
-                w.fut.set_exception(_no_endpoint(model))
-                continue
-            free = [ep for ep in eps if ep not in reserved] if reserved else eps
-            if not free or total_headroom(free, w.pairs, by_class[w.rank], now) - mq.granted < 1:
-                reserved.update(eps)
-                if (not w.widen or w.accepts is not None) and len(skip) < MAX_SKIPPED \
-                        and not reserved.issuperset(self.pool.ready(model)):
-                    skip.add(id(w))         # bound to endpoints of its own: the others may serve the rest
+        ready: list[Endpoint] | None = None
+        bound = 0
+        while True:
+            gone: list[Waiter] = []         # out of the queue once the walk ends (it is not resumed after a change)
+            grant = None
+            for w in q.in_order():
+                if id(w) in skip:
                     continue
+                if w.deadline <= now and not w.fut.done() and (s := self.settings(model)) is not None:
+                    # its deadline passed before its timer ran (a busy event loop ran the release that
+                    # frees a slot first): shed now, never served late
+                    err = self._rejection(model, s, mq, w.rank, "deadline", q.position(w.rank, w.user, w), w.rec,
+                                          slo=w.slo_ms)
+                    gone.append(w)          # shed, not served: nothing on its user's counter
+                    w.fut.set_exception(err)
+                    continue
+                if w.fut.done():            # its task was cancelled and has not run yet: not served
+                    gone.append(w)
+                    continue
+                eps = self._ready(model, w)
+                if not eps:
+                    gone.append(w)
+                    w.fut.set_exception(_no_endpoint(model))
+                    continue
+                free = [ep for ep in eps if ep not in reserved] if reserved else eps
+                if free and total_headroom(free, w.pairs, by_class[w.rank], now) - mq.granted >= 1:
+                    grant = w
+                    break
+                bound_to = not w.widen or w.accepts is not None     # not free to go anywhere
+                if free:                    # endpoints no waiter before it keeps: kept for it now
+                    reserved.update(eps)
+                    if ready is None:
+                        ready = self.pool.ready(model)
+                    bound += 1
+                    if not bound_to or bound > MAX_SKIPPED or reserved.issuperset(ready):
+                        break
+                elif not bound_to:
+                    break
+                skip.add(id(w))             # bound to endpoints of its own: the others may serve the rest
+            for w in gone:
+                q.remove(w)
+            if grant is None:
                 return
-            q.take(w)                       # dispatched: its cost goes on its user's counter
-            w.reserved = frozenset(reserved) if reserved else None
-            w.state = GRANTED
+            q.take(grant)                   # dispatched: its cost goes on its user's counter
+            grant.reserved = frozenset(reserved) if reserved else None
+            grant.state = GRANTED
             mq.granted += 1
-            w.fut.set_result(None)
+            grant.fut.set_result(None)
 
     def _beside(self, model: str, mq: ModelQueue, rank: int, candidates: list[Endpoint], pairs: bool,
                 th: Thresholds, now: float) -> list[Endpoint]:
         """Of a newcomer's candidates, those the requests waiting ahead of it (its class and above,
         its own class's all counted ahead) leave to it: the walk the pump would make to its turn,
-        each waiter bound to endpoints without room keeping them (at most ``MAX_SKIPPED``, as the
-        pump). None of them when a waiter ahead may go anywhere, or could go now, or the walk is cut
-        short: then it queues as before. Walked only when requests wait: the common path pays nothing."""
+        each waiter bound to endpoints without room keeping them (as the pump: one whose endpoints
+        are kept already passed over, at most ``MAX_SKIPPED`` keeping endpoints of their own). None
+        of them when a waiter ahead may go anywhere, or could go now, or the walk is cut short: then
+        it queues as before. Walked only when requests wait: the common path pays nothing."""
         by_class = self._by_class[model]
         reserved: set[Endpoint] = set()
         ready: list[Endpoint] | None = None
@@ -540,7 +561,11 @@ class Admission:
             if not eps:
                 continue
             free = [ep for ep in eps if ep not in reserved]
-            if free and total_headroom(free, w.pairs, by_class[w.rank], now) - mq.granted >= 1:
+            if not free:                                # all kept for waiters before it already
+                if w.widen and w.accepts is None:
+                    return []
+                continue
+            if total_headroom(free, w.pairs, by_class[w.rank], now) - mq.granted >= 1:
                 return []                               # it goes before the newcomer
             reserved.update(eps)
             if ready is None:
