@@ -1209,3 +1209,24 @@ async def test_a_request_the_idle_engine_takes_is_served_behind_many_waiters_bou
     await cancel(blocker)
     assert [r[0] for r in await follow_ups] == [200] * 40
     assert gw.gw.admission._models["m"].granted == 0
+
+
+async def test_a_background_response_whose_engine_is_known_down_gives_its_place_back_at_once(sims, gateway):
+    """A ``background: true`` response holds a place on its endpoint while the gateway polls it on
+    its engine. When the engine dies, the place is given back as soon as the health probes find it
+    down, not once the poll gives up (10 failed polls, up to 2 s apart): what the place counted runs
+    nowhere any more."""
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": "engine"},
+                       admission={"enabled": True, "max_in_flight_per_endpoint": 1, "initial_capacity": 8})
+    client = openai_client(gw)
+    bg = await client.responses.create(model="m", input="Tell me about switchyards.", max_output_tokens=100,
+                                       background=True, extra_headers=HOLD)
+    assert bg.status in ("queued", "in_progress")
+    ep = gw.gw.pool.endpoints("m")[0]
+    assert ep.in_flight == 1
+    await sim.close()
+    assert await wait_for(lambda: not ep.healthy)
+    assert ep.in_flight == 0                 # in the step the probe found it down
+    assert gw.gw.admission._models["m"].granted == 0
+    await client.close()
