@@ -258,6 +258,7 @@ class ResponsesApi(ApiShape):
         self._running: dict[str, RequestContext] = {}
         self._ask: AskSiblings | None = None
         self._watched: set[asyncio.Task] = set()       # background responses polled until they end
+        self._places: set[InFlight] = set()            # their places on their endpoints (admission's)
         self._unreachable_at = -UNREACHABLE_LOG_S      # the store's failures, logged at most this often
         self._unreachable_quiet = 0
         self._unreadable_at = -UNREACHABLE_LOG_S       # records that are not the gateway's, logged so too
@@ -679,6 +680,8 @@ class ResponsesApi(ApiShape):
         delay, failures = WATCH_FIRST_S, 0
         deadline = time.monotonic() + WATCH_MAX_S
         url = f"{ep.url}{RESPONSES}/{rid}"
+        if place is not None:
+            self._places.add(place)
         try:
             if first is not None:
                 owe, first = first, None
@@ -697,6 +700,8 @@ class ResponsesApi(ApiShape):
                     body = orjson.loads(_with_responses_usage(raw))
                 except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
                     failures += 1
+                    if not ep.healthy or ep.ejected:
+                        self._give_back(place)  # unreachable, and known down: its place holds nothing now
                     continue
                 failures = 0
                 if isinstance(body, dict) and body.get("status") in _ENDED:
@@ -708,6 +713,17 @@ class ResponsesApi(ApiShape):
                 first.close()               # cancelled (the gateway stopping) before it ran
             if hold and user is not None and self.tenancy is not None:
                 self.tenancy.release(user)
+            self._places.discard(place)
+            self._give_back(place)
+
+    def on_health(self, ep: Endpoint) -> None:
+        """A monitor listener: an engine the probes found down runs none of the background responses
+        polled on it any more, so their places on its endpoint are given back at once, not when
+        their polls give up (their users' slots and owed usage stay the polls', as before)."""
+        if ep.healthy or not self._places:
+            return
+        for place in [p for p in self._places if _charged_on(p, ep)]:
+            self._places.discard(place)
             self._give_back(place)
 
     async def _engine_copy(self, ep: Endpoint, rid: str) -> dict[str, Any] | None:
@@ -1273,6 +1289,16 @@ def responses_usage(usage: dict[str, Any]) -> dict[str, Any] | None:
             "output_tokens": c,
             "output_tokens_details": {"reasoning_tokens": reasoning if reasoning.__class__ is int else 0},
             "total_tokens": total if total.__class__ is int else p + c}
+
+
+def _charged_on(place: InFlight, ep: Endpoint) -> bool:
+    """Whether ``place`` counts on ``ep``: its own endpoint, or the one a reload declared in its place."""
+    e: Endpoint | None = place.endpoint
+    while e is not None:
+        if e is ep:
+            return True
+        e = e.successor
+    return False
 
 
 def _with_responses_usage(body: bytes) -> bytes:

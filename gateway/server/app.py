@@ -604,6 +604,7 @@ def _engines(config: Config, s: Services, reloader: Reloader):
             mon.listeners.append(s.admission.on_endpoint)     # a scrape or health change may free room
             mon.listeners.append(s.breakers.on_health)        # a restarted engine's trials start when it is up
             mon.listeners.append(lora.on_health)              # and the adapters loaded there are loaded again
+            mon.listeners.append(s.responses.on_health)       # a dead engine's background responses leave it
             s.view.attach_monitor(mon)                         # one worker probes and scrapes each engine
             mon.restart_listeners.append(s.view.engine_restarted)     # a restarted engine's cache is gone:
             if s.kv_events is not None:                                # what it held is forgotten
