@@ -1230,3 +1230,28 @@ async def test_a_background_response_whose_engine_is_known_down_gives_its_place_
     assert ep.in_flight == 0                 # in the step the probe found it down
     assert gw.gw.admission._models["m"].granted == 0
     await client.close()
+
+
+async def test_a_background_response_whose_engine_a_breaker_holds_out_gives_its_place_back_at_its_poll(sims, gateway):
+    """Without health probes, a request refused by the dead engine opens its breaker
+    (``health.passive``); the background response's next poll, unanswered, gives its place back
+    rather than holding it until the poll gives up."""
+    sims_ = {(s := await sims("vllm", "m", enable_responses_store=True)).url: s for _ in range(2)}
+    gw = await gateway([model_block("m", "vllm", list(sims_))], responses={"state": "engine"},
+                       health={"enabled": False},
+                       admission={"enabled": True, "max_in_flight_per_endpoint": 2, "initial_capacity": 8})
+    status, headers, raw = await post(gw.url, {"model": "m", "input": "Tell me about switchyards.",
+                                               "max_output_tokens": 100, "background": True},
+                                      HOLD, path="/v1/responses")
+    assert status == 200 and orjson.loads(raw)["status"] in ("queued", "in_progress")
+    owner = next(ep for ep in gw.gw.pool.endpoints("m") if ep.name == headers["target-pod"])
+    assert owner.in_flight == 1
+    other = next(ep for ep in gw.gw.pool.endpoints("m") if ep is not owner)
+    holds = [asyncio.create_task(post(gw.url, body(), HOLD)) for _ in range(2)]
+    assert await wait_for(lambda: other.in_flight == 2)    # the live engine full: the next goes to the owner
+    await sims_[owner.url].close()
+    await post(gw.url, body())               # refused by the dead engine: its breaker opens
+    assert owner.ejected and owner.healthy
+    assert await wait_for(lambda: owner.in_flight == 0)    # a poll comes within 2 s; giving up takes ten
+    for task in holds:
+        await cancel(task)
