@@ -1255,3 +1255,33 @@ async def test_a_background_response_whose_engine_a_breaker_holds_out_gives_its_
     assert await wait_for(lambda: owner.in_flight == 0)    # a poll comes within 2 s; giving up takes ten
     for task in holds:
         await cancel(task)
+
+
+async def test_a_request_admission_sheds_is_not_tokenized_for_the_kv_events_match(sims, gateway):
+    """With KV-event routing a long prompt segment is tokenized in a thread before admission; a
+    request admission sheds whatever its tokens (a sheddable one while a standard one waits) is shed
+    first, costing the tokenizer thread nothing, under the overload that sheds it."""
+    tok = str(TINY_DIR)
+    sim = await sims("vllm", "m", tokenizer=tok, kv_events_port=0, kv_blocks=4096)
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url], "tokenizer": tok,
+                         "strategy": "prefix-cache", "kv_events": {"enabled": True, "port": sim.engine.kv_events.port}}],
+                       admission={"enabled": True, "max_in_flight_per_endpoint": 1})
+    kv = gw.gw.routing.ctx.precise_index
+    await until(lambda: kv.subscribers and sim.engine.kv_events.subscriptions >= 1)
+    system = {"role": "system", "content": "You are a careful assistant. " + " ".join(f"rule {i} is kqz" for i in range(120))}
+    assert (await post(gw.url, chat_body([system, {"role": "user", "content": "hi"}])))[0] == 200
+    ep = gw.gw.pool.endpoints("m")[0]
+    assert await wait_for(lambda: ep.in_flight == 0 and all(sub.st.emap for sub in kv.subscribers[ep]))
+    tokenizer = kv.tokenizers["m"]
+    long = [system, {"role": "user", "content": " ".join(f"word{i} zq" for i in range(400))}]
+    blocker = await hold(gw)
+    waiter = asyncio.create_task(post(gw.url, body()))
+    assert await wait_for(lambda: len(queue(gw)) == 1)
+    before = tokenizer.segments_off_loop
+    status, _, raw = await post(gw.url, chat_body(long), {"x-priority": "sheddable"})
+    assert status == 429 and orjson.loads(raw)["error"]["code"] == "shed"
+    assert tokenizer.segments_off_loop == before
+    await cancel(blocker)
+    assert (await waiter)[0] == 200
+    assert (await post(gw.url, chat_body(long), {"x-priority": "sheddable"}))[0] == 200     # let in: tokenized
+    assert tokenizer.segments_off_loop == before + 1
