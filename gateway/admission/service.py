@@ -268,17 +268,7 @@ class Admission:
         slo = ireq.slo_ttft_ms
         # the request must leave the queue in time for the engine's own part of its TTFT
         deadline = now + slo / 1000 - mq.engine_ttft if slo is not None else math.inf
-        if rank == SHEDDABLE and q.higher_waiting(rank):
-            raise self._rejection(model, s, mq, rank, "shed", q.position(rank, user, deadline=deadline, cost=cost), rec)
-        if slo is not None:                 # a deadline the queue cannot meet: told at once, not served late
-            position = q.position(rank, user, deadline=deadline, cost=cost)
-            rate = mq.drain.rate(now)
-            if deadline <= now or rate > 0 and now + (position + 1) / rate > deadline:
-                raise self._rejection(model, s, mq, rank, "deadline", position, rec, slo)
-        evicted = q.make_room(rank, user, cost, size, s.queue_max, s.queue_max_bytes)
-        if evicted is None:                 # no eviction would make room for it: nobody goes for nothing
-            raise self._rejection(model, s, mq, rank, "queue_full",
-                                  q.position(rank, user, deadline=deadline, cost=cost), rec)
+        evicted = self._shed(model, s, mq, rank, user, cost, size, deadline, slo, rec, now)
         for victim, reason in evicted:
             err = self._rejection(model, s, mq, victim.rank, reason, q.position(victim.rank, victim.user, victim),
                                   victim.rec)
@@ -330,6 +320,51 @@ class Admission:
             self._pump(model)
             raise self._unserved(ctx, model, w)
         return eps if pairs else unsaturated(eps, th, self.clock())
+
+    def _shed(self, model: str, s: AdmissionConfig, mq: ModelQueue, rank: int, user: str, cost: float, size: int,
+              deadline: float, slo: float | None, rec: RequestRecord, now: float) -> list[tuple[Waiter, str]]:
+        """For a request that found no room: the 429 that sheds it (``shed``, ``deadline``,
+        ``queue_full``), raised, else whom it evicts to join the queue (``make_room``; not yet)."""
+        q = mq.queue
+        if rank == SHEDDABLE and q.higher_waiting(rank):
+            raise self._rejection(model, s, mq, rank, "shed", q.position(rank, user, deadline=deadline, cost=cost), rec)
+        if slo is not None:                 # a deadline the queue cannot meet: told at once, not served late
+            position = q.position(rank, user, deadline=deadline, cost=cost)
+            rate = mq.drain.rate(now)
+            if deadline <= now or rate > 0 and now + (position + 1) / rate > deadline:
+                raise self._rejection(model, s, mq, rank, "deadline", position, rec, slo)
+        evicted = q.make_room(rank, user, cost, size, s.queue_max, s.queue_max_bytes)
+        if evicted is None:                 # no eviction would make room for it: nobody goes for nothing
+            raise self._rejection(model, s, mq, rank, "queue_full",
+                                  q.position(rank, user, deadline=deadline, cost=cost), rec)
+        return evicted
+
+    def shed_early(self, ctx: RequestContext, candidates: list[Endpoint], pairs: bool) -> None:
+        """Before work a request does ahead of ``admit`` only to route (its prompt tokenized for the
+        KV events' match): the 429 ``admit`` would shed it with now, raised first, so a shed request
+        costs nothing of that work (none of these decisions reads its tokens). Looked at while
+        requests wait only (the common path pays one length), and changes nothing: nobody evicted,
+        nothing charged; ``admit`` decides again after the work."""
+        ireq = ctx.ireq
+        assert ireq is not None
+        model = ireq.model
+        s = self.settings(model)
+        mq = self._models.get(model)
+        if s is None or mq is None or not len(mq.queue):
+            return
+        rec = ctx.rec
+        rank = self.priority_of(ctx, s)
+        th = self._by_class[model][rank]
+        now = self.clock()
+        q = mq.queue
+        ahead = any(q.count(r) for r in range(rank, len(PRIORITIES)))
+        free = candidates if not ahead else self._beside(model, mq, rank, candidates, pairs, th, now)
+        if free and total_headroom(free, pairs, th, now) - mq.granted >= 1:
+            return
+        slo = ireq.slo_ttft_ms
+        deadline = now + slo / 1000 - mq.engine_ttft if slo is not None else math.inf
+        rec.extra["priority"] = PRIORITIES[rank]
+        self._shed(model, s, mq, rank, rec.user or "", request_cost(ireq), len(ireq.body), deadline, slo, rec, now)
 
     def with_room(self, ctx: RequestContext, eps: list[Endpoint]) -> list[Endpoint]:
         """Of ``eps``, endpoints a retry may add to the request's candidates (ready since they were

@@ -386,7 +386,9 @@ class Pipeline:
         kv = self.routing.ctx.precise_index           # tokenized off the loop, so the match finds it cached
         if kv is not None and (router.reads_kv_events or router.chooses_pairs) and kv.covers(ireq.model):
             # before admission, whose room is the request's only if it routes and charges its endpoint
-            # in the step admission lets it go in: awaited after it, the room stayed free for others
+            # in the step admission lets it go in: awaited after it, the room stayed free for others.
+            # A request admission would shed now is shed first: its tokens would serve nothing
+            self.admission.shed_early(ctx, candidates, router.chooses_pairs)
             await kv.prepare(ireq, candidates)
         if self.admission.settings(ireq.model) is not None:     # admission is on for the model (no await if off)
             candidates = await self.admission.admit(ctx, candidates, router.chooses_pairs)

