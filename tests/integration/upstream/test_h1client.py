@@ -812,6 +812,42 @@ async def test_discarding_a_begun_exchange_drops_its_connection():
 
 
 @on_both_loops
+async def test_a_discarded_exchange_leaves_no_unretrieved_failure():
+    """The P/D legs discard an exchange whose head nobody awaited (the client left, the prefill
+    failed): the connection's end that follows must not leave a failed future no one reads, which
+    asyncio logs as an error ("Future exception was never retrieved") when it is collected."""
+    async def first_only(server, req, writer):
+        if req["nth"] == 1:
+            writer.write(answer())
+            await writer.drain()
+            return None
+        await req["reader"].read()
+        return False
+
+    loop = asyncio.get_running_loop()
+    errors: list[dict] = []
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    try:
+        async with Engine(first_only) as eng:
+            pool = UpstreamPool()
+            resp = await pool.post(eng.url + "/x", b"{}", JSON)
+            await resp.read()
+            resp.release()
+            x = pool.begin(eng.url + "/x", b"{}", JSON)
+            assert x.sent
+            await until(lambda: len(eng.requests) == 2, GUARD)
+            x.discard()
+            await asyncio.wait_for(eng.disconnected.wait(), GUARD)
+            await asyncio.sleep(0)          # the transport's connection_lost callback
+            del x
+            gc.collect()
+            await pool.close()
+    finally:
+        loop.set_exception_handler(None)
+    assert [e.get("message") for e in errors] == []
+
+
+@on_both_loops
 async def test_send_state_says_whether_any_of_the_request_may_have_gone_out():
     """``sent`` stays False for a post that never wrote (refused; cancelled while waiting for a
     connection) and is True once the request was handed to a connection, however it ended."""
