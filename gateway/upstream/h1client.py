@@ -673,6 +673,10 @@ class Exchange:
         """Drop a connection whose answer nobody will read (``response`` never reached the head)."""
         conn = self.conn
         if conn is not None and self.resp is None:
+            # nobody awaits the head: the failure the connection's end sets on its waiter would be
+            # left unretrieved (asyncio logs that as an error when the future is collected)
+            if conn.sent_waiter is not None:
+                conn.sent_waiter.cancel()
             conn.abort()
 
 
