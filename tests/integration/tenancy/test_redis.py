@@ -889,6 +889,38 @@ async def test_a_request_that_leaves_while_its_check_is_on_its_way_gives_its_cou
         await r.aclose()
 
 
+async def test_a_request_that_leaves_as_its_check_is_answered_gives_its_slot_back(redis_server):
+    """The client goes (its request cancelled) in the loop turn its check's answer came in: the
+    answer woke nobody, so the slot it took in Redis is given back as an orphan's, not left held
+    for good by a request that no longer runs."""
+    st = RedisState(StateConfig(redis_url=redis_server.url, **FAST_STATE))
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await st.sync({})
+        q = AdmitQuery("alice", UserLimits(max_concurrent=1), "m")
+        check = asyncio.create_task(st.admit(q))
+        send = st._send
+
+        async def answered_then_left(batch: list) -> None:
+            await send(batch)               # the check's future has its answer: its task is woken ...
+            check.cancel()                  # ... and cancelled before it runs
+
+        st._send = answered_then_left       # type: ignore[method-assign]
+        with contextlib.suppress(asyncio.CancelledError):
+            await check
+        assert check.cancelled()
+
+        async def given_back() -> bool:
+            return not await r.hgetall("switchyard:conc:alice")
+        assert await wait_for(given_back), await r.hgetall("switchyard:conc:alice")
+        assert st.held.get("alice", 0) == 0
+        st._send = send                     # type: ignore[method-assign]
+        assert (await st.admit(q)).acquired
+    finally:
+        await st.stop()
+        await r.aclose()
+
+
 async def _frozen(gw) -> None:
     """The replica's mirror stops following the store: a race between two admin calls, held open."""
     async def stale() -> None:
