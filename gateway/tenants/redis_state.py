@@ -704,10 +704,16 @@ class RedisState:
         k_rpm, k_tpm, k_conc = self._user_keys(user)
         args = [lim.rpm if lim else 0, lim.tpm if lim else 0, lim.max_concurrent if lim else 0, q.model_rps,
                 self.replica_id, self._ttl_ms, USER_WINDOW_MS, MODEL_WINDOW_MS, user]
+        fut = self._submit(ADMIT, [k_rpm, k_tpm, k_conc, f"{self._p}:rps:{q.model}", self.k_replicas,
+                                   self._k_slot_users()], args, orphan=functools.partial(self._orphan_admit, q))
         try:
-            out = await self._submit(ADMIT, [k_rpm, k_tpm, k_conc, f"{self._p}:rps:{q.model}", self.k_replicas,
-                                             self._k_slot_users()],
-                                     args, orphan=functools.partial(self._orphan_admit, q))
+            out = await fut
+        except asyncio.CancelledError:
+            # cancelled after the answer came in but before this woke for it: the pipeline saw a
+            # future still waiting and gave it the answer, so the orphan's part is done here
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._orphan_admit(q, fut.result())
+            raise
         except StateUnavailable as e:
             if e.reason == "unreachable" and lim is not None and lim.max_concurrent:
                 # the check may still run in Redis with nobody to read its answer (a Redis stopped
