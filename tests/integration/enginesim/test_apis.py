@@ -793,3 +793,37 @@ async def test_a_method_a_route_does_not_serve_is_fastapis_json_405(sims):
                     assert r.status == 405 and r.content_type == "application/json", (engine, method, path)
                     assert await r.json() == {"detail": "Method Not Allowed"}
                     assert r.headers["Allow"]
+
+
+def _nested(depth: int) -> dict:
+    out: dict = {"type": "object"}
+    for _ in range(depth):
+        out = {"type": "object", "properties": {"a": out}}
+    return out
+
+
+async def test_a_body_nested_deeper_than_orjson_writes_is_served(sims):
+    """A JSON body the engine reads (orjson reads 1024 levels) may nest deeper than orjson writes
+    (254): a tool's schema rendered into the prompt, a Responses request's metadata echoed in its
+    answer and its events. The engines' Python JSON writes them; enginesim answered a 500 with a
+    traceback."""
+    deep = _nested(150)         # 300 levels of objects
+    tools = [{"type": "function", "function": {"name": "f", "parameters": deep}}]
+    for engine in ("vllm", "sglang"):
+        sim = await sims(engine, "m")
+        async with aiohttp.ClientSession() as s:
+            asks = [("/v1/chat/completions", {"max_tokens": 1, "messages": MSGS, "tools": tools}),
+                    ("/v1/messages", {"max_tokens": 1, "messages": MSGS,
+                                      "tools": [{"name": "f", "input_schema": deep}]}),
+                    ("/v1/responses", {"max_output_tokens": 1, "input": "hi", "metadata": {"k": deep}}),
+                    ("/v1/responses", {"max_output_tokens": 1, "input": "hi", "stream": True,
+                                       "tools": [{"type": "function", "name": "f", "parameters": deep}]})]
+            if engine == "vllm":
+                asks.append(("/tokenize", {"messages": MSGS, "tools": tools}))
+            for path, body in asks:
+                async with s.post(sim.url + path, data=json.dumps({"model": "m", **body}),
+                                  headers={"content-type": "application/json"}) as r:
+                    text = await r.text()
+                    assert r.status == 200, (engine, path, text[:200])
+                    if not body.get("stream"):
+                        json.loads(text)
