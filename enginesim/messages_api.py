@@ -81,7 +81,7 @@ from enginesim.sequence import SamplingParams, Sequence
 from enginesim.tokenizer import content_text
 from enginesim.tools import ToolCalls, messages_tool_calls, rendered_tools, sglang_call_id, vllm_call_id
 from enginesim.tracing import trace_headers
-from enginesim.wire import json_response, read_json
+from enginesim.wire import dumps, json_response, read_json
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -124,7 +124,7 @@ def _max_tokens(body: dict[str, Any], not_positive: str) -> int:
     return n
 
 def _frame(event: str, data: dict[str, Any]) -> bytes:
-    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+    return b"event: " + event.encode() + b"\ndata: " + dumps(data) + b"\n\n"
 
 
 def _tool_use_blocks(calls: ToolCalls, text: str) -> list[dict[str, Any]]:

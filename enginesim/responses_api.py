@@ -46,7 +46,6 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from enginesim.engine import Engine
@@ -65,7 +64,7 @@ from enginesim.sequence import SamplingParams, Sequence
 from enginesim.tokenizer import content_text
 from enginesim.tools import ToolCalls, rendered_tools, responses_tool_calls
 from enginesim.tracing import trace_headers
-from enginesim.wire import SseWriter, drop_connection, json_response, read_json
+from enginesim.wire import SseWriter, drop_connection, dumps, json_response, read_json
 
 _BAD = "Bad Request"
 
@@ -372,7 +371,7 @@ class ResponsesApi:
             nonlocal seqno
             frame = {"type": kind, "sequence_number": seqno, **event}
             seqno += 1
-            await emit(b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(frame) + b"\n\n")
+            await emit(b"event: " + kind.encode() + b"\ndata: " + dumps(frame) + b"\n\n")
 
         initial = self._response(body, seq, max_tokens, "in_progress", [], None)
         await send("response.created", {"response": initial})

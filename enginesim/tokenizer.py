@@ -19,7 +19,7 @@ from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import orjson
+from enginesim.wire import dumps
 
 # Pieces: optional whitespace run, then 1-4 non-space characters; or trailing whitespace.
 _PIECE = re.compile(r"\s*\S{1,4}|\s+")
@@ -174,7 +174,7 @@ def render_chat(messages: Sequence[dict[str, Any]], add_generation_prompt: bool 
         parts[-1] = parts[-1][:-1]
     elif add_generation_prompt:
         parts.append("<|assistant|>\n")
-    head = "<|tools|>\n" + orjson.dumps(tools).decode() + "\n" if tools else ""
+    head = "<|tools|>\n" + dumps(tools).decode() + "\n" if tools else ""
     return head + "".join(parts)
 
 

@@ -7,6 +7,7 @@ the ``StreamingResponse``), which is the main timing difference a gateway sees b
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,8 +20,18 @@ DONE_FRAME = b"data: [DONE]\n\n"
 KEEPALIVE_FRAME = b": keep-alive\n\n"
 
 
+def dumps(obj: Any) -> bytes:
+    """``obj`` as compact JSON. A request may nest deeper than orjson writes (254 levels; it reads
+    1024): what the engine echoes or renders of it (a Responses request's metadata, a tool's
+    schema) is then written by Python's ``json``, as the engines write all they write."""
+    try:
+        return orjson.dumps(obj)
+    except orjson.JSONEncodeError:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json",
+    return web.Response(status=status, body=dumps(obj), content_type="application/json",
                         headers=headers)
 
 
@@ -41,7 +52,7 @@ async def read_json(request: web.Request, *, require_json: bool) -> dict[str, An
 
 
 def sse_frame(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+    return b"data: " + dumps(obj) + b"\n\n"
 
 
 class SseWriter:
