@@ -338,6 +338,59 @@ async def test_a_continuation_that_broke_with_all_its_max_tokens_sends_what_it_h
             and e["choices"][0].get("finish_reason")] == ["length"]
 
 
+async def test_a_continued_streams_completion_details_count_every_leg(gateway):
+    """SGLang, usage on every chunk: each leg reports the reasoning tokens among those it generated
+    (vLLM's place, ``completion_tokens_details``, and SGLang's own, beside ``prompt_tokens``). The
+    final usage sums them over the legs as it sums ``completion_tokens``, and so does the usage on
+    the chunks of a client that asked for it on every chunk. They were the last leg's alone."""
+    def leg(words: list[str], before: int, reasoning: list[int], whole: bool):
+        async def chat(request: web.Request) -> web.StreamResponse:
+            await request.read()
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            usage = {}
+            for i, word in enumerate(words):
+                usage = {"prompt_tokens": 3 + before, "completion_tokens": i + 1, "total_tokens": 4 + before + i,
+                         "reasoning_tokens": reasoning[i], "completion_tokens_details": {"reasoning_tokens": reasoning[i]}}
+                ev = {"id": "s", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                      "choices": [{"index": 0, "delta": {"content": word}, "logprobs": None, "finish_reason": None,
+                                   "matched_stop": None}], "usage": usage}
+                await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+            if not whole:
+                request.transport.abort()
+                return resp
+            fin = {"id": "s", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                   "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length",
+                                "matched_stop": None}], "usage": usage}
+            last = {"id": "s", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
+                    "usage": usage}
+            for ev in (fin, last):
+                await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        return chat
+
+    async with fake_engine(leg([" alpha", " beta"], 0, [1, 2], False)) as first, \
+            fake_engine(leg([" gamma"], 2, [1], True)) as second:
+        gw = await gateway([model_block("m", "sglang", [first, second], strategy="round-robin", migration_limit=1)])
+        body = {"model": "m", "messages": MSG, "max_tokens": 3, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        with gw.gw.request_log.capture() as logs:
+            st, got = await raw_post(gw.url, "/v1/chat/completions", body)
+            await until(lambda: any(e["event"] == "request" for e in logs))
+    assert st == 200 and got[-1] == "[DONE]", got[-3:]
+    assert text_of(got) == " alpha beta gamma"
+    usage = [e["usage"] for e in got if isinstance(e, dict) and e.get("usage")]
+    final = usage[-1]
+    assert (final["prompt_tokens"], final["completion_tokens"], final["total_tokens"]) == (3, 3, 6)
+    assert final["completion_tokens_details"] == {"reasoning_tokens": 3}
+    assert final["reasoning_tokens"] == 3
+    # on every chunk too: the reasoning tokens of the legs before and the current one's so far
+    assert [u["completion_tokens_details"]["reasoning_tokens"] for u in usage[:3]] == [1, 2, 3]
+    line = next(e for e in logs if e["event"] == "request")
+    assert (line["prompt_tokens"], line["completion_tokens"]) == (3, 3)
+
 async def test_a_stream_whose_chunks_carry_no_token_ids_is_not_continued_from_its_prompt(sims, gateway):
     """vLLM sends prompt_token_ids on the first chunk but no token_ids on any chunk while its
     reasoning parser hides the reasoning (include_reasoning false on the server's side): continued
