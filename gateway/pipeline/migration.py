@@ -19,7 +19,8 @@ gateway asked for and the client did not (token ids, per-chunk usage) are remove
 leg's events carry the first leg's ``id``, ``created`` and ``model``, its role chunk is dropped,
 completion chunks are re-framed as chat chunks when a chat is continued token-exactly, the failing
 leg's error event is held back, and one final usage block covers every leg (prompt tokens of the
-original prompt, completion tokens of all legs, and the cached tokens of the leg that ran the
+original prompt, completion tokens of all legs and the counts among them, ``completion_tokens_details``
+and SGLang's ``reasoning_tokens``, summed as they are, and the cached tokens of the leg that ran the
 original prompt: left out when that leg did not report them before it broke, as vLLM reports them
 only in a stream's final usage). Nothing is replayed: each leg adds only what the client has not
 seen. A stop string that begins in what the client received and ends in a continuation's first
@@ -130,6 +131,31 @@ class _NoLegs:
 
 
 NO_LEGS: Legs = _NoLegs()
+
+# the usage's counts among the generated tokens, each summed over the legs as completion_tokens is:
+# vLLM's (and OpenAI's) per-kind counts, and SGLang's reasoning tokens beside prompt_tokens
+_COUNTS = ("completion_tokens_details", "reasoning_tokens")
+
+
+def _add_counts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two legs' counts among their generated tokens (``_COUNTS``), summed: the integers of
+    ``completion_tokens_details`` key by key, ``reasoning_tokens`` likewise; a null or a figure
+    that is not an integer stays as the later leg gave it, or the earlier when the later has none."""
+    out = dict(a)
+    for k, v in b.items():
+        prev = out.get(k)
+        if k == "reasoning_tokens":
+            out[k] = prev + v if type(prev) is int and type(v) is int else v if v is not None else prev
+        elif isinstance(v, dict):
+            merged = dict(prev) if isinstance(prev, dict) else {}
+            for dk, dv in v.items():
+                pv = merged.get(dk)
+                merged[dk] = pv + dv if type(pv) is int and type(dv) is int else dv
+            out[k] = merged
+        elif v is not None or k not in out:
+            out[k] = v
+    return out
+
 
 _UNKNOWN: Any = object()    # prompt_tokens_details no leg that ran the original prompt reported
 _WHOLE: Any = object()      # a failed leg whose answer had all its tokens: nothing to continue
@@ -298,6 +324,10 @@ class Migration:
         self.own_prompt = True
         self.prompt_details: Any = _UNKNOWN
         self.last_usage: dict[str, Any] | None = None
+        # the counts among the generated tokens (``completion_tokens_details``'s, SGLang's
+        # ``reasoning_tokens``): the legs before the current one's, summed, and the current one's
+        self.done_counts: dict[str, Any] = {}
+        self.leg_counts: dict[str, Any] = {}
         self.usage_event: dict[str, Any] | None = None
         self.first: dict[str, Any] | None = None
         self.template: dict[str, Any] | None = None       # a chat content chunk of the first leg
@@ -584,6 +614,8 @@ class Migration:
         reason = REASONS.get(error_class)
         self.partial.completion_tokens += max(self.leg_completion, self.leg_ids)
         self.leg_completion = self.leg_ids = 0
+        self.done_counts = _add_counts(self.done_counts, self.leg_counts)
+        self.leg_counts = {}
         if reason is None:                    # the whole-exchange timeout: not a leg's failure
             return None
         if at_length(self.partial, self.default_max):
@@ -776,6 +808,8 @@ class Migration:
         c = usage.get("completion_tokens")
         if isinstance(c, int):
             self.leg_completion = c
+        if "completion_tokens_details" in usage or "reasoning_tokens" in usage:
+            self.leg_counts = {k: usage[k] for k in _COUNTS if k in usage}
         if self.own_prompt and isinstance(usage.get("prompt_tokens"), int):
             # the client's prompt, as the leg that ran it reported it (the first, or one that
             # started over because the first generated nothing): a continuation's is longer
@@ -960,6 +994,10 @@ class Migration:
         p = self.prompt_tokens if self.prompt_tokens is not None else usage.get("prompt_tokens", 0)
         c = self.partial.completion_tokens + max(self.leg_completion, self.leg_ids)
         usage.update(prompt_tokens=p, completion_tokens=c, total_tokens=(p or 0) + c)
+        if self.done_counts:
+            # what the legs before counted among their tokens, with the current leg's (a leg that
+            # reported none of them, a token-exact continuation's completion, adds nothing)
+            usage.update(_add_counts(self.done_counts, self.leg_counts))
         if final and self.leg:
             # the cached tokens are the original prompt's, as the leg that ran it reported them (a
             # continuation's prompt is the original one and what was generated, on another
