@@ -206,6 +206,35 @@ async def test_a_fan_out_past_128_or_below_1_is_refused_before_routing(sims, gat
         assert len(got.choices) == 1
 
 
+async def test_best_of_which_the_engines_ignore_is_passed_on_unread_and_uncharged(sims, gateway):
+    """``best_of`` is in neither engine's sampling now: vLLM (V1) dropped it from its requests
+    (their extra fields are ignored, whatever the value), SGLang's completions take it as an
+    ``Optional[int]`` they never use. The gateway neither refuses it (it answered a 400 no engine
+    gives for 0, -5, past 128, and for a value that is not an integer, which vLLM ignores too), nor
+    counts sequences no engine generates in admission's reservation (n=1 and best_of=5 of 20 tokens
+    were reserved as 5 x 20 output tokens); the engine gets the field as the client sent it."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    client = openai_client(gw)
+    chat, completions = client.chat.completions.create, client.completions.create
+    values = [0, -5, 1_000_000, "129", 2.5, [2], "two", 5]
+    for v in values:
+        got = await completions(model="m", prompt="Once upon a time", max_tokens=1, extra_body={"best_of": v})
+        assert len(got.choices) == 1, v
+        got = await chat(model="m", messages=MSGS, max_tokens=1, extra_body={"best_of": v})
+        assert len(got.choices) == 1, v
+    stream = await chat(model="m", messages=MSGS, max_tokens=2, stream=True, extra_body={"best_of": 0})
+    assert [c async for c in stream]
+    sent = [r["body"].get("best_of") for r in (await sim_state(sim.url))["received"] if r["method"] == "POST"]
+    assert sent == [v for v in values for _ in range(2)] + [0]
+    # what admission reserves for n=1, best_of=5: one sequence's output, as for n=1 alone
+    from gateway.admission.service import expected_output
+    from gateway.request import CHAT, parse
+    ireq = parse(CHAT, orjson.dumps({"model": "m", "messages": MSGS, "max_tokens": 20, "best_of": 5}), {}, "r")
+    assert (ireq.fan, ireq.sequences, expected_output(ireq)) == (1, 1, 20)
+    ireq = parse(CHAT, orjson.dumps({"model": "m", "messages": MSGS, "max_tokens": 20, "n": 2, "best_of": 1}), {}, "r")
+    assert (ireq.fan, ireq.sequences, expected_output(ireq)) == (2, 2, 40)
+
 async def test_a_broken_stream_of_several_choices_with_usage_on_every_chunk_counts_every_choice(sims, gateway):
     """vLLM's (and SGLang's) usage on every chunk of a stream of several choices is that chunk's
     choice's: a stream the engine breaks before its final usage is counted as every choice's last

@@ -827,3 +827,16 @@ async def test_a_body_nested_deeper_than_orjson_writes_is_served(sims):
                     assert r.status == 200, (engine, path, text[:200])
                     if not body.get("stream"):
                         json.loads(text)
+
+
+async def test_vllm_ignores_best_of(sims):
+    """vLLM (V1) has no ``best_of``: its requests ignore a field they do not have, whatever its value,
+    and the answer has the ``n`` choices asked."""
+    v = await sims("vllm", "llama")
+    async with aiohttp.ClientSession() as s:
+        for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": MSGS})):
+            for extra in ({"best_of": 0}, {"best_of": 1, "n": 2}, {"best_of": -3}, {"best_of": "two"},
+                          {"best_of": 500}):
+                async with s.post(v.url + path, json={"model": "llama", "max_tokens": 1, **body, **extra}) as r:
+                    got = await r.json()
+                assert r.status == 200 and len(got["choices"]) == extra.get("n", 1), (path, extra, got)

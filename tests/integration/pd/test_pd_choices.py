@@ -337,6 +337,20 @@ async def test_a_vllm_request_of_fewer_best_of_than_choices_runs_whole_on_the_de
     assert _posts(ps) == [] and ps["pd"]["pinned"] == []
 
 
+async def test_a_vllm_request_of_fewer_best_of_than_choices_is_split(sims, gateway):
+    """vLLM (V1) has no ``best_of`` and ignores it: a ``best_of`` below ``n`` is no refusal to keep
+    off the prefill, and the request is split as any of ``n`` choices. It ran whole on the decode,
+    told ``reason=best_of``."""
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    client = openai_client(gw)
+    raw = await client.completions.with_raw_response.create(model="m", prompt=MSG[0]["content"], max_tokens=4,
+                                                           n=2, best_of=1)
+    assert raw.headers["x-pd-decision"] == "disaggregated; reason=always"
+    assert len(raw.parse().choices) == 2
+    assert len(_posts(await sim_state(p.url))) == 1
+
+
 async def test_a_vllm_request_whose_bound_passes_the_decodes_context_runs_whole_on_the_decode(sims, gateway):
     """A request whose prompt plus its bound (``max_completion_tokens`` or ``max_tokens``) passes the
     decode's ``max_model_len`` is refused by vLLM's decode, but its prefill leg, sent ``max_tokens: 1``,

@@ -664,6 +664,20 @@ async def test_refused_streams_get_todays_error_event(sims, gateway, extra, why)
     assert migrations(await gw.metrics_text(), f"refused_{why}") == 1
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_a_stream_asking_for_best_of_is_continued(sims, gateway, engine):
+    """Neither engine generates ``best_of`` sequences now (vLLM V1 dropped the field, SGLang never
+    used it): a stream asking for more than one is one choice, continued as any other. It was
+    refused (``refused_n``) and ended with the error event."""
+    gw, good = await setup(sims, gateway, engine, "drop_after=7")
+    req = {"model": "m", "messages": MSG, "max_tokens": 30, "stream": True, "stream_options": {"include_usage": True}}
+    _, ref = await raw_post(good.url, "/v1/chat/completions", req)
+    st, got = await raw_post(gw.url, "/v1/chat/completions", {**req, "best_of": 3})
+    assert st == 200 and got[-1] == "[DONE]", got[-2:]
+    assert text_of(got) == text_of(ref)
+    assert next(e["usage"] for e in got if isinstance(e, dict) and e.get("usage"))["completion_tokens"] == 30
+    assert migrations(await gw.metrics_text(), "continued") == 1
+
 @pytest.mark.parametrize("count", [0, False])
 async def test_a_completion_asking_for_logprobs_0_is_refused(sims, gateway, count):
     """vLLM reads a completion's "logprobs": 0 as a request for logprobs (the sampled token's own on

@@ -307,3 +307,14 @@ def test_the_coercion_is_pydantics():
                 assert isinstance(got, ValueError) and str(got) == str(want), (name, value, got, want)
             else:
                 assert got == want and type(got) is type(want), (name, value, got, want)
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("value", [0, -5, MAX_CHOICES + 1, "129", 2.5, [2], "two", None, True, 5])
+def test_best_of_is_not_read(path, value):
+    """Neither engine generates ``best_of`` sequences now (vLLM V1 has no such field and ignores it,
+    SGLang's completions type it and never use it): the gateway leaves it as sent, refuses no value
+    of it and counts no sequence for it; ``n`` alone is the request's fan-out."""
+    ireq = run(path, {"best_of": value, "n": 2})
+    assert ireq.data["best_of"] == value and type(ireq.data["best_of"]) is type(value)
+    assert (ireq.choices, ireq.fan, ireq.sequences) == (2, 2, 2)
