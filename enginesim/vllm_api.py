@@ -710,7 +710,7 @@ _I64 = 1 << 63
 
 def _check_sampling(body: dict[str, Any], seed: Any, n: int) -> None:
     """What vLLM refuses of a request's ``seed`` (its request models bound it to a signed 64-bit
-    integer) and ``best_of`` (its sampling params: at least 1, and at least ``n``)."""
+    integer). ``best_of`` is not read: vLLM V1 has no such field and ignores it, whatever its value."""
     if seed is not None:
         try:
             seed = lax_int(seed)
@@ -720,19 +720,6 @@ def _check_sampling(body: dict[str, Any], seed: Any, n: int) -> None:
             bound = f"greater than or equal to {-_I64}" if seed < 0 else f"less than or equal to {_I64 - 1}"
             raise ApiError(400, f"1 validation error:\n  seed: Input should be {bound}", type_="Bad Request",
                            param="seed")
-    best_of = body.get("best_of")
-    if best_of is not None:
-        try:
-            best_of = lax_int(best_of)
-        except ValueError as e:
-            raise ApiError(400, f"1 validation error:\n  best_of: {e}", type_="Bad Request",
-                           param="best_of") from None
-        if best_of < 1:
-            raise ApiError(400, f"best_of must be at least 1, got {best_of}.", type_="BadRequestError",
-                           param="best_of")
-        if best_of < n:
-            raise ApiError(400, f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}.",
-                           type_="BadRequestError", param="best_of")
 
 
 def vocab_size(tokenizer: Any) -> int:

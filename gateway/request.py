@@ -41,9 +41,10 @@ _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 # Rough characters-per-token ratio for estimates when no tokenizer is at hand.
 CHARS_PER_TOKEN = 4
 
-# The most sequences one request may ask an engine to generate: ``n``, and vLLM's ``best_of``, of
-# chat and completions, each from 1 to this, as OpenAI's API takes ``n``. The engines set no upper
-# bound of their own, and a request's cost grows with it.
+# The most sequences one request may ask an engine to generate: ``n`` of chat and completions, from 1
+# to this, as OpenAI's API takes it. The engines set no upper bound of their own, and a request's
+# cost grows with it. ``best_of`` is not read: neither engine generates its sequences now (vLLM V1
+# has no such field and ignores it, SGLang's completions type it and never use it).
 MAX_CHOICES = 128
 
 
@@ -188,9 +189,9 @@ class InferenceRequest:
     # how many choices the answer carries: ``n`` (1 unless asked), times the prompts of a completion's
     # batch; the relay reads a stream of several its own way (gateway/pipeline/sse.py ``ChoicesScanner``)
     choices: int = 1
-    # how many sequences the engine generates for each prompt: ``n``, or ``best_of`` where it asks
-    # for more (the engine keeps ``n`` of them), and for the whole request (times a completion's
-    # batch of prompts); admission's output estimate counts each
+    # how many sequences the engine generates for each prompt (``n``: ``best_of`` is ignored by the
+    # engines), and for the whole request (times a completion's batch of prompts); admission's
+    # output estimate counts each
     fan: int = 1
     sequences: int = 1
     # told the answer's text (``None``, and why not, when there is none) once a chat's answer is relayed
@@ -513,7 +514,7 @@ def _check_seed(v: Any) -> None:
 
 
 def _fan_out(v: int, key: str) -> int:
-    """``v``, a count of sequences to generate (``n``, ``best_of``), when it is from 1 to ``MAX_CHOICES``."""
+    """``v``, a count of sequences to generate (``n``), when it is from 1 to ``MAX_CHOICES``."""
     if v < 1:
         raise _bad(f"'{key}' must be at least 1, got {v}", key)
     if v > MAX_CHOICES:
@@ -785,7 +786,7 @@ def _parse_named(path: str, body: bytes, headers: dict[str, str], request_id: st
     else:
         stream, include_usage = _stream_flags(data)
         # both engines refuse a negative limit; 0 is left to them (SGLang serves a chat max_tokens
-        # of 0, vLLM a completions one with echo). n and best_of: 1 to MAX_CHOICES
+        # of 0, vLLM a completions one with echo). n: 1 to MAX_CHOICES
         limits = ("max_tokens", "max_completion_tokens") if path == CHAT else ("max_tokens",)
         for key in limits:
             if key in data:
@@ -797,10 +798,6 @@ def _parse_named(path: str, body: bytes, headers: dict[str, str], request_id: st
             n = _int_field(data, "n", nullable=path == CHAT)
             if n is not None:
                 choices = fan = _fan_out(n, "n")
-        if "best_of" in data:       # vLLM's ``best_of: Optional[int]``, on chat as on completions
-            best_of = _int_field(data, "best_of")
-            if best_of is not None:
-                fan = max(fan, _fan_out(best_of, "best_of"))
         seed = data.get("seed")
         if seed is not None and not (type(seed) is int and -_I64 <= seed < _I64):
             _check_seed(seed)

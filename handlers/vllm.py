@@ -50,7 +50,8 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 }
 
 # Dropped from the prefill: they conflict with max_tokens=1 / stream=false (kept for decode), and
-# the choices asked (n, best_of): vLLM forks a request of several into child requests that each run
+# the choices asked (n, and best_of, which vLLM V1 ignores, for an older vLLM's sake): vLLM forks a
+# request of several into child requests that each run
 # the prompt and keep its blocks for a decode, and the decode's choices all read the blocks its
 # kv_transfer_params name, so one choice is prefilled (more would stay pinned until their lease ran
 # out, VLLM_NIXL_ABORT_REQUEST_TIMEOUT)
@@ -158,8 +159,7 @@ class VLLMAdapter:
         tokens (its bound below 1: a chat's ``max_completion_tokens`` when it names one, else its
         ``max_tokens``), or of a ``min_tokens`` above that bound or below 0, which vLLM refuses: its prefill leg, sent ``max_tokens: 1`` and no
         ``min_tokens``, would compute the prompt and pin its blocks for a decode that then refuses
-        it; run whole, the decode answers its own 400. So is a ``best_of`` below ``n`` (the prefill
-        is sent neither), and a request whose bound does not fit beside its prompt in the decode's
+        it; run whole, the decode answers its own 400. So is a request whose bound does not fit beside its prompt in the decode's
         ``context`` (its ``max_model_len``, when its ``/v1/models`` listed it): vLLM refuses a prompt
         plus bound past it. The gateway's estimate of a text prompt (a token every four characters)
         can be off, so it is counted at half (a token every eight characters) and its template's
@@ -175,16 +175,12 @@ class VLLMAdapter:
             return Unsplit("no_generation", "a request of no tokens", key,
                            "vLLM generates at least one token, and its prefill leg would pin the prompt's blocks "
                            "for a decode that refuses the request")
-        # vLLM's Messages request has neither min_tokens nor best_of (its model drops them)
+        # vLLM's Messages request has no min_tokens (its model drops it). best_of is no refusal:
+        # vLLM V1 has no such field and ignores it
         least = None if ireq.path == MESSAGES else _lax_int(data.get("min_tokens"))
         if least is not None and (least < 0 or (bound is not None and least > bound)):
             return Unsplit("min_tokens", "a min_tokens out of its bounds", "min_tokens",
                            "vLLM refuses it, and the prefill leg, sent none, would pin the prompt's blocks "
-                           "for a decode that refuses the request")
-        best_of = None if ireq.path == MESSAGES else _lax_int(data.get("best_of"))
-        if best_of is not None and best_of < (_lax_int(data.get("n")) or 1):
-            return Unsplit("best_of", "a best_of below n", "best_of",
-                           "vLLM refuses it, and the prefill leg, sent neither, would pin the prompt's blocks "
                            "for a decode that refuses the request")
         if ireq.sequences > ireq.fan:
             return Unsplit("several_prompts", "a batch of prompts", "prompt",

@@ -660,7 +660,8 @@ class Admission:
 
 def expected_output(ireq: InferenceRequest) -> int:
     """The output tokens a request is expected to produce, for each sequence the engine generates
-    (``n`` choices, ``best_of``, each prompt of a completion's batch): its limit when it names one,
+    (``n`` choices, each prompt of a completion's batch; not ``best_of``, which the engines ignore
+    now): its limit when it names one,
     else as many as its prompt (a rough guess, corrected once the answer's usage is known). None of a
     Messages count_tokens request, which generates nothing."""
     if ireq.path == COUNT_TOKENS:

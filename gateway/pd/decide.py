@@ -31,7 +31,7 @@ endpoint, else it is refused with 400. vLLM: a completion's batch of prompts (``
 its prefill answers the first prompt's KV params alone), prompt logprobs (``prompt_logprobs``:
 a decode that loads the prompt's KV does not run the forward pass they come from) and a request of
 no tokens (``no_generation``: ``max_tokens`` 0) or of a ``min_tokens`` out of its bounds
-(``min_tokens``) or of a ``best_of`` below ``n`` (``best_of``), or whose bound surely does not fit
+(``min_tokens``), or whose bound surely does not fit
 beside its prompt in the decode's ``max_model_len`` (``context``), which vLLM refuses once its
 prefill pinned the prompt's blocks; SGLang: several
 choices (``several_choices``, ``n`` > 1: a prompt's samples share its bootstrap room) and prompt

@@ -185,8 +185,9 @@ def refusal(ireq: InferenceRequest) -> str | None:
         return "response_format"
     if any(d.get(k) is not None for k in _GUIDED):
         return "guided"
-    n, best_of = d.get("n"), d.get("best_of")
-    if (isinstance(n, int) and n > 1) or (isinstance(best_of, int) and best_of > 1):
+    # best_of is not one: neither engine generates its sequences now (vLLM V1 ignores it)
+    n = d.get("n")
+    if isinstance(n, int) and n > 1:
         return "n"
     if ireq.path == COMPLETIONS:
         prompt = d.get("prompt")

@@ -159,8 +159,8 @@ MSGS = [{"role": "user", "content": "Tell me about trains."}]
 
 
 async def test_a_fan_out_past_128_or_below_1_is_refused_before_routing(sims, gateway):
-    """``n`` and ``best_of`` (vLLM's, on chat as on completions) ask the engine for that many sequences.
-    OpenAI's API takes ``n`` from 1 to 128, and so does the gateway, for both: out of it, a 400 in
+    """``n`` asks the engine for that many sequences. OpenAI's API takes it from 1 to 128, and so
+    does the gateway: out of it, a 400 in
     OpenAI's shape naming the field, before the request is routed. The engine sees nothing and the
     user's limits are not charged."""
     sim = await sims("vllm", "m")
@@ -177,16 +177,6 @@ async def test_a_fan_out_past_128_or_below_1_is_refused_before_routing(sims, gat
         ("n", "at least 1", chat, {"messages": MSGS, "n": -1}),
         ("n", "128", completions, {"prompt": prompt, "n": 1_000_000}),
         ("n", "at least 1", completions, {"prompt": prompt, "n": 0}),
-        ("best_of", "128", completions, {"prompt": prompt, "best_of": 1_000_000}),
-        ("best_of", "at least 1", completions, {"prompt": prompt, "best_of": 0}),
-        ("best_of", "valid integer", completions, {"prompt": prompt, "extra_body": {"best_of": 2.5}}),
-        # vLLM's chat request takes best_of as its completions do (Optional[int], into SamplingParams)
-        ("best_of", "128", chat, {"messages": MSGS, "extra_body": {"best_of": 1_000_000}}),
-        ("best_of", "128", chat, {"messages": MSGS, "stream": True, "extra_body": {"best_of": "129"}}),
-        ("best_of", "at least 1", chat, {"messages": MSGS, "extra_body": {"best_of": 0}}),
-        ("best_of", "at least 1", chat, {"messages": MSGS, "extra_body": {"best_of": -5}}),
-        ("best_of", "valid integer", chat, {"messages": MSGS, "extra_body": {"best_of": 2.5}}),
-        ("best_of", "valid integer", chat, {"messages": MSGS, "extra_body": {"best_of": [2]}}),
     ]
     for param, says, create, args in refused:
         with pytest.raises(openai.BadRequestError) as ei:

@@ -322,21 +322,6 @@ async def test_a_vllm_request_whose_min_tokens_its_engine_refuses_runs_whole_on_
         assert r.status == 200 and r.headers["x-pd-decision"] == "disaggregated; reason=always"
 
 
-async def test_a_vllm_request_of_fewer_best_of_than_choices_runs_whole_on_the_decode(sims, gateway):
-    """vLLM refuses a ``best_of`` below ``n``; the prefill leg is sent neither (one choice), so split,
-    the prefill pinned the prompt's blocks for a decode that then refused the request. It runs whole
-    on the chosen decode, whose 400 the client gets."""
-    p, d = await pd_pair(sims, "vllm")
-    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
-    client = openai_client(gw)
-    with pytest.raises(openai.BadRequestError) as e:
-        await client.completions.create(model="m", prompt=MSG[0]["content"], max_tokens=4, n=2, best_of=1)
-    assert e.value.response.headers["x-pd-decision"] == "decode; reason=best_of"
-    assert e.value.body["param"] == "best_of"
-    ps = await sim_state(p.url)
-    assert _posts(ps) == [] and ps["pd"]["pinned"] == []
-
-
 async def test_a_vllm_request_of_fewer_best_of_than_choices_is_split(sims, gateway):
     """vLLM (V1) has no ``best_of`` and ignores it: a ``best_of`` below ``n`` is no refusal to keep
     off the prefill, and the request is split as any of ``n`` choices. It ran whole on the decode,

@@ -51,8 +51,8 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=os.environ.get
 UNIONS = {"/v1/completions": ("prompt",), "/v1/embeddings": ("input",)}
 
 # the fields later stages read as ints and bools (continuation budgets, P/D bodies, the relay)
-TYPED_INTS = {"/v1/chat/completions": ("max_tokens", "max_completion_tokens", "n", "best_of"),
-              "/v1/completions": ("max_tokens", "n", "best_of"), "/v1/messages": ("max_tokens",),
+TYPED_INTS = {"/v1/chat/completions": ("max_tokens", "max_completion_tokens", "n"),
+              "/v1/completions": ("max_tokens", "n"), "/v1/messages": ("max_tokens",),
               "/v1/responses": ("max_output_tokens",)}
 TYPED_BOOLS = {"/v1/chat/completions": ("stream",), "/v1/completions": ("stream",), "/v1/messages": ("stream",),
                "/v1/responses": ("stream", "store", "background")}

@@ -5,7 +5,7 @@ refuses what both refuse. What they accept is decided by their request models, c
 
 - vLLM ``vllm/entrypoints/openai/protocol.py`` (commit 0052bed3): ``ChatCompletionRequest``
   (``max_tokens: Optional[int]``, ``max_completion_tokens: Optional[int]``, ``n: Optional[int] = 1``,
-  ``best_of: Optional[int] = None``, passed to ``SamplingParams`` as completions' is,
+  ``best_of`` no longer in either (vLLM V1 dropped it: an extra field, ignored),
   ``stream: Optional[bool]``, ``stream_options: Optional[StreamOptions]`` and the before-validator
   ``validate_stream_options``: ``if data.get("stream_options") and not data.get("stream")``, on
   the values as sent), ``CompletionRequest`` (``max_tokens: Optional[int] = 16``, ``n: int = 1``,
@@ -42,9 +42,8 @@ item; a list of strings stays strings (the union's exact match wins).
 The range checks follow what both engines refuse: a negative ``max_tokens`` or
 ``max_completion_tokens`` is a 400 (0 is left to the engine: SGLang serves a chat
 ``max_tokens`` of 0, and vLLM a completions one with ``echo``); Messages' ``max_tokens`` and
-Responses' ``max_output_tokens`` below 1 are a 400. One range is the gateway's own: ``n`` and ``best_of``
-(vLLM's ``Optional[int]``, on chat and completions), counts of sequences the
-engine generates, are taken from 1 to ``MAX_CHOICES`` (128, as OpenAI's API takes ``n``); the
+Responses' ``max_output_tokens`` below 1 are a 400. One range is the gateway's own: ``n``, the
+count of sequences the engine generates, is taken from 1 to ``MAX_CHOICES`` (128, as OpenAI's API takes ``n``); the
 engines set no upper bound. Where one engine accepts null and the other
 does not (chat ``n``, completions ``max_tokens``), the gateway accepts it; completions ``n`` is
 ``int`` in both, so null is a 400.
@@ -97,12 +96,11 @@ INTS = [  # value, what the engines read (REFUSED: a 400)
 ]
 
 
-FAN_OUT = ("n", "best_of")      # counts of sequences: read as ints, then 1 to MAX_CHOICES
+FAN_OUT = ("n",)      # a count of sequences: read as an int, then 1 to MAX_CHOICES
 
 
 @pytest.mark.parametrize("path,key", [(CHAT, "max_tokens"), (CHAT, "max_completion_tokens"), (CHAT, "n"),
-                                      (CHAT, "best_of"), (COMPLETIONS, "max_tokens"), (COMPLETIONS, "n"),
-                                      (COMPLETIONS, "best_of")])
+                                      (COMPLETIONS, "max_tokens"), (COMPLETIONS, "n")])
 @pytest.mark.parametrize("value,read", INTS)
 def test_token_limits_and_n(path, key, value, read):
     if key in FAN_OUT and read is not REFUSED and not 1 <= read <= MAX_CHOICES:
@@ -117,8 +115,8 @@ def test_token_limits_and_n(path, key, value, read):
 
 
 @pytest.mark.parametrize("path,key,accepted", [
-    (CHAT, "max_tokens", True), (CHAT, "max_completion_tokens", True), (CHAT, "n", True), (CHAT, "best_of", True),
-    (COMPLETIONS, "max_tokens", True), (COMPLETIONS, "n", False), (COMPLETIONS, "best_of", True)])
+    (CHAT, "max_tokens", True), (CHAT, "max_completion_tokens", True), (CHAT, "n", True),
+    (COMPLETIONS, "max_tokens", True), (COMPLETIONS, "n", False)])
 def test_null_where_either_engine_takes_it(path, key, accepted):
     if accepted:
         assert run(path, {key: None}).data[key] is None
