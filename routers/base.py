@@ -126,9 +126,12 @@ class PreciseIndex(Protocol):
     ``match`` gives the cached prompt tokens on each candidate whose events are live, the prompt's
     token count, and the candidates to judge on the approximate index instead (no events, stalled);
     ``None`` when the request cannot be tokenized. ``routed`` tells it where a request went. The
-    gateway awaits ``prepare`` before routing a request with a router that ``reads_kv_events``."""
+    gateway awaits ``prepare`` before routing a request with a router that ``reads_kv_events``.
+    ``covers`` says whether a request is judged on it at all: its model's engines publish events
+    and it is a prompt the engine caches as the gateway keys it (not an embeddings or a
+    pass-through request)."""
 
-    def covers(self, model: str) -> bool: ...
+    def covers(self, req: InferenceRequest) -> bool: ...
 
     def match(self, req: InferenceRequest, candidates: Sequence[Endpoint]
               ) -> tuple[dict[Endpoint, int], int, list[Endpoint]] | None: ...

@@ -312,7 +312,7 @@ class PDRouter(Router):
             if key is not None and not key.startswith(RESPONSE):
                 self.sessions.put(key, prefill)
         precise = self.ctx.precise_index
-        if precise is not None and precise.covers(req.model):
+        if precise is not None and precise.covers(req):
             precise.routed(req, prefill)
 
     def _least_combined(self, eps: list[Endpoint]) -> Endpoint:

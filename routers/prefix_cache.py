@@ -81,7 +81,7 @@ def cached_depths(ctx: RouterContext, index: PrefixIndex, strategy: str, req: In
     spread over the fleet pile onto one engine. The approximate index never sees it, its blocks
     being about 128 tokens long (``prefix_block_chars``)."""
     precise = ctx.precise_index
-    if precise is None or not precise.covers(req.model):
+    if precise is None or not precise.covers(req):
         return index.depths(req, pool)
     found = precise.match(req, pool)
     if found is None:             # not keyed like the engine: a tokenizer error, or multimodal parts
@@ -146,7 +146,7 @@ class PrefixCacheRouter(ScoringRouter):
         return cached_depths(self.ctx, self.index, self.name, req, pool)
 
     def score(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float | None]:
-        if self.precise is not None and self.precise.covers(req.model):
+        if self.precise is not None and self.precise.covers(req):
             depths, n = self._depths(req, candidates)
             return [100.0 * depths.get(ep, 0) / n if n else 0.0 for ep in candidates]
         match = self.index.match(req, candidates)

@@ -61,12 +61,13 @@ from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.apis.paths import PASSTHROUGH_PATHS
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.kv.index import CLEAR_STRETCH, Applied, EndpointState, EventIndex, request_root
 from gateway.kv.settings import KVEventsConfig
 from gateway.kv.tokenization import AHEAD_CHARS, ANSWER_SAMPLE, ANSWERS_UNHELD, INLINE_CHARS, ModelTokenizer
 from gateway.kv.wire import END_SEQ, Batch, BatchDecoder, WireError, seq_of
-from gateway.request import CHAT, InferenceRequest
+from gateway.request import CHAT, EMBEDDINGS, InferenceRequest
 
 log = structlog.get_logger("switchyard.kv_events")
 
@@ -75,6 +76,8 @@ _DRAIN = 256              # messages one reader callback applies before yielding
 # what a replay takes in (an engine's replay buffer holds its recent batches; more than this is
 # not a replay): frames and bytes; beyond either it stops, incomplete
 REPLAY_MAX_FRAMES = 20_000
+# requests whose prompt is not keyed on the events (nor counted as failing to tokenize)
+NOT_KEYED = frozenset((EMBEDDINGS, *PASSTHROUGH_PATHS))
 REPLAY_MAX_BYTES = 64 << 20
 # messages held while a replay is under way (an engine whose replay never answers, with a gap in
 # every other message, filled it without end): beyond this they are dropped, the publisher's
@@ -894,8 +897,10 @@ class KVEventsManager:
 
     # -- the router's view (routers.prefix_cache.PreciseIndex) --------------------------------------
 
-    def covers(self, model: str) -> bool:
-        return model in self.tokenizers and bool(self.index.states)
+    def covers(self, req: InferenceRequest) -> bool:
+        # embeddings and the pass-through endpoints (``/detokenize``, rerank, ...) are not keyed:
+        # they are routed on the approximate index, no tokenizer error
+        return req.model in self.tokenizers and bool(self.index.states) and req.path not in NOT_KEYED
 
     @property
     def executor(self) -> ThreadPoolExecutor | None:

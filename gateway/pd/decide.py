@@ -172,7 +172,7 @@ class PDDecider:
         are not live (none, stalled) or the prompt cannot be tokenized: the approximate index decides."""
         precise, ireq = self.precise, ctx.ireq
         assert ireq is not None
-        if precise is None or not precise.covers(ireq.model):
+        if precise is None or not precise.covers(ireq):
             return None
         found = precise.match(ireq, [decode])
         if found is None or decode in found[2]:

@@ -384,7 +384,7 @@ class Pipeline:
         checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
         self._objectives(ireq, rec, slo)
         kv = self.routing.ctx.precise_index           # tokenized off the loop, so the match finds it cached
-        if kv is not None and (router.reads_kv_events or router.chooses_pairs) and kv.covers(ireq.model):
+        if kv is not None and (router.reads_kv_events or router.chooses_pairs) and kv.covers(ireq):
             # before admission, whose room is the request's only if it routes and charges its endpoint
             # in the step admission lets it go in: awaited after it, the room stayed free for others.
             # A request admission would shed now is shed first: its tokens would serve nothing

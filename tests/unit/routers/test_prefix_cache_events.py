@@ -27,7 +27,7 @@ class _View:
     def __init__(self, index: EventIndex) -> None:
         self.index = index
 
-    def covers(self, model: str) -> bool:
+    def covers(self, req) -> bool:
         return True
 
     def match(self, req, candidates):
