@@ -335,3 +335,61 @@ def test_the_exporters_lines_are_logged_once_then_once_a_minute_with_the_count_n
     assert line(failed, "spans", 400, "Bad Request") is None
     now[0] = 200.0
     assert line(failed, "spans", 400, "Bad Request") == "Failed to export spans batch code: 400, reason: Bad Request (1 more such line(s) not logged in the last 139 s)"
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _seldom_logger(name: str, seldom: SeldomLines) -> tuple[logging.Logger, _Lines]:
+    logger = logging.getLogger(name)
+    logger.propagate = False
+    lines = _Lines()
+    logger.handlers[:] = [lines]
+    logger.filters[:] = [seldom]
+    return logger, lines
+
+
+async def test_the_count_of_held_back_lines_is_logged_once_their_minute_is_over_with_no_next_line():
+    """Failures that stopped: the lines held back were told only by the next line of their kind,
+    so never. Now a timer on the loop tells them when the interval is over, in another thread's
+    lines too (the exporter's)."""
+    from tests.support.waiting import until
+
+    seldom = SeldomLines(every_s=0.2)
+    seldom.start(asyncio.get_running_loop())
+    logger, lines = _seldom_logger("test.seldom.timer", seldom)
+    failed = "Failed to export %s batch code: %s"
+
+    def burst():
+        for code in (503, 503, 502, 504):
+            logger.error(failed, "spans", code)
+
+    thread = threading.Thread(target=burst)
+    thread.start()
+    thread.join()
+    assert lines.lines == ["Failed to export spans batch code: 503"]
+    await until(lambda: len(lines.lines) == 2, timeout=5.0)
+    assert lines.lines[1].startswith("Failed to export spans batch code: 504 (the last of 3 such line(s) not logged in the last ")
+    seldom.stop()
+    assert len(lines.lines) == 2 and not seldom._timers
+
+
+async def test_the_held_back_count_is_logged_at_stop_and_its_timer_cancelled():
+    seldom = SeldomLines(every_s=3600.0)
+    seldom.start(asyncio.get_running_loop())
+    logger, lines = _seldom_logger("test.seldom.stop", seldom)
+    for _ in range(3):
+        logger.warning("Transient error %s encountered", "x")
+    await asyncio.sleep(0)            # the timer is set on the loop
+    assert lines.lines == ["Transient error x encountered"] and len(seldom._timers) == 1
+    seldom.stop()
+    assert lines.lines[1].startswith("Transient error x encountered (the last of 2 such line(s) not logged in the last ")
+    assert not seldom._timers
+    seldom.stop()                     # told once
+    assert len(lines.lines) == 2
