@@ -660,7 +660,12 @@ class SeldomLines(logging.Filter):
     time, then at most once every ``every_s``: a collector that refuses or is out of reach makes the
     exporter log every failed batch ("Failed to export ...") and every retry of one ("Transient
     error ..."), a line or more a second under load. A line logged after some were not says how
-    many. (The failures stay counted one by one: ``switchyard_trace_export_failures_total``.)"""
+    many. (The failures stay counted one by one: ``switchyard_trace_export_failures_total``.)
+
+    Once ``start``-ed on a loop, the lines of a kind held back are told when their interval is
+    over even if no line of that kind comes next (failures that stopped): one timer a kind on the
+    loop, set when the first line is held back, logging the last of them with the count. ``stop``
+    cancels the timers and tells what is still held."""
 
     def __init__(self, every_s: float = FAILURE_LINE_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
@@ -668,9 +673,26 @@ class SeldomLines(logging.Filter):
         self.clock = clock
         self._lock = threading.Lock()
         self._told: dict[str, tuple[float, int]] = {}    # a format → when last logged, how many not since
+        self._last: dict[str, logging.LogRecord] = {}    # a format → the last line held back
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def stop(self) -> None:
+        """Cancel the timers and tell the lines still held back (on the loop's thread)."""
+        self._loop = None
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+        with self._lock:
+            kinds = list(self._last)
+        for kind in kinds:
+            self._tell(kind, force=True)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING:
+        if record.levelno < logging.WARNING or getattr(record, "seldom_told", False):
             return True
         kind = str(record.msg)
         now = self.clock()
@@ -678,13 +700,48 @@ class SeldomLines(logging.Filter):
             told = self._told.get(kind)
             if told is not None and now - told[0] < self.every_s:
                 self._told[kind] = (told[0], told[1] + 1)
+                self._last[kind] = record
+                loop = self._loop
+                if not told[1] and loop is not None:        # the first held back: time its telling
+                    try:
+                        loop.call_soon_threadsafe(self._arm, kind, told[0] + self.every_s - now)
+                    except RuntimeError:                    # the loop closed meanwhile
+                        pass
                 return False
             self._told[kind] = (now, 0)
+            self._last.pop(kind, None)
         if told is not None and told[1]:
             record.msg = (f"{record.getMessage()} ({told[1]} more such line(s) not logged in the last "
                           f"{now - told[0]:.0f} s)")
             record.args = None
         return True
+
+    def _arm(self, kind: str, delay: float) -> None:
+        if self._loop is not None and kind not in self._timers:
+            self._timers[kind] = self._loop.call_later(max(0.0, delay), self._due, kind)
+
+    def _due(self, kind: str) -> None:
+        self._timers.pop(kind, None)
+        self._tell(kind)
+
+    def _tell(self, kind: str, force: bool = False) -> None:
+        """Log the last line of ``kind`` held back with their count, if its interval is over (or ``force``)."""
+        now = self.clock()
+        with self._lock:
+            told, last = self._told.get(kind), self._last.get(kind)
+            if told is None or last is None or not told[1]:
+                return
+            if not force and now - told[0] < self.every_s:      # told by a line meanwhile, and held again
+                self._arm(kind, told[0] + self.every_s - now)
+                return
+            self._told[kind] = (now, 0)
+            del self._last[kind]
+        line = logging.makeLogRecord(last.__dict__)
+        line.msg = (f"{last.getMessage()} (the last of {told[1]} such line(s) not logged in the last "
+                    f"{now - told[0]:.0f} s)")
+        line.args = None
+        line.seldom_told = True
+        logging.getLogger(last.name).handle(line)
 
 
 # the exporters' loggers (OTLP/HTTP's client logs as its trace exporter's module)
@@ -692,14 +749,17 @@ EXPORTER_LOGGERS = ("opentelemetry.exporter.otlp.proto.http.trace_exporter",
                     "opentelemetry.exporter.otlp.proto.grpc.exporter")
 
 
-def seldom_exporter_lines() -> None:
+def seldom_exporter_lines() -> list[SeldomLines]:
     """The exporters' lines through a ``SeldomLines`` of this app's tracing, with nothing told yet
-    (one app a process, but for tests)."""
+    (one app a process, but for tests); the filters."""
+    filters = []
     for name in EXPORTER_LOGGERS:
         logger = logging.getLogger(name)
         for f in [f for f in logger.filters if isinstance(f, SeldomLines)]:
             logger.removeFilter(f)
-        logger.addFilter(SeldomLines())
+        filters.append(SeldomLines())
+        logger.addFilter(filters[-1])
+    return filters
 
 
 class CountingProcessor(BatchSpanProcessor):
@@ -974,7 +1034,7 @@ class Tracing:
             max_export_batch_size=max(1, min(BatchSpanProcessor._default_max_export_batch_size(), queue)))
         self.provider.add_span_processor(self.processor)
         self.tracer = self.provider.get_tracer("switchyard")
-        seldom_exporter_lines()
+        self.seldom = seldom_exporter_lines()
         self._exact = frozenset(p for p in settings.exclude_paths if not p.endswith("*"))
         self._prefixes = tuple(p[:-1] for p in settings.exclude_paths if p.endswith("*"))
 
@@ -1076,6 +1136,12 @@ class Tracing:
                 pass
         return DEFAULT_EXPORT_TIMEOUT_S
 
+    def start(self) -> None:
+        """On the running loop: the exporters' held-back lines told when their interval is over."""
+        loop = asyncio.get_running_loop()
+        for f in self.seldom:
+            f.start(loop)
+
     async def close(self, timeout: float | None = None) -> None:
         """Flush what is queued and stop the export thread, for at most ``timeout`` seconds (default
         ``flush_timeout()``): a collector that is down or hangs loses the spans still queued instead
@@ -1107,3 +1173,6 @@ class Tracing:
         except TimeoutError:
             _log.warning("tracing: queued spans not exported within %.1f s; dropped", timeout)
             self.processor.span_exporter.shutdown()      # stops the exporter's retries
+        finally:
+            for f in self.seldom:       # the exporters' lines still held back are told now
+                f.stop()

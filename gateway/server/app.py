@@ -648,6 +648,7 @@ def _tracing_lifecycle(tracing: Tracing):
     async def traced(_app: web.Application) -> AsyncIterator[None]:
         """Stops after the engines and the background tasks: every span is ended before the flush."""
         log.info("tracing on", **tracing.describe())
+        tracing.start()
         yield
         await tracing.close()
     return traced
