@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from tests.support.factories import model_block
 from tests.support.http import chat_body, post
+from tests.support.metrics import metric
 from tests.support.status import CHAT
 from tests.support.waiting import wait_for
 
@@ -71,3 +72,39 @@ async def test_redis_keeps_a_long_claimed_names_counters_under_its_digest(sims, 
         assert max(len(k) for k in keys) < 200 and int(await r.get(rpm)) == 1
     finally:
         await r.aclose()
+
+
+async def test_a_long_configured_user_is_named_by_its_digest_in_the_log_metrics_and_status(sims, gateway):
+    """A key's user from the config (and its ``limits.users`` entry) longer than 128 characters is
+    named as a claimed one is, by its digest: the request log cut it at 1,024 characters while the
+    metrics and the status page had it whole."""
+    sim = await sims("vllm", "m")
+    long = "k" * 2000
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       auth={"api_keys": [{"key": "sk-long-user-key", "user": long}], "admin_token": "admin-token-1"},
+                       limits={"users": {long: {"rpm": 1}}})
+    key = {"Authorization": "Bearer sk-long-user-key"}
+    with gw.gw.request_log.capture() as lines:
+        assert (await post(gw, chat_body(CHAT), key)).status == 200
+        assert (await post(gw, chat_body(CHAT, model="nope"), key)).status == 404
+        over = await post(gw, chat_body(CHAT), key)
+        assert await wait_for(lambda: len(lines) == 3, timeout=10.0)
+    assert over.status == 429 and over.json()["error"]["message"] == f"user: {digest(long)} has exceeded RPM: 1"
+    assert [line["user"] for line in lines] == [digest(long)] * 3
+    page = await gw.metrics_text()
+    assert metric(page, "switchyard_user_tokens_total", user=digest(long), kind="prompt") > 0
+    assert long not in page
+    admin = {"Authorization": "Bearer admin-token-1"}
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/status.json", headers=admin) as r:
+        status = await r.json()
+    assert {u["name"] for u in status["tenants"]["users"]} == {digest(long)}
+    assert {e["user"] for e in status["errors"]["recent"]} == {digest(long)}, status["errors"]
+
+
+async def test_without_auth_a_long_users_entry_limits_the_client_claiming_that_name(sims, gateway):
+    sim = await sims("vllm", "m")
+    long = "u" * 300
+    gw = await gateway([model_block("m", "vllm", [sim.url])], limits={"users": {long: {"rpm": 1}}})
+    assert (await post(gw, chat_body(CHAT, user=long))).status == 200
+    over = await post(gw, chat_body(CHAT, user=long))
+    assert over.status == 429 and over.json()["error"]["message"] == f"user: {digest(long)} has exceeded RPM: 1"
