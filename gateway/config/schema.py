@@ -57,7 +57,6 @@ from gateway.endpoints import ENGINES
 from gateway.kv.settings import KVEventsConfig, KVEventsEndpointConfig
 from gateway.lora.config import LoraConfig, check_adapters
 from gateway.observability.tracing import TracingConfig
-from gateway.request import MAX_USER_CHARS, claimed_user
 from gateway.resilience.breaker import BreakerConfig
 from gateway.resilience.retry import RetryConfig
 from gateway.state.urls import parse_redis_url
@@ -962,15 +961,8 @@ def no_effect(config: Config) -> list[str]:
       name that is none limits nothing. (With Kubernetes discovery the pods may bring it.)
     - a name in ``limits.users.<name>.models`` (or ``limits.default_user.models``) that is no
       model, alias or LoRA adapter: the list is checked against the name a request gives, so that
-      name allows no request.
-    - without auth, a ``limits.users`` name longer than 128 characters: a client's claimed name
-      that long is kept as its digest (``gateway.request.claimed_user``), so no request has it."""
+      name allows no request."""
     out: list[str] = []
-    if not config.auth.on:
-        for user in config.limits.users:
-            if claimed_user(user) != user:
-                out.append(f"limits.users.{user}: longer than {MAX_USER_CHARS} characters: without auth a client "
-                           f"naming this user is counted as {claimed_user(user)}, so this entry applies to no request")
     if config.kubernetes.enabled:
         return out
     models = {m.name for m in config.models}

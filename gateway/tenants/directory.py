@@ -8,6 +8,10 @@ attacker nothing about any stored key; the final comparison is constant-time any
 Users: a store record wins over ``limits.users`` in the config (so an operator can change a
 configured user's limits at run time, and deleting the store record falls back to the config);
 users with neither get ``limits.default_user`` (each with their own counters), else no limit.
+A configured name (a key's ``user``, a ``limits.users`` entry) is kept as a client's claimed name
+is (``gateway.request.claimed_user``): up to 128 characters as it is, else by its digest, so the
+request log, the metrics, the status page, a 429 and the engine's ``user`` header name one user the
+same way, and a client claiming that long name without auth is that user.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any, get_args
 
 from gateway.admission.config import Priority
 from gateway.config.schema import AuthConfig, LimitsConfig, UserLimits
+from gateway.request import claimed_user
 
 KEY_PREFIX = "sk-sy-"
 USER_NAME = re.compile(r"[A-Za-z0-9._@:+\-]{1,128}")
@@ -153,9 +158,10 @@ class Directory:
     def reconfigure(self, auth: AuthConfig, limits: LimitsConfig) -> None:
         """The config part (at start, and at a reload); the store part is kept."""
         self.config_keys: dict[str, KeyRecord] = {
-            k.key_sha256: KeyRecord(digest=k.key_sha256, user=k.user, name=k.name, source="config")
+            k.key_sha256: KeyRecord(digest=k.key_sha256, user=claimed_user(k.user) or k.user, name=k.name,
+                                    source="config")
             for k in auth.api_keys}
-        self.config_users: dict[str, UserLimits] = dict(limits.users)
+        self.config_users: dict[str, UserLimits] = {claimed_user(u) or u: lim for u, lim in limits.users.items()}
         self.default_user: UserLimits | None = limits.default_user
 
     # -- hot path ----------------------------------------------------------------------------
