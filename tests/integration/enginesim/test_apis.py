@@ -445,6 +445,25 @@ async def test_vllm_refuses_a_suffix_a_logit_bias_it_cannot_read_and_an_empty_em
         assert status == 200 and got["usage"]["prompt_tokens"] > 0
 
 
+async def test_vllm_refuses_an_embeddings_input_mixing_strings_and_token_ids(sims, gateway):
+    """vLLM's embeddings ``input`` is a string, a list of strings, token ids or a list of token-id
+    lists: a list mixing strings and token-id lists is none of them, its 400 validation error (the
+    simulator embedded each item). Through the gateway its own 400 comes first."""
+    v = await sims("vllm", "llama")
+    async with aiohttp.ClientSession() as s:
+        for mixed in (["hi", [1, 2]], [[1, 2], "hi"]):
+            for path in ("/v1/embeddings", "/pooling"):
+                async with s.post(v.url + path, json={"model": "llama", "input": mixed}) as r:
+                    got = await r.json()
+                assert r.status == 400 and got["error"]["param"] == "input", (path, mixed, got)
+                assert got["error"]["message"].startswith("1 validation error"), got
+        gw = await gateway([{"name": "llama", "engine": "vllm", "endpoints": [v.url]}])
+        async with s.post(gw.url + "/v1/embeddings", json={"model": "llama", "input": ["hi", [1, 2]]}) as r:
+            got = await r.json()
+        assert r.status == 400 and r.headers.get("x-error-request-body-processing") == "true", got
+        assert got["error"]["message"] == "'input' must be a string, an array of strings, or token ids", got
+
+
 async def test_vllm_answers_prompt_logprobs_asked_for_on_their_own(sims):
     """vLLM's ``prompt_logprobs`` (a completion's or a chat's, without ``echo``) computes the
     prompt's logprobs: a completion's choice carries them, a chat's answer at its top level, None
