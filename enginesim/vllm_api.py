@@ -760,11 +760,11 @@ def embedding_inputs(value: Any) -> list[str | list[int]]:
     if ids is not None:
         return [ids]
     if isinstance(value, list) and value:
+        # vLLM's ``list[str] | list[list[int]]``: all strings or all token-id lists, never a mix
+        if all(isinstance(item, str) for item in value):
+            return list(value)
         out: list[str | list[int]] = []
         for item in value:
-            if isinstance(item, str):
-                out.append(item)
-                continue
             item_ids = token_id_list(item, "input")
             if item_ids is None:
                 break
