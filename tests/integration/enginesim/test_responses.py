@@ -62,3 +62,22 @@ async def test_sglang_shapes_background_and_cancel(sims):
         async with s.post(sim.url + f"/v1/responses/{done['id']}/cancel") as r:
             assert r.status == 400 and (await r.json())["message"] == "Cannot cancel a synchronous response."
         assert await wait_for(lambda: sim.engine.num_live == 0)
+
+
+async def test_a_huge_max_output_tokens_is_clamped_to_the_context_left(sims):
+    """vLLM (and SGLang after it) takes ``min(max_output_tokens, max_model_len - prompt)`` for a
+    Responses request: a limit of 2**31 generates what the context leaves, then stops
+    ``incomplete`` (SGLang says ``completed``), streamed or not (no 400, unlike chat's ``max_tokens``)."""
+    for engine in ("vllm", "sglang"):
+        sim = await sims(engine, "m", max_model_len=64, itl_ms=0.0)
+        async with aiohttp.ClientSession() as s:
+            for stream in (False, True):
+                body = {"model": "m", "input": "hi", "max_output_tokens": 2**31, "stream": stream}
+                async with s.post(sim.url + "/v1/responses", json=body) as r:
+                    assert r.status == 200
+                    done = sse_frames(await r.read())[-1][1]["response"] if stream else await r.json()
+                usage = done["usage"]
+                prompt = usage.get("input_tokens", usage.get("prompt_tokens"))
+                out = usage.get("output_tokens", usage.get("completion_tokens"))
+                assert out == 64 - prompt and done["max_output_tokens"] == out, (engine, stream, done)
+                assert done["status"] == ("incomplete" if engine == "vllm" else "completed"), (engine, stream, done)
