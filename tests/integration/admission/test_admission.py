@@ -1076,11 +1076,9 @@ async def test_a_background_stream_its_client_left_holds_its_endpoint_until_it_e
     assert gw.gw.admission._models["m"].granted == 0
 
 
-async def test_a_request_whose_prompt_is_tokenized_off_the_loop_takes_its_room_as_it_routes(sims, gateway):
-    """With KV-event routing a long prompt segment is tokenized in a thread before the request
-    routes; admission lets a request go only when it will charge its endpoint in the same step, so
-    one still tokenizing when another finds the room free is not counted through it: with
-    ``max_in_flight_per_endpoint: 1`` the second of two requests waits in the queue."""
+async def _kv_events_gateway(sims, gateway):
+    """A gateway routing one engine on its KV events, one request in flight an endpoint, with a long
+    system prompt served once: the gateway, its KV index, that system message and the endpoint."""
     tok = str(TINY_DIR)
     sim = await sims("vllm", "m", tokenizer=tok, kv_events_port=0, kv_blocks=4096)
     gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url], "tokenizer": tok,
@@ -1090,7 +1088,15 @@ async def test_a_request_whose_prompt_is_tokenized_off_the_loop_takes_its_room_a
     await until(lambda: kv.subscribers and sim.engine.kv_events.subscriptions >= 1)
     system = {"role": "system", "content": "You are a careful assistant. " + " ".join(f"rule {i} is kqz" for i in range(120))}
     assert (await post(gw.url, chat_body([system, {"role": "user", "content": "hi"}])))[0] == 200
-    ep = gw.gw.pool.endpoints("m")[0]
+    return gw, kv, system, gw.gw.pool.endpoints("m")[0]
+
+
+async def test_a_request_whose_prompt_is_tokenized_off_the_loop_takes_its_room_as_it_routes(sims, gateway):
+    """With KV-event routing a long prompt segment is tokenized in a thread before the request
+    routes; admission lets a request go only when it will charge its endpoint in the same step, so
+    one still tokenizing when another finds the room free is not counted through it: with
+    ``max_in_flight_per_endpoint: 1`` the second of two requests waits in the queue."""
+    gw, kv, system, ep = await _kv_events_gateway(sims, gateway)
     # the engine's blocks of it are indexed: a segment after them is worth tokenizing
     assert await wait_for(lambda: ep.in_flight == 0 and all(sub.st.emap for sub in kv.subscribers[ep]))
     gate = threading.Event()
@@ -1257,16 +1263,7 @@ async def test_a_request_admission_sheds_is_not_tokenized_for_the_kv_events_matc
     """With KV-event routing a long prompt segment is tokenized in a thread before admission; a
     request admission sheds whatever its tokens (a sheddable one while a standard one waits) is shed
     first, costing the tokenizer thread nothing, under the overload that sheds it."""
-    tok = str(TINY_DIR)
-    sim = await sims("vllm", "m", tokenizer=tok, kv_events_port=0, kv_blocks=4096)
-    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url], "tokenizer": tok,
-                         "strategy": "prefix-cache", "kv_events": {"enabled": True, "port": sim.engine.kv_events.port}}],
-                       admission={"enabled": True, "max_in_flight_per_endpoint": 1})
-    kv = gw.gw.routing.ctx.precise_index
-    await until(lambda: kv.subscribers and sim.engine.kv_events.subscriptions >= 1)
-    system = {"role": "system", "content": "You are a careful assistant. " + " ".join(f"rule {i} is kqz" for i in range(120))}
-    assert (await post(gw.url, chat_body([system, {"role": "user", "content": "hi"}])))[0] == 200
-    ep = gw.gw.pool.endpoints("m")[0]
+    gw, kv, system, ep = await _kv_events_gateway(sims, gateway)
     assert await wait_for(lambda: ep.in_flight == 0 and all(sub.st.emap for sub in kv.subscribers[ep]))
     tokenizer = kv.tokenizers["m"]
     long = [system, {"role": "user", "content": " ".join(f"word{i} zq" for i in range(400))}]

@@ -737,17 +737,8 @@ def _function_call_events() -> list[bytes]:
             for i, (name, data) in enumerate(events)]
 
 
-_cut_responses_engine = cutting_stream(_function_call_events)
-
-
-@pytest.mark.parametrize("state", ["engine", "gateway"])
-async def test_a_stored_stream_still_generating_is_retrieved_in_progress(gateway, state):
-    """A stored response streamed without ``background`` is known to its client from its
-    ``response.created``; a GET of it before its stream ended was a 404 (its engine keeps it once
-    it ends, the gateway's record is written then), where OpenAI answers it ``in_progress``. The
-    gateway answers the response its stream announced; once ended, it is read as before."""
-    go_on = asyncio.Event()
-
+def _held_stream(go_on: asyncio.Event):
+    """An engine streaming a stored response's first four events, then the rest once ``go_on`` is set."""
     async def engine(request: web.Request) -> web.StreamResponse:
         await request.read()
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -760,6 +751,21 @@ async def test_a_stored_stream_still_generating_is_retrieved_in_progress(gateway
             await out.write(event)
         await out.write_eof()
         return out
+    return engine
+
+
+_cut_responses_engine = cutting_stream(_function_call_events)
+
+
+@pytest.mark.parametrize("state", ["engine", "gateway"])
+async def test_a_stored_stream_still_generating_is_retrieved_in_progress(gateway, state):
+    """A stored response streamed without ``background`` is known to its client from its
+    ``response.created``; a GET of it before its stream ended was a 404 (its engine keeps it once
+    it ends, the gateway's record is written then), where OpenAI answers it ``in_progress``. The
+    gateway answers the response its stream announced; once ended, it is read as before."""
+    go_on = asyncio.Event()
+
+    engine = _held_stream(go_on)
 
     async with fake_engine(engine, paths=("/v1/responses",)) as url:
         gw = await gateway([model_block("m", "vllm", [url])], responses={"state": state})
@@ -793,18 +799,7 @@ async def test_the_calls_on_a_stored_stream_still_generating_answer_as_on_the_re
     go_on = asyncio.Event()
     engine_calls: list[str] = []
 
-    async def engine(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await out.prepare(request)
-        events = _function_call_events()
-        for event in events[:4]:
-            await out.write(event)
-        await go_on.wait()
-        for event in events[4:]:
-            await out.write(event)
-        await out.write_eof()
-        return out
+    engine = _held_stream(go_on)
 
     async def retrieve(request: web.Request) -> web.Response:
         engine_calls.append(request.method)

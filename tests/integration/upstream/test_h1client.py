@@ -782,19 +782,21 @@ async def test_a_begun_exchange_on_a_stale_connection_is_sent_again_on_a_fresh_o
         await pool.close()
 
 
+async def _first_only(server, req, writer):
+    """An engine that answers a connection's first request and holds its second until the client goes."""
+    if req["nth"] == 1:
+        writer.write(answer())
+        await writer.drain()
+        return None
+    await req["reader"].read()
+    return False
+
+
 @on_both_loops
 async def test_discarding_a_begun_exchange_drops_its_connection():
     """An exchange written but never awaited (its task was cancelled before it ran) must not leave
     the request running on the engine: ``discard`` closes its connection."""
-    async def first_only(server, req, writer):
-        if req["nth"] == 1:
-            writer.write(answer())
-            await writer.drain()
-            return None
-        await req["reader"].read()        # the second waits for the client to go
-        return False
-
-    async with Engine(first_only) as eng:
+    async with Engine(_first_only) as eng:
         pool = UpstreamPool()
         resp = await pool.post(eng.url + "/x", b"{}", JSON)
         await resp.read()
@@ -816,19 +818,11 @@ async def test_a_discarded_exchange_leaves_no_unretrieved_failure():
     """The P/D legs discard an exchange whose head nobody awaited (the client left, the prefill
     failed): the connection's end that follows must not leave a failed future no one reads, which
     asyncio logs as an error ("Future exception was never retrieved") when it is collected."""
-    async def first_only(server, req, writer):
-        if req["nth"] == 1:
-            writer.write(answer())
-            await writer.drain()
-            return None
-        await req["reader"].read()
-        return False
-
     loop = asyncio.get_running_loop()
     errors: list[dict] = []
     loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
     try:
-        async with Engine(first_only) as eng:
+        async with Engine(_first_only) as eng:
             pool = UpstreamPool()
             resp = await pool.post(eng.url + "/x", b"{}", JSON)
             await resp.read()
