@@ -1717,3 +1717,53 @@ async def test_a_text_continuation_of_an_answer_that_fills_the_context_is_not_re
             and e["choices"][0].get("finish_reason")]
     assert len(fins) == 1, got[-3:]
     assert line.get("error_class") is None and line["migrations"][0]["outcome"] == "continued", line
+
+
+@pytest.mark.parametrize("when", ["same_read", "later"])
+async def test_a_continuable_stream_ends_at_done_and_its_engines_connection_is_not_kept(gateway, when):
+    """As the plain relay: ``data: [DONE]`` ends a stream that could be continued; an event the
+    engine writes after it, in the same write or later, is not passed on, and the engine's
+    connection, on which it wrote past its answer's end, is not used again (``after_end: trailing``)."""
+    ports: list[int] = []
+    words = [(" wagon", "stop")]
+    extra = {"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": " caboose"}, "logprobs": None, "finish_reason": None}]}
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        ports.append(request.transport.get_extra_info("peername")[1])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for word, fin in words:
+            ev = {"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                  "prompt_token_ids": [1, 2, 3], "choices": [{"index": 0, "delta": {"content": word},
+                                                             "logprobs": None, "finish_reason": fin, "token_ids": [7]}],
+                  "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+            await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+        trailing = b"data: " + json.dumps(extra).encode() + b"\n\n"
+        if when == "same_read":
+            await resp.write(b"data: [DONE]\n\n" + trailing)
+        else:
+            await resp.write(b"data: [DONE]\n\n")
+            await asyncio.sleep(0.05)       # (a second write: the relay's order is the same either way)
+            await resp.write(trailing)
+        await resp.write_eof()
+        return resp
+
+    async with fake_engine(chat) as url:
+        gw = await gateway([model_block("m", "vllm", [url], migration_limit=1)])
+        with gw.gw.request_log.capture() as logs:
+            async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json={
+                    "model": "m", "messages": MSG, "max_tokens": 20, "stream": True}) as r:
+                st, raw = r.status, await r.read()
+            await until(lambda: any(e["event"] == "request" for e in logs))
+        assert st == 200 and raw.endswith(b"data: [DONE]\n\n") and b"caboose" not in raw, raw[-200:]
+        assert raw.count(b"[DONE]") == 1, raw
+        line = next(e for e in logs if e["event"] == "request")
+        assert line["status"] == 200 and line["after_end"] == "trailing" and line["error_class"] is None, line
+        client = openai_client(gw)
+        stream = await client.chat.completions.create(model="m", messages=MSG, max_tokens=20, stream=True)
+        assert [c.choices[0].delta.content async for c in stream if c.choices] == [" wagon"]
+        await client.close()
+        assert len(ports) == 2 and ports[0] != ports[1], ports     # the first connection was not kept
+        assert migrations(await gw.metrics_text(), "continued") == 0
