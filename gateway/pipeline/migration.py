@@ -31,6 +31,8 @@ Not continued, the answer being whole: a leg that fails after its finish_reason 
 ``after_end``; an error event of the engine's after it passed on as the plain relay passes it),
 and one that fails once every token the answer may have was generated (its ``max_tokens``: no
 engine takes a ``max_tokens`` of 0), which the gateway ends with finish_reason "length".
+As in the plain relay, a leg's answer ends at its ``[DONE]``: an engine that writes on after it
+has its connection closed, and nothing of what follows is passed on (``after_end: trailing``).
 
 When it refuses (the client then gets today's final error event): guided decoding or
 ``response_format``, ``n > 1`` (or a batch of prompts), ``logprobs``, ``seed`` with sampling,
@@ -534,6 +536,10 @@ class Migration:
                     return stream_failure(w)
                 if not chunk:
                     break
+                if self.done:       # a read after [DONE]: none of it is the answer's (blank space aside)
+                    if chunk.strip():
+                        return self._trailing(resp)
+                    continue
                 # a line ends in CRLF, LF or a bare CR (SSE allows all three): each is read as an LF;
                 # a CR that ends a read ends its line, and the LF of its CRLF, if the next read
                 # brings one, is dropped
@@ -549,7 +555,11 @@ class Migration:
                     watch.first_chunk_came()        # type: ignore[union-attr]
                 emitted = []
                 failed = False
+                trailing = False
                 for ev in parts:
+                    if self.done:       # an event after [DONE], in its read: not passed on
+                        trailing = trailing or bool(ev.strip())
+                        continue
                     r = self._event(ev)
                     if r is False:
                         failed = True         # what came before it in this read still goes out
@@ -564,6 +574,8 @@ class Migration:
                     await out.write(data)
                 if failed:
                     return self._stream_error()
+                if self.done and (trailing or buf.strip()):
+                    return self._trailing(resp)
                 if self.done and not ended:
                     # as the plain relay does: an engine that stalls after its last event does not
                     # hold a client that reads the body to its end, watchdog or not
@@ -592,6 +604,14 @@ class Migration:
         if self.done or self.finished:
             return None, ""
         return EOF_FAILURE
+
+    def _trailing(self, resp: UpstreamResponse) -> tuple[None, str]:
+        """The engine wrote on after its ``[DONE]``, as the plain relay reads it: the answer ended
+        there (the gateway writes its own end), nothing after it is passed on, and the engine's
+        connection, whose next bytes would be no answer's, is closed rather than kept."""
+        self.after_end = "trailing"
+        resp.close()
+        return None, ""
 
     def _stream_error(self) -> tuple[ErrorClass, str]:
         """The failure of a leg that sent an error event: one with code 501 is the engine's 501, the
