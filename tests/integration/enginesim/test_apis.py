@@ -654,6 +654,31 @@ async def test_sglang_refuses_a_logit_bias_it_cannot_read(sims):
                 assert r.status == 200
 
 
+async def test_sglang_refuses_a_best_of_that_is_no_integer(sims):
+    """SGLang's completion request has ``best_of: Optional[int]`` (never used): a value pydantic's lax
+    mode does not read as an integer (a word, a float with a fraction, a list) is its 400 validation
+    error naming the field; any integer (0 and negatives too), a whole float, a numeric string and
+    null are served. Its chat request has no such field, and ignores one whatever its value."""
+    sg = await sims("sglang", "qwen")
+    comp = {"model": "qwen", "prompt": "hi", "max_tokens": 1}
+    async with aiohttp.ClientSession() as s:
+        for bad, says in (("two", "Input should be a valid integer, unable to parse string as an integer"),
+                          (2.5, "Input should be a valid integer, got a number with a fractional part"),
+                          ([2], "Input should be a valid integer"), ({"n": 2}, "Input should be a valid integer")):
+            for stream in (False, True):
+                async with s.post(sg.url + "/v1/completions", json={**comp, "best_of": bad, "stream": stream}) as r:
+                    got = await r.json()
+                assert (r.status, got) == (400, {"object": "error", "message": f"1 validation error:\n  best_of: {says}",
+                                                 "type": "Bad Request", "param": "best_of", "code": 400}), (bad, got)
+        for ok in (0, -3, 1, 5, 2.0, "3", None, True):
+            async with s.post(sg.url + "/v1/completions", json={**comp, "best_of": ok}) as r:
+                got = await r.json()
+            assert r.status == 200 and len(got["choices"]) == 1, (ok, got)
+        async with s.post(sg.url + "/v1/chat/completions", json={"model": "qwen", "messages": MSGS, "max_tokens": 1,
+                                                                 "best_of": "two"}) as r:
+            assert r.status == 200
+
+
 async def test_sglang_completion_batch_of_prompts_answers_each_prompts_choices(sims):
     """SGLang's completions take a list of prompts (strings or token id lists) as a batch, as vLLM's
     do: choice ``prompt_i * n + j`` is prompt i's j-th, each echoing its own prompt; usage counts
