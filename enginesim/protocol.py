@@ -102,7 +102,8 @@ def bool_field(body: dict[str, Any], name: str, default: bool) -> bool:
         raise ApiError(400, f"1 validation error:\n  {name}: {e}", type_=_BAD, param=name) from None
 
 
-def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
+def _int_field(body: dict[str, Any], name: str, minimum: int | None) -> int | None:
+    """``body[name]`` read as an ``Optional[int]`` field is; ``minimum`` None: any integer."""
     value = body.get(name)
     if value is None:
         return None
@@ -110,7 +111,7 @@ def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
         value = lax_int(value)
     except ValueError as e:
         raise ApiError(400, f"1 validation error:\n  {name}: {e}", type_=_BAD, param=name) from None
-    if value < minimum:
+    if minimum is not None and value < minimum:
         raise ApiError(400, f"{name} must be at least {minimum}, got {value}.", type_="BadRequestError",
                        param=name)
     return value
@@ -246,6 +247,10 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
             raise ApiError(400, "1 validation error:\n  max_tokens: Value error, max_tokens must be positive",
                            type_=_BAD)
         max_tokens = _int_field(body, "max_tokens", 0 if vllm and echoing else 1)
+        if not vllm:
+            # SGLang's completion request has ``best_of: Optional[int]``, never used but typed: a
+            # value that is no integer is refused (vLLM's requests have no such field and ignore it)
+            _int_field(body, "best_of", None)
         echo_only = max_tokens == 0
         if echo_only:
             max_tokens = 1
