@@ -760,3 +760,31 @@ async def test_bytes_an_engine_writes_after_done_are_not_relayed_and_its_connect
         assert [c.choices[0].delta.content async for c in stream] == ["wagon"]
         await client.close()
         assert len(ports) == 2 and ports[0] != ports[1], ports     # the first connection was not kept
+
+
+async def test_what_an_engine_writes_after_done_in_its_read_is_not_counted_nor_its_error(gateway):
+    """Bytes after ``[DONE]`` in its own read are not the answer's: a usage event there is not what
+    the request is charged (the client's answer had 1 token), and an error event there is no
+    error of the request's, which the client never saw (``after_end: trailing``, no error_class)."""
+    usage = _event({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
+                    "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
+    more = _event({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
+                   "usage": {"prompt_tokens": 5, "completion_tokens": 90, "total_tokens": 95}})
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(_WAGON + usage + b"data: [DONE]\n\n" + more + _ENGINE_ERROR)
+        await out.write_eof()
+        return out
+
+    async with fake_engine(chat) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        with gw.gw.request_log.capture() as logs:
+            st, _, raw = await post(gw.url, body(stream=True, stream_options={"include_usage": True}))
+            await until(lambda: any(e["event"] == "request" for e in logs))
+        assert st == 200 and raw.endswith(b"data: [DONE]\n\n") and b"boom" not in raw and b"KV cache" not in raw, raw
+        line = next(e for e in logs if e["event"] == "request")
+        assert (line["status"], line["error_class"], line["after_end"]) == (200, None, "trailing"), line
+        assert line["completion_tokens"] == 1, line

@@ -913,3 +913,13 @@ def test_the_plain_relay_s_scanner_passes_nothing_after_done():
     quiet.ends_at_done = True
     assert quiet.feed(VLLM_HEL, 0.0) is VLLM_HEL and quiet.feed(DONE, 0.0) is DONE
     assert quiet.feed(b"\n", 0.0) == b"" and not quiet.trailing       # blank space after it is no answer's either
+
+
+def test_the_plain_relay_s_scanner_reads_nothing_after_done():
+    """An event after [DONE] in [DONE]'s own read is not passed on, nor read: its usage is not the
+    answer's, nor is its error event."""
+    s = SSEScanner()
+    s.ends_at_done = True
+    error = b'data: {"error":{"message":"boom","type":"x","code":500}}\n\n'
+    assert s.feed(VLLM_HEL + DONE + VLLM_USAGE + error, 0.0) == VLLM_HEL + DONE and s.trailing
+    assert s.usage is None and s.error is None and s.events == 2 and s.finish() == b""
