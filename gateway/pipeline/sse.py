@@ -514,6 +514,8 @@ class SSEScanner:
         start = 0
         flags = 0
         for m in _BOUNDARY.finditer(scan, pos):
+            if self.done and self.ends_at_done:     # events after [DONE] are no answer's: not read
+                break
             end = m.end()
             if self._skip:
                 self._skip = False
@@ -557,6 +559,10 @@ class SSEScanner:
             else:
                 self._lf = bytearray(scan[start:])
         self._sent = max(cursor, stop) - start if start < n else 0
+        if self.done and self.ends_at_done:     # this read brought [DONE]: what follows it is not passed on
+            if flags & _CONTENT:
+                self._mark(now)
+            return self._cut_at_done(result)
         if len(self._buf) > MAX_EVENT_BYTES:
             if held:
                 result += bytes(self._buf[self._sent:])
@@ -573,8 +579,6 @@ class SSEScanner:
             self._sent -= cut
         if flags & _CONTENT:
             self._mark(now)
-        if self.done and self.ends_at_done:     # this read brought [DONE]: what follows it is not passed on
-            return self._cut_at_done(result)
         return result
 
     def _past_done(self, chunk: bytes) -> bytes:
