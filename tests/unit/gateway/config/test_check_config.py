@@ -520,6 +520,9 @@ limits:
     ("engine: vllm\n", "engine: vllm\n    strategy: fastest\n", "9:5", "models[0].strategy"),
     ("http://127.0.0.1:8001", "ftp://127.0.0.1:8001", "6:9", "models[0].endpoints[0].url"),   # a URL string
     ("  - name: llama\n", "  - nme: llama\n", "4:5", "models[0].nme"),
+    # a user's entry named so no request matches it: the entry's key, not the users: key above it
+    ("    org.team:\n", "    org.team:\n      rpm: 1\n    'bob ':\n", "13:5", "limits.users"),
+    ("    org.team:\n", "    org.team:\n      rpm: 1\n    \"b\\tob\":\n", "13:5", "limits.users"),
 ])
 def test_an_error_past_the_yaml_names_its_line_and_column_and_its_key(tmp_path, capsys, old, new, where, key):
     """An error in what the YAML says (past its syntax) names the file's line and column of the key
