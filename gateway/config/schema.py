@@ -81,10 +81,13 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 class ConfigError(ValueError):
-    def __init__(self, path: str, message: str, source: str | None = None) -> None:
+    """``entry``: the key of the mapping ``path`` names that is at fault, when the path stops at
+    the mapping (a name the message shows quoted, that would not read well in a key path); it
+    leads ``located`` to the entry's line."""
+    def __init__(self, path: str, message: str, source: str | None = None, entry: str | None = None) -> None:
         where = f"{source}: " if source else ""
         super().__init__(f"{where}{path}: {message}")
-        self.key_path, self.message = path, message
+        self.key_path, self.message, self.entry = path, message, entry
 
 
 def _from_env(inline: str | None, env: str | None, key: str) -> str | None:
@@ -619,9 +622,6 @@ class Config(Block, dict=True):
     batch: Annotated[BatchConfig, Meta(description="OpenAI's Files and Batches API (/v1/files, /v1/batches): batches run as the lowest priority class on idle engine capacity, and resume after a restart.")] = BatchConfig()
 
     def __post_init__(self) -> None:
-        for user in self.limits.users:
-            if why := _unmatched_user(user):
-                raise ValueError(f"limits.users: {why}")
         for key, name in self._model_names():
             if why := _unmatched_name(name):
                 raise ValueError(f"{key}: {why}")
@@ -1061,17 +1061,18 @@ def located(e: ConfigError, text: str, source: str) -> ConfigError:
             root = yaml.compose(text, Loader=_UniqueKeyLoader)     # noqa: S506 (a SafeLoader; nodes, no objects)
         except yaml.YAMLError:
             root = None
-        mark = _mark_of(root, e.key_path)
+        mark = _mark_of(root, e.key_path, e.entry)
     where = source if mark is None else f"{source}:{mark.line + 1}:{mark.column + 1}"
-    return ConfigError(e.key_path, e.message, where)
+    return ConfigError(e.key_path, e.message, where, e.entry)
 
 
 _INDEX = re.compile(r"\[(\d+)\]")
 
 
-def _mark_of(node: yaml.Node | None, path: str) -> Any:
+def _mark_of(node: yaml.Node | None, path: str, entry: str | None = None) -> Any:
     """Where in the text the nodes ``node`` heads lead along ``path`` (``models[0].adapters``; a
-    mapping's key may hold dots, ``limits.users.org.team``): the last key or list item on the way."""
+    mapping's key may hold dots, ``limits.users.org.team``): the last key or list item on the way;
+    with ``entry``, that key of the mapping the whole path leads to."""
     mark = None
     while path and node is not None:
         if (m := _INDEX.match(path)) is not None:
@@ -1089,6 +1090,8 @@ def _mark_of(node: yaml.Node | None, path: str) -> Any:
             mark, node, path = found[0].start_mark, found[1], step[len(found[0].value):]
         else:
             break
+    if entry is not None and not path and isinstance(node, yaml.MappingNode):
+        mark = next((k.start_mark for k, _ in _pairs(node) if k.value == entry), mark)
     return mark
 
 
@@ -1143,6 +1146,9 @@ def config_from_dict(raw: Any, source: str | None = None, deprecations: list[Dep
         config = convert(data, Config)
     except StrictError as e:
         raise ConfigError(e.path, e.message, source) from None
+    for user in config.limits.users:       # here, not in Config's checks, to name the entry at fault
+        if why := _unmatched_user(user):
+            raise ConfigError("limits.users", why, source, entry=user)
     check_strategies(config, source=source)
     if deprecations is None:
         log_deprecations(notes, source)
