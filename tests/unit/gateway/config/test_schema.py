@@ -334,6 +334,31 @@ def test_one_engine_declared_twice_for_a_model_is_refused(model, key_path, first
     assert f"also {first}" in str(ei.value)
 
 
+@pytest.mark.parametrize(("model", "key_path", "first"), [
+    ("endpoints: [http://127.0.0.1:1, http://127.0.0.1:1/b]", "models[0].endpoints[1].url", "endpoints[0]"),
+    ("endpoints: [http://127.0.0.1:1, https://127.0.0.1:1]", "models[0].endpoints[1].url", "endpoints[0]"),
+    ("endpoints: [http://engine-a/a], rolesets: [{combined: [http://Engine-A:80/b]}]",
+     "models[0].rolesets[0].combined[0].url", "endpoints[0]"),
+    ("rolesets: [{prefill: [http://p:1], decode: [http://d:1]}, {prefill: [https://p:1], decode: [http://d:2]}]",
+     "models[0].rolesets[1].prefill[0].url", "rolesets[0].prefill[0]"),
+])
+def test_two_urls_of_one_host_and_port_in_a_model_role_are_refused(model, key_path, first):
+    """An endpoint is named by its host and port, which the series of every per-endpoint metric
+    carry with the model: two URLs of one model at one host and port (another scheme or path)
+    loaded as two endpoints of one name, their series written twice on /metrics (which Prometheus
+    refuses) and the target-pod header naming either."""
+    with pytest.raises(ConfigError) as ei:
+        parse_config(f"models: [{{name: m, {model}}}]\n", source="c.yaml")
+    assert ei.value.key_path == key_path, str(ei.value)
+    assert f"{first} (" in str(ei.value) and "endpoint name" in str(ei.value), str(ei.value)
+
+
+def test_urls_of_one_host_and_port_may_serve_two_models_or_two_roles():
+    c = parse_config("models: [{name: a, endpoints: [http://127.0.0.1:1]}, {name: b, endpoints: [http://127.0.0.1:1/b]},"
+                     " {name: c, rolesets: [{prefill: [http://127.0.0.1:2], decode: [http://127.0.0.1:2/d]}]}]")
+    assert [m.name for m in c.models] == ["a", "b", "c"]
+
+
 def test_one_engine_may_serve_two_models():
     c = parse_config("models: [{name: a, endpoints: [http://127.0.0.1:1]}, {name: b, endpoints: [http://127.0.0.1:1]}]")
     assert [m.endpoints[0].url for m in c.models] == ["http://127.0.0.1:1"] * 2
