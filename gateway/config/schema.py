@@ -384,7 +384,7 @@ class ModelConfig(Block):
     engine: Annotated[Engine, Meta(description="Engine serving the model's endpoints: vllm or sglang.")] = "vllm"
     strategy: Annotated[str | None, Meta(description="This model's default routing strategy (a name or a weighted list); null: the pods' annotation, else pd for a model with prefill/decode endpoints, else routing.strategy.")] = None
     lock_strategy: Annotated[str | None, Meta(description="A strategy that always applies to this model, whatever the routing-strategy header says; null: no lock.")] = None
-    endpoints: Annotated[tuple[EndpointConfig, ...], Meta(description="Aggregated engines (one engine serves a whole request): URL strings or endpoint objects. An engine is one endpoint of a model in a role: a URL written twice for one model (here and in its rolesets' combined lists, or in their prefill lists, or in their decode lists; a trailing slash, a host's capitals and a scheme's own port aside) is an error; one engine may serve several models, and be both a prefill and a decode.")] = ()
+    endpoints: Annotated[tuple[EndpointConfig, ...], Meta(description="Aggregated engines (one engine serves a whole request): URL strings or endpoint objects. An engine is one endpoint of a model in a role: a URL written twice for one model (here and in its rolesets' combined lists, or in their prefill lists, or in their decode lists; a trailing slash, a host's capitals and a scheme's own port aside) is an error, as are two URLs of one host and port in those lists (another scheme or path), which would make two endpoints of one name (host:port, the endpoint label of its metrics); one engine may serve several models, and be both a prefill and a decode.")] = ()
     rolesets: Annotated[tuple[RolesetConfig, ...], Meta(description="Prefill/decode groups for disaggregated serving.")] = ()
     watchdog: Annotated[WatchdogConfig | None, Meta(description="Keys laid over the global watchdog block for this model.")] = None
     pd: Annotated[PDConfig | None, Meta(description="Keys laid over the global pd block for this model.")] = None
@@ -414,15 +414,25 @@ class ModelConfig(Block):
                 raise ValueError(f"rolesets[{r}].name: {rs.name!r} is also the name of rolesets[{first}]: "
                                  "one name is one roleset, whose prefills pair only with its decodes")
         seen: dict[tuple, str] = {}
+        named: dict[tuple, tuple[str, str]] = {}
         for key, e in self._declared():
             # in one role (whole requests: endpoints and combined); a vLLM engine with kv_both may
             # be both a prefill and a decode
             role = next((r for r in ("prefill", "decode") if f".{r}[" in key), "whole")
-            first = seen.setdefault((role, *_engine_identity(e.url)), key)
+            scheme, host, port, path = _engine_identity(e.url)
+            first = seen.setdefault((role, scheme, host, port, path), key)
             if first != key:
                 raise ValueError(f"{key}.url: {e.url} is also {first} of this model: one engine is one endpoint of a "
                                  "model in a role (two would split its load between their counters, and write every "
                                  "per-endpoint metric twice)")
+            # an endpoint is named by its host and port (its metrics' endpoint label, the target-pod
+            # header): one port serves one scheme, and two paths on it would be two endpoints of one name
+            first, url = named.setdefault((role, host, port), (key, e.url))
+            if first != key:
+                name = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+                raise ValueError(f"{key}.url: {e.url} and {first} ({url}) of this model have one host and port, "
+                                 f"so one endpoint name, {name}: their series on /metrics, their log lines and "
+                                 "the target-pod header could not tell them apart (give one URL per engine)")
         for e in (*self.endpoints, *(e for rs in self.rolesets for e in (*rs.prefill, *rs.decode, *rs.combined))):
             if e.kv_events is not None:          # an entry's ports with the model's ranks, or the other way
                 try:
