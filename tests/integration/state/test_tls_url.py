@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import subprocess
 
+import aiohttp
 import pytest
+import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.apis.responses_state import RedisStore, StoreUnavailable
 from gateway.config.schema import StateConfig
 from gateway.state.redis import close_client, redis_client
+from tests.support.factories import model_block
 from tests.support.ports import listen_port
 from tests.support.tls import CertificateAuthority
 from tests.support.waiting import until
@@ -77,3 +80,28 @@ async def test_a_rediss_url_for_a_redis_serving_tls_is_reached(tmp_path):
         await close_client(client)
         proc.kill()
         proc.wait(timeout=10)
+
+
+async def test_a_responses_store_at_a_rediss_url_for_a_plain_redis_says_no_tls(sims, gateway, redis_server):
+    """The Responses store met at a rediss:// URL whose Redis serves plain TCP is down for want of
+    a TLS handshake answer, as tenancy says (``no_tls``), not merely unreachable: in the store's
+    failure, the 503 a lookup gets and the line it logs."""
+    url = f"rediss://127.0.0.1:{redis_server.port}/0"
+    store = RedisStore(redis_client(StateConfig(redis_url=url, timeout_s=0.5)), "sy:resp:", ttl_s=60,
+                       timeout_s=0.5, owns_client=True)
+    try:
+        with pytest.raises(StoreUnavailable) as si:
+            await store.get("resp_1")
+    finally:
+        await store.close()
+    assert _no_tls(redis_server.port) in str(si.value) and si.value.reason == "no_tls"
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], state={"redis_url": url, "timeout_s": 0.2},
+                       responses={"state": "gateway", "backend": "redis"})
+    with structlog.testing.capture_logs() as logs:
+        async with aiohttp.ClientSession() as s, s.get(gw.url + "/v1/responses/resp_0123") as r:
+            got = await r.json()
+    assert r.status == 503 and r.headers["x-error-state-unavailable"] == "true", got
+    assert "TLS" in got["error"]["message"] and "unreachable" in got["error"]["message"], got
+    [line] = [x for x in logs if x["event"].startswith("responses state store")]
+    assert line["event"] == "responses state store unreachable" and line["reason"] == "no_tls", line
