@@ -215,12 +215,18 @@ _REFUSED = {
 }
 
 
+# what a 503 says of a store out of reach (the reasons a call that got no answer has)
+_OUT_OF_REACH = {
+    "unreachable": "the Responses state store is unreachable",
+    "no_tls": "the Responses state store is unreachable: it gave no TLS handshake answer",
+}
+
+
 def _store_unreachable(e: StoreUnavailable | None = None) -> GatewayError:
     """The 503 of a call that met the state store unreachable, or refusing it, at its lookup or at
     its deletion."""
     reason = e.reason if e is not None else "unreachable"
-    message = _REFUSED.get(reason) or ("the Responses state store is unreachable" if reason == "unreachable"
-                                        else "the Responses state store answers an error")
+    message = _REFUSED.get(reason) or _OUT_OF_REACH.get(reason) or "the Responses state store answers an error"
     return GatewayError(503, message, code="service_unavailable",
                         headers={"Retry-After": "1"}, header=("x-error-state-unavailable", "true"),
                         error_class=ErrorClass.STATE_UNAVAILABLE)
@@ -840,7 +846,7 @@ class ResponsesApi(ApiShape):
             self._unreachable_quiet += 1
             return
         reason = getattr(e, "reason", "unreachable")
-        if reason != "unreachable":     # Redis answered: refused the call, not out of reach
+        if reason not in _OUT_OF_REACH:     # Redis answered: refused the call, not out of reach
             event = event.replace("unreachable", "refuses the call")
         log.warning(event, error=str(e), reason=reason, since_last=self._unreachable_quiet)
         self._unreachable_at, self._unreachable_quiet = now, 0

@@ -33,6 +33,7 @@ from gateway.state.redis import (
     PoolTimeout,
     close_client,
     held_loop_timeout,
+    no_tls_answer,
     refusal,
     transport_reason,
 )
@@ -42,7 +43,8 @@ RETRY_PAUSES_S = (0.05, 0.25)   # before the second and the third
 
 
 class StoreUnavailable(Exception):
-    """The backing store could not answer. ``reason``: ``unreachable``, ``auth`` (it refused the
+    """The backing store could not answer. ``reason``: ``unreachable`` (``no_tls``: a TLS URL's
+    server took the connection and never answered the handshake), ``auth`` (it refused the
     connection's password or user), or why a Redis that answered refused the call (gateway/state/redis.py ``refusal``: ``wrongtype``, ``noperm``,
     ``readonly``, ...; ``error`` for another error it answered)."""
 
@@ -205,7 +207,8 @@ class RedisStore:
                 e = failed                          # the bound ran out between tries: the last failure
             answered = isinstance(e, RedisError) and not isinstance(e, UNAVAILABLE)
             raise StoreUnavailable(f"{type(e).__name__}: {e}",
-                                   (refusal(e) or "error") if answered else transport_reason(e)) from None
+                                   (refusal(e) or "error") if answered
+                                   else "no_tls" if no_tls_answer(e) else transport_reason(e)) from None
 
     async def put(self, key: str, value: bytes) -> None:
         await self._call(lambda: self.client.set(self.prefix + key, value, px=self.ttl_ms))

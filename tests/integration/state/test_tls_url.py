@@ -34,7 +34,7 @@ async def test_a_rediss_url_for_a_plain_redis_says_it_got_no_tls_answer(redis_se
     finally:
         await close_client(client)
     assert str(ei.value) == _no_tls(redis_server.port)
-    # what a Responses lookup's 503 logs, and its reason, as for any Redis out of reach
+    # what a Responses lookup's 503 logs, and its reason: no TLS answer, as tenancy says
     store = RedisStore(redis_client(StateConfig(redis_url=f"rediss://127.0.0.1:{redis_server.port}/0",
                                                 timeout_s=0.5)), "sy:resp:", ttl_s=60, timeout_s=0.5, owns_client=True)
     try:
@@ -42,7 +42,7 @@ async def test_a_rediss_url_for_a_plain_redis_says_it_got_no_tls_answer(redis_se
             await store.get("resp_1")
     finally:
         await store.close()
-    assert _no_tls(redis_server.port) in str(si.value) and si.value.reason == "unreachable"
+    assert _no_tls(redis_server.port) in str(si.value) and si.value.reason == "no_tls"
 
 
 async def test_a_rediss_sentinel_url_names_the_sentinel_that_gave_no_tls_answer(redis_server):
