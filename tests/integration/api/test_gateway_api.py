@@ -11,9 +11,11 @@ import aiohttp
 import openai
 import orjson
 import pytest
+from aiohttp import web
 from yarl import URL
 
 from tests.support.factories import model_block
+from tests.support.fake_engine import fake_engine
 from tests.support.http import bearer, openai_client, sim_state
 from tests.support.metrics import metric
 from tests.support.waiting import wait_for
@@ -437,6 +439,44 @@ async def test_an_engines_numeric_error_code_reaches_the_client_as_a_string(flee
         sent = ei.value.response.json()["error"]  # what the gateway wrote, as OpenAI's type reads it
         assert sent["code"] == "400" and openai.types.ErrorObject.model_validate(sent).code == "400", (what, sent)
     await client.close()
+
+
+async def test_an_engines_error_param_of_another_type_than_a_string_reaches_the_client_as_its_json_text(gateway):
+    """OpenAI's error object has ``param`` a string or null; an engine that writes another type there
+    (a validation error's location as a list, a number) has it relayed as its JSON text, before the
+    head and inside a begun stream alike, so a client that decodes the error by its type reads it."""
+    async def refusing(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        param = orjson.loads(body["messages"][0]["content"])     # the test names the engine's param
+        err = {"message": "bad field", "type": "BadRequestError", "param": param, "code": 400}
+        if not body.get("stream"):
+            return web.json_response({"error": err}, status=400)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+                         b'"choices":[{"index":0,"delta":{"role":"assistant","content":"hi"}}]}\n\n')
+        await resp.write(b"data: " + orjson.dumps({"error": err}) + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    async with fake_engine(refusing) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], scrape={"enabled": False})
+        client = openai_client(gw)
+        for param, said in ((["body", "messages", 0], '["body","messages",0]'), (3, "3"), ({"a": 1}, '{"a":1}'),
+                            (True, "true"), ("messages", "messages"), (None, None)):
+            messages = [{"role": "user", "content": orjson.dumps(param).decode()}]
+            with pytest.raises(openai.BadRequestError) as ei:
+                await client.chat.completions.create(model="m", messages=messages)
+            sent = ei.value.response.json()["error"]
+            assert sent["param"] == said and sent["code"] == "400", (param, sent)
+            assert openai.types.ErrorObject.model_validate(sent).param == said
+            stream = await client.chat.completions.create(model="m", messages=messages, stream=True)
+            with pytest.raises(openai.APIError) as ei:
+                async for _ in stream:
+                    pass
+            sent = ei.value.body
+            assert isinstance(sent, dict) and sent["param"] == said and sent["code"] == "400", (param, sent)
+            assert openai.types.ErrorObject.model_validate(sent).param == said
+        await client.close()
 
 
 async def test_an_engines_numeric_error_code_in_a_begun_stream_reaches_the_client_as_a_string(fleet):

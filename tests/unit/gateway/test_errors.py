@@ -28,6 +28,17 @@ def test_json_shapes(status, body, message, type_, code):
     assert set(out["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("param,said", [
+    ("messages", "messages"), (None, None), (["body", "messages", 0], '["body","messages",0]'), (3, "3"),
+    (1.5, "1.5"), ({"a": 1}, '{"a":1}'), (True, "true"),
+])
+def test_an_engines_param_of_another_type_than_a_string_is_its_json_text(param, said):
+    for body in ({"error": {"message": "x", "param": param, "code": 400}},
+                 {"object": "error", "message": "x", "param": param, "code": 400}):
+        _, out = normalize_upstream_error(400, orjson.dumps(body))
+        assert out["error"]["param"] == said
+
+
 @pytest.mark.parametrize("raw", [b"<html>502 Bad Gateway</html>", b"", b"[1,2]", b'{"foo":"bar"}'])
 def test_non_json_or_unknown_is_wrapped(raw):
     st, out = normalize_upstream_error(502, raw)

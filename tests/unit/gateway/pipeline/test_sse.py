@@ -904,6 +904,19 @@ def test_string_code_writes_an_error_event_s_numeric_code_as_its_string():
         assert string_code(same) is same
 
 
+def test_string_code_writes_an_error_event_s_param_of_another_type_as_its_json_text():
+    err = b'data: {"error":{"message":"boom","type":"BadRequestError","param":["body","n"],"code":"400"}}\n\n'
+    said = b'data: {"error":{"message":"boom","type":"BadRequestError","param":"[\\"body\\",\\"n\\"]","code":"400"}}\n\n'
+    assert string_code(err) == said
+    assert string_code(b'data: {"error":{"message":"x","param":3,"code":400}}') == \
+        b'data: {"error":{"message":"x","param":"3","code":"400"}}'
+    flat = b'data: {"object":"error","message":"boom","param":false}\n\n'
+    assert string_code(flat) == b'data: {"object":"error","message":"boom","param":"false"}\n\n'
+    for same in (b'data: {"error":{"message":"x","param":"n","code":"400"}}\n\n',
+                 b'data: {"error":{"message":"x","param":null}}\n\n'):
+        assert string_code(same) is same
+
+
 def test_the_plain_relay_s_scanner_passes_nothing_after_done():
     s = SSEScanner()
     s.ends_at_done = True
