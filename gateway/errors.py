@@ -266,13 +266,26 @@ def engine_code(code: Any) -> str | None:
     return None
 
 
+def engine_param(param: Any) -> str | None:
+    """An engine's error ``param`` as OpenAI's error object has it, a string or null: a name stays;
+    another type (a validation error's location as a list, an index) becomes its JSON text, which
+    still names the field for whoever reads it, where null would drop what the engine said."""
+    if param is None or isinstance(param, str):
+        return param
+    try:
+        return orjson.dumps(param).decode()
+    except TypeError:           # not JSON (cannot come from a parsed body): no param
+        return None
+
+
 def normalize_upstream_error(status: int, body: bytes) -> tuple[int, dict[str, Any]]:
     """Turn an engine's error answer into the nested OpenAI shape, keeping its status.
 
     vLLM sends ``{"error": {...}}``; SGLang's OpenAI routes send the flat
     ``{"object": "error", "message", "type", "param", "code"}``; auth failures send
     ``{"error": "Unauthorized"}``; anything else (HTML, plain text) is wrapped. A numeric
-    ``code`` (the status, as both engines write it) becomes its string (``engine_code``).
+    ``code`` (the status, as both engines write it) becomes its string (``engine_code``), a ``param``
+    of another type than a string its JSON text (``engine_param``).
     """
     try:
         data = orjson.loads(body) if body else None
@@ -283,14 +296,14 @@ def normalize_upstream_error(status: int, body: bytes) -> tuple[int, dict[str, A
         if isinstance(err, dict):
             msg, type_ = err.get("message"), err.get("type")
             return status, error_body(status, msg if isinstance(msg, str) else str(msg or f"upstream error {status}"),
-                                      type_=type_ if isinstance(type_, str) else None, param=err.get("param"),
+                                      type_=type_ if isinstance(type_, str) else None, param=engine_param(err.get("param")),
                                       code=engine_code(err.get("code")))
         if isinstance(err, str):
             return status, error_body(status, err)
         if data.get("object") == "error" or "message" in data:
             msg, type_ = data.get("message"), data.get("type")
             return status, error_body(status, msg if isinstance(msg, str) else f"upstream error {status}",
-                                      type_=type_ if isinstance(type_, str) else None, param=data.get("param"),
+                                      type_=type_ if isinstance(type_, str) else None, param=engine_param(data.get("param")),
                                       code=engine_code(data.get("code")))
         if isinstance(data.get("detail"), str):
             return status, error_body(status, data["detail"])

@@ -43,6 +43,8 @@ from typing import Any
 
 import orjson
 
+from gateway.errors import engine_param
+
 # An event larger than this is not scanned (its bytes still pass through). It bounds the memory a
 # malformed upstream that never sends a blank line can pin. SGLang's native cumulative stream makes
 # large events on long generations, hence the generous size. Of such an event only its head (the
@@ -282,7 +284,8 @@ def engine_error(obj: dict) -> dict | None:
 def string_code(data: bytes) -> bytes:
     """``data`` (whole events, the last one perhaps without its blank line) with the ``code`` of
     its error event a string where the engine wrote a number (vLLM's and SGLang's ``400``), as
-    OpenAI's error object has it and as an error answered before the stream's head has it; ``data``
+    OpenAI's error object has it and as an error answered before the stream's head has it (and a
+    ``param`` of another type than a string its JSON text, as there); ``data``
     itself when no event needs it. Run once a stream, on the read whose error event ended it."""
     out: list[bytes] = []
     start = 0
@@ -297,9 +300,10 @@ def string_code(data: bytes) -> bytes:
 
 
 def _coded_event(data: bytes, start: int, end: int) -> bytes:
-    """The event ``data[start:end]``, a one-line ``data:`` error event's numeric code made its string."""
+    """The event ``data[start:end]``, a one-line ``data:`` error event's numeric code made its string
+    and its ``param`` of another type than a string its JSON text (``engine_param``)."""
     ev = data[start:end]
-    if b'"code"' not in ev or b'"error"' not in ev or not ev.startswith(b"data:") or b"\n" in ev:
+    if (b'"code"' not in ev and b'"param"' not in ev) or b'"error"' not in ev or not ev.startswith(b"data:") or b"\n" in ev:
         return ev
     try:
         obj = orjson.loads(ev[5:])
@@ -310,10 +314,14 @@ def _coded_event(data: bytes, start: int, end: int) -> bytes:
         if not (isinstance(obj, dict) and obj.get("object") == "error"):
             return ev
         err = obj                   # older vLLM's flat error event
-    code = err.get("code")
-    if not isinstance(code, int) or isinstance(code, bool):
+    code, param = err.get("code"), err.get("param")
+    coded = isinstance(code, int) and not isinstance(code, bool)
+    if not coded and (param is None or isinstance(param, str)):
         return ev
-    err["code"] = str(code)
+    if coded:
+        err["code"] = str(code)
+    if param is not None and not isinstance(param, str):
+        err["param"] = engine_param(param)
     return b"data: " + orjson.dumps(obj) + (b"\r" if ev.endswith(b"\r") else b"")
 
 
