@@ -33,23 +33,34 @@ FIREHOSE = {"itl_ms": 0.0, "max_model_len": 1_000_000, "eos_probability": 0.0}
 PROMISED_BODY = request("POST", CHAT, None, {"Content-Type": "application/json", "Content-Length": "100000"})
 
 
+def _timeout_lines(logs: list[dict]) -> list[tuple[str, str, bool]]:
+    return [(x["log_level"], x["reason"], x["answered"]) for x in logs if x["event"] == "client timeout"]
+
+
 @on_both_loops
 async def test_half_a_head_gets_408_and_is_counted():
+    """A head begun and stalled is a slow or hostile client: its cut is logged at info."""
     async with edge_gateway(header_timeout_s=0.3) as gw:
-        ex = await exchange(gw.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
+        with structlog.testing.capture_logs() as logs:
+            ex = await exchange(gw.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
         err = assert_openai_error(ex.first, 408)
         assert err["code"] == "request_timeout" and "header_timeout_s" in err["message"]
         assert ex.closed and ex.first.headers["connection"] == "close"
         assert gw.timeouts("header") == 1
+        assert _timeout_lines(logs) == [("info", "header", True)], logs
         assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
 
 
 @on_both_loops
 async def test_a_connection_that_never_speaks_is_closed_without_an_answer():
+    """Closed without a word to the client, and to the log only at debug, as an idle kept-alive
+    connection is: it ended no request (a client's spare pooled connection, a port probe)."""
     async with edge_gateway(header_timeout_s=0.3) as gw:
-        ex = await exchange(gw.port)
+        with structlog.testing.capture_logs() as logs:
+            ex = await exchange(gw.port)
         assert ex.closed and ex.responses == [] and ex.trailing == b""
         assert gw.timeouts("header") == 1
+        assert _timeout_lines(logs) == [("debug", "header", False)], logs
 
 
 @on_both_loops
@@ -98,10 +109,6 @@ async def test_a_body_dribbled_byte_by_byte_hits_the_total_timeout():
         err = assert_openai_error(resp[0], 408)
         assert "body_total_timeout_s" in err["message"]
         assert gw.timeouts("body_total") == 1 and gw.timeouts("body") == 0
-
-
-def _timeout_lines(logs: list[dict]) -> list[tuple[str, str, bool]]:
-    return [(x["log_level"], x["reason"], x["answered"]) for x in logs if x["event"] == "client timeout"]
 
 
 @on_both_loops
