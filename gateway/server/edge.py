@@ -1365,10 +1365,13 @@ class EdgeProtocol(web.RequestHandler):
         if reason in ("body", "body_total") and rid is None:    # only while nothing of a response went out
             rid = self._e_unanswered_request_id()
             answer = rid is not None
-        # an idle kept-alive connection's close ends no request: one line each at info would fill a
-        # busy gateway's log with its idle clients
-        (log.debug if reason == "keepalive" else log.info)("client timeout", reason=reason,
-                                                           peer=_peer(self.transport), answered=answer)
+        # an idle kept-alive connection's close ends no request, nor does that of a fresh one that
+        # never sent a byte of a head (a client's spare pooled connection, a port probe): one line
+        # each at info would fill a busy gateway's log with its idle clients. A head begun and
+        # stalled (answered) is a slow or hostile client's: at info.
+        quiet = reason == "keepalive" or (reason == "header" and not answer)
+        (log.debug if quiet else log.info)("client timeout", reason=reason, peer=_peer(self.transport),
+                                           answered=answer)
         if answer and self.transport is not None:
             lim = edge.limits
             seconds = {"header": lim.header_timeout_s, "body": lim.body_timeout_s,
