@@ -13,12 +13,15 @@ import re
 
 import aiohttp
 import openai
+import orjson
 import pytest
+from aiohttp import web
 
 from gateway.observability.tracing import NO_TRACING
 from gateway.server.run import free_port
 from tests.support.batch import jsonl, run_to_end
 from tests.support.factories import model_block, pd_model, roleset
+from tests.support.fake_engine import fake_engine
 from tests.support.http import anthropic_client, openai_client, post, sim_state
 from tests.support.otlp_receiver import OTLPReceiver, Span
 from tests.support.waiting import wait_for
@@ -631,3 +634,37 @@ async def test_the_408_the_edge_gives_a_body_that_stopped_coming_is_the_request_
     await flush(gw)
     at = server_span(rx, "body-stopped").attributes
     assert (at["http.response.status_code"], at["error.type"]) == (408, "http")
+
+
+async def test_the_response_model_is_the_one_the_engines_answer_names(gateway, receiver):
+    """OpenTelemetry's GenAI conventions: gen_ai.response.model is the name of the model that
+    generated the response, which the engine's answer names in its ``model`` (a whole answer's, a
+    stream's chunks'), where the gateway's model name is the one the request was made to."""
+    rx = receiver
+    named = "org/m-2026-12"
+
+    async def answering(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": named}
+        if not body.get("stream"):
+            return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": named,
+                                      "choices": [{"index": 0, "finish_reason": "stop",
+                                                   "message": {"role": "assistant", "content": "hi"}}],
+                                      "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for choice in ({"index": 0, "delta": {"role": "assistant", "content": "hi"}},
+                       {"index": 0, "delta": {}, "finish_reason": "stop"}):
+            await resp.write(b"data: " + orjson.dumps({**chunk, "choices": [choice]}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async with fake_engine(answering) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], tracing=traced(rx), scrape={"enabled": False})
+        whole = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2})
+        streamed = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2, "stream": True})
+        assert whole.status == streamed.status == 200
+        await flush(gw)
+    for reply in (whole, streamed):
+        at = server_span(rx, reply.headers["request-id"]).attributes
+        assert (at["gen_ai.request.model"], at.get("gen_ai.response.model")) == ("m", named)
