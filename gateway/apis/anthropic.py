@@ -575,6 +575,7 @@ class MessagesScanner:
 
     __slots__ = ("first_token_at", "last_token_at", "token_events", "itl", "usage", "finish_reason", "error", "done",
                  "moved", "_start_usage", "_buf", "_pending", "_skip", "_now", "_cr", "_lf", "_retyped", "_inclusive")
+    model: str | None = None    # the engine's model is not read off its events (the trace keeps the gateway's name)
 
     def __init__(self, inclusive: bool = False) -> None:
         self._inclusive = inclusive  # input_tokens counts the cache reads (``openai_usage``)

@@ -31,6 +31,7 @@ class StreamScanner(Protocol):
     token_events: int               # events that carried generated content (a token, a delta)
     usage: dict | None
     finish_reason: str | None
+    model: str | None               # the model the engine's events named, where the scanner reads it
     error: dict | None
     done: bool                      # the stream's own end marker was seen
     moved: bool                     # the last ``feed`` held more than comments: the engine's progress

@@ -65,6 +65,8 @@ def _fields(ev: bytes) -> tuple[str | None, bytes | None]:
 class ResponsesScanner:
     """One upstream Responses stream. ``feed``/``finish`` return the bytes to forward."""
 
+    model: str | None = None    # the engine's model is not read off its events (the trace keeps the gateway's name)
+
     def __init__(self, on_created: Callable[[str], None] | None = None) -> None:
         self.on_created = on_created           # called once with the id ``response.created`` gives
         self.first_token_at: float | None = None

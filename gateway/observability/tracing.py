@@ -348,6 +348,7 @@ class Record(Protocol):
     completion_tokens: int | None
     cached_tokens: int | None
     finish_reason: str | None
+    engine_model: str | None   # the model the engine's answer named, when the relay read it
     extra: dict                # the log line's further fields (``finish_reasons``: several choices')
 
 
@@ -546,7 +547,9 @@ class RequestTrace(Trace):
         if rec.model != "-":       # the model as the client named it (an alias), and the one that answered
             attrs["gen_ai.request.model"] = rec.alias if rec.alias is not None else rec.model
             if rec.endpoint and rec.status < 400:
-                attrs["gen_ai.response.model"] = rec.model
+                # the name of the model that generated the response: as the engine's answer named it
+                # where the relay read it, else the served model's configured name
+                attrs["gen_ai.response.model"] = rec.engine_model or rec.model
         op = _OPERATIONS.get(rec.path)
         if op:
             attrs["gen_ai.operation.name"] = op

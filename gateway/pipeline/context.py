@@ -118,6 +118,9 @@ class RequestRecord:
     cached_tokens: int | None = None
     streamed_events: int = 0                  # a relayed stream's events that carried generated content
     finish_reason: str | None = None
+    # the model the engine's answer named (its ``model``: a whole answer's, a stream's decoded
+    # chunks'), where the relay reads it: the trace's gen_ai.response.model
+    engine_model: str | None = None
     request_id_replaced: bool = False         # the client's x-request-id could not be kept
     alias: str | None = None                  # the alias the client named; ``model`` is its target
     rate_headers: dict[str, str] | None = None   # the tenant's x-ratelimit-* (gateway/tenants), once admitted

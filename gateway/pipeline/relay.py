@@ -143,6 +143,7 @@ class _Choice(msgspec.Struct):
 class _Answer(msgspec.Struct):
     choices: list[_Choice] | msgspec.UnsetType = msgspec.UNSET
     usage: object = msgspec.UNSET
+    model: object = msgspec.UNSET
 
 
 _ANSWER = msgspec.json.Decoder(_Answer)
@@ -189,6 +190,8 @@ def _view(body: bytes) -> dict | None:
                            for c in a.choices]
     if a.usage is not msgspec.UNSET:
         view["usage"] = a.usage
+    if a.model is not msgspec.UNSET:
+        view["model"] = a.model
     return view
 
 
@@ -953,6 +956,7 @@ class Relay:
             if gaps:
                 observe_all(m.child(m.itl, rec.model), gaps)
         rec.finish_reason = scanner.finish_reason
+        rec.engine_model = scanner.model
         rec.streamed_events = scanner.token_events
         self.account_usage(rec, scanner.usage)
 
@@ -1014,6 +1018,9 @@ class Relay:
         elif data is not None:
             if isinstance(data, dict):
                 self.account_usage(rec, adapter.usage(data))
+                model = data.get("model")
+                if model.__class__ is str:
+                    rec.engine_model = model
                 match data.get("choices"):
                     case [dict() as choice]:
                         rec.finish_reason = choice.get("finish_reason")
@@ -1077,6 +1084,9 @@ class Relay:
             self._not_an_object(ctx, ctype)
         if isinstance(data, dict):
             self.account_usage(ctx.rec, ctx.api.body_usage(ctx, data))
+            model = data.get("model")       # (a large answer's view reads only the API's members)
+            if model.__class__ is str:
+                ctx.rec.engine_model = model
             body = ctx.api.answer_body(ctx, data, body)
             await ctx.api.finish(ctx)
         elif isinstance(data, list):        # SGLang's rerank: its usage is in the items

@@ -377,7 +377,7 @@ class SSEScanner:
 
     __slots__ = (
         "strip_usage", "first_token_at", "last_token_at", "token_events", "itl", "usage", "finish_reason",
-        "error", "done", "events", "moved", "ends_at_done", "trailing",
+        "model", "error", "done", "events", "moved", "ends_at_done", "trailing",
         "_buf", "_sent", "_skip", "_now", "_cr", "_lf", "_lf_owed", "_big_index",
     )
 
@@ -389,6 +389,7 @@ class SSEScanner:
         self.itl: list[float] = []                 # gaps between content chunks, up to ITL_KEEP
         self.usage: dict | None = None             # the last usage object seen
         self.finish_reason: str | None = None
+        self.model: str | None = None              # the ``model`` of the decoded events (a finish's, a usage's)
         self.error: dict | None = None             # in-stream `data: {"error": ...}`
         self.done = False                          # saw `data: [DONE]`
         self.events = 0                            # events with a data payload (incl. [DONE])
@@ -688,7 +689,10 @@ class SSEScanner:
         return self._read(obj)
 
     def _read(self, obj: dict) -> int:
-        """What a decoded event says: its usage, error and finish."""
+        """What a decoded event says: its usage, error, finish and the model it names."""
+        model = obj.get("model")
+        if model.__class__ is str:
+            self.model = model
         usage = obj.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
