@@ -258,9 +258,8 @@ class Admission:
         now = self.clock()
         user = rec.user or ""
         cost = request_cost(ireq)
-        ahead = any(q.count(r) for r in range(rank, len(PRIORITIES)))
-        free = candidates if not ahead else self._beside(model, mq, rank, candidates, pairs, th, now)
-        if free and total_headroom(free, pairs, th, now) - mq.granted >= 1:
+        free = self._room_now(model, mq, rank, candidates, pairs, th, now)
+        if free:
             q.charge(rank, user, cost)          # served at once: its tokens count all the same
             ctx.admission_cost = cost
             return free if pairs else unsaturated(free, th, now)
@@ -356,10 +355,7 @@ class Admission:
         rank = self.priority_of(ctx, s)
         th = self._by_class[model][rank]
         now = self.clock()
-        q = mq.queue
-        ahead = any(q.count(r) for r in range(rank, len(PRIORITIES)))
-        free = candidates if not ahead else self._beside(model, mq, rank, candidates, pairs, th, now)
-        if free and total_headroom(free, pairs, th, now) - mq.granted >= 1:
+        if self._room_now(model, mq, rank, candidates, pairs, th, now):
             return
         slo = ireq.slo_ttft_ms
         deadline = now + slo / 1000 - mq.engine_ttft if slo is not None else math.inf
@@ -576,6 +572,16 @@ class Admission:
             grant.state = GRANTED
             mq.granted += 1
             grant.fut.set_result(None)
+
+    def _room_now(self, model: str, mq: ModelQueue, rank: int, candidates: list[Endpoint], pairs: bool,
+                  th: Thresholds, now: float) -> list[Endpoint]:
+        """The candidates a request of class ``rank`` may go to at once, with room on them: all of
+        them when nobody of its class or above waits, else those the waiters ahead leave to it
+        (``_beside``); none when there is no room there."""
+        q = mq.queue
+        ahead = any(q.count(r) for r in range(rank, len(PRIORITIES)))
+        free = candidates if not ahead else self._beside(model, mq, rank, candidates, pairs, th, now)
+        return free if free and total_headroom(free, pairs, th, now) - mq.granted >= 1 else []
 
     def _beside(self, model: str, mq: ModelQueue, rank: int, candidates: list[Endpoint], pairs: bool,
                 th: Thresholds, now: float) -> list[Endpoint]:
