@@ -35,14 +35,19 @@ async def test_a_rediss_url_for_a_plain_redis_says_it_got_no_tls_answer(redis_se
         await close_client(client)
     assert str(ei.value) == _no_tls(redis_server.port)
     # what a Responses lookup's 503 logs, and its reason: no TLS answer, as tenancy says
-    store = RedisStore(redis_client(StateConfig(redis_url=f"rediss://127.0.0.1:{redis_server.port}/0",
-                                                timeout_s=0.5)), "sy:resp:", ttl_s=60, timeout_s=0.5, owns_client=True)
+    await _store_says_no_tls(f"rediss://127.0.0.1:{redis_server.port}/0", redis_server.port)
+
+
+async def _store_says_no_tls(url: str, port: int) -> None:
+    """A Responses store lookup at ``url`` (TLS, a plain-TCP Redis) fails for want of a TLS answer."""
+    store = RedisStore(redis_client(StateConfig(redis_url=url, timeout_s=0.5)), "sy:resp:", ttl_s=60,
+                       timeout_s=0.5, owns_client=True)
     try:
         with pytest.raises(StoreUnavailable) as si:
             await store.get("resp_1")
     finally:
         await store.close()
-    assert _no_tls(redis_server.port) in str(si.value) and si.value.reason == "no_tls"
+    assert _no_tls(port) in str(si.value) and si.value.reason == "no_tls"
 
 
 async def test_a_rediss_sentinel_url_names_the_sentinel_that_gave_no_tls_answer(redis_server):
@@ -87,14 +92,7 @@ async def test_a_responses_store_at_a_rediss_url_for_a_plain_redis_says_no_tls(s
     a TLS handshake answer, as tenancy says (``no_tls``), not merely unreachable: in the store's
     failure, the 503 a lookup gets and the line it logs."""
     url = f"rediss://127.0.0.1:{redis_server.port}/0"
-    store = RedisStore(redis_client(StateConfig(redis_url=url, timeout_s=0.5)), "sy:resp:", ttl_s=60,
-                       timeout_s=0.5, owns_client=True)
-    try:
-        with pytest.raises(StoreUnavailable) as si:
-            await store.get("resp_1")
-    finally:
-        await store.close()
-    assert _no_tls(redis_server.port) in str(si.value) and si.value.reason == "no_tls"
+    await _store_says_no_tls(url, redis_server.port)
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], state={"redis_url": url, "timeout_s": 0.2},
                        responses={"state": "gateway", "backend": "redis"})
