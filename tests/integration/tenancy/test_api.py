@@ -12,6 +12,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from enginesim import SimConfig, start_sim
 from gateway.tenants.service import NO_TENANCY
 from tests.support.edge import assert_openai_error, exchange
 from tests.support.factories import model_block
@@ -276,6 +277,55 @@ async def test_a_cancelled_background_response_gives_its_concurrency_slot_back(s
         return (await state.usage("alice"))["concurrent"] == 0
     await until(freed, timeout=30)
     assert (await c.responses.create(model="m", input="Now.", max_output_tokens=2)).usage.output_tokens == 2
+
+
+async def test_a_background_response_whose_engine_is_known_down_gives_its_concurrency_slot_back_once(sims, gateway):
+    """A background response holds its user's concurrency slot while the gateway polls it. When its
+    engine dies, the slot is given back as soon as the health probes find it down (as its place on
+    the endpoint is), not once the poll gives up; and when the poll ends later (the engine is back,
+    without the response: a 404), it gives back nothing more, so the user's next request, running
+    meanwhile, keeps its slot."""
+    first = await sims("vllm", "m", itl_ms=5.0, enable_responses_store=True)
+    second = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [first.url, second.url])], auth=KEYS,
+                       limits={"users": {"alice": {"max_concurrent": 1}}})
+    c = openai_client(gw, ALICE)
+    raw = await c.responses.with_raw_response.create(model="m", input="Tell me about switchyards.",
+                                                     max_output_tokens=4000, background=True)
+    r = raw.parse()
+    assert r.status in ("queued", "in_progress")
+    sims_ = {first.url: first, second.url: second}
+    ep = next(e for e in gw.gw.pool.endpoints("m") if e.name == raw.headers["target-pod"])
+    dead = sims_[ep.url]
+    state = gw.gw.tenancy.state
+    assert (await state.usage("alice"))["concurrent"] == 1
+    await dead.close()
+    assert await wait_for(lambda: not ep.healthy)
+    assert (await state.usage("alice"))["concurrent"] == 0      # in the step the probe found it down
+    # the user's next request runs on the live engine, holding the slot
+    held = asyncio.create_task(c.chat.completions.create(
+        model="m", messages=CHAT, extra_headers={"x-sim-fault": "stall_before_first=inf"}))
+
+    async def holding():
+        return (await state.usage("alice"))["concurrent"] == 1
+    await until(holding)
+    back = await start_sim(SimConfig(engine="vllm", model="m", port=dead.port, host="127.0.0.1",
+                                     enable_responses_store=True))
+    try:
+        api = gw.gw.apis["/v1/responses"]
+
+        async def poll_ended():
+            got = [q for q in (await sim_state(back.url))["received"] if q["path"].endswith(r.id)]
+            return bool(got) and not api._watched
+        await until(poll_ended, timeout=30)              # the poll's 404: it ended
+        assert (await state.usage("alice"))["concurrent"] == 1     # the running request's slot, still held
+        with pytest.raises(openai.RateLimitError):
+            await c.chat.completions.create(model="m", messages=CHAT)
+    finally:
+        held.cancel()
+        with contextlib.suppress(asyncio.CancelledError, openai.APIError):
+            await held
+        await back.close()
 
 
 async def test_a_background_stream_its_client_left_is_charged_the_rest_of_its_usage_when_it_is_read(sims, gateway):
