@@ -265,6 +265,7 @@ class ResponsesApi(ApiShape):
         self._ask: AskSiblings | None = None
         self._watched: set[asyncio.Task] = set()       # background responses polled until they end
         self._places: set[InFlight] = set()            # their places on their endpoints (admission's)
+        self._slots: set[_Slot] = set()                # their users' concurrency slots, held until they end
         self._unreachable_at = -UNREACHABLE_LOG_S      # the store's failures, logged at most this often
         self._unreachable_quiet = 0
         self._unreadable_at = -UNREACHABLE_LOG_S       # records that are not the gateway's, logged so too
@@ -688,6 +689,9 @@ class ResponsesApi(ApiShape):
         url = f"{ep.url}{RESPONSES}/{rid}"
         if place is not None:
             self._places.add(place)
+        slot = _Slot(ep, user) if hold and user is not None and self.tenancy is not None else None
+        if slot is not None:
+            self._slots.add(slot)
         try:
             if first is not None:
                 owe, first = first, None
@@ -717,20 +721,30 @@ class ResponsesApi(ApiShape):
         finally:
             if first is not None and asyncio.iscoroutine(first):
                 first.close()               # cancelled (the gateway stopping) before it ran
-            if hold and user is not None and self.tenancy is not None:
-                self.tenancy.release(user)
+            if slot is not None and slot in self._slots:     # else given back when its engine went down
+                self._slots.discard(slot)
+                self._release(slot)
             self._places.discard(place)
             self._give_back(place)
 
     def on_health(self, ep: Endpoint) -> None:
         """A monitor listener: an engine the probes found down runs none of the background responses
-        polled on it any more, so their places on its endpoint are given back at once, not when
-        their polls give up (their users' slots and owed usage stay the polls', as before)."""
-        if ep.healthy or not self._places:
+        polled on it any more, so their places on its endpoint and their users' concurrency slots
+        are given back at once, not when their polls give up; each once, the poll's end giving back
+        nothing more. Their owed usage stays the polls' (an engine back with them may still end
+        them)."""
+        if ep.healthy or not (self._places or self._slots):
             return
         for place in [p for p in self._places if _charged_on(p, ep)]:
             self._places.discard(place)
             self._give_back(place)
+        for slot in [s for s in self._slots if _charged_on(s, ep)]:
+            self._slots.discard(slot)
+            self._release(slot)
+
+    def _release(self, slot: _Slot) -> None:
+        assert self.tenancy is not None
+        self.tenancy.release(slot.user)
 
     async def _engine_copy(self, ep: Endpoint, rid: str) -> dict[str, Any] | None:
         """Response ``rid`` as its engine at ``ep`` holds it now; None when it cannot tell (no 200
@@ -1297,7 +1311,15 @@ def responses_usage(usage: dict[str, Any]) -> dict[str, Any] | None:
             "total_tokens": total if total.__class__ is int else p + c}
 
 
-def _charged_on(place: InFlight, ep: Endpoint) -> bool:
+@dataclass(eq=False, slots=True)
+class _Slot:
+    """A background response's hold on its user's concurrency slot, while it runs on ``endpoint``."""
+
+    endpoint: Endpoint
+    user: str
+
+
+def _charged_on(place: InFlight | _Slot, ep: Endpoint) -> bool:
     """Whether ``place`` counts on ``ep``: its own endpoint, or the one a reload declared in its place."""
     e: Endpoint | None = place.endpoint
     while e is not None:
