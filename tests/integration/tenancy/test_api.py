@@ -328,6 +328,57 @@ async def test_a_background_response_whose_engine_is_known_down_gives_its_concur
         await back.close()
 
 
+async def test_a_background_response_whose_engine_a_breaker_holds_out_gives_its_concurrency_slot_back_at_its_poll(
+        sims, gateway):
+    """Without health probes, a request refused by the dead engine opens its breaker; the background
+    response's next poll, unanswered, gives its user's slot back (with its place), not once the poll
+    gives up; and the poll's end (the engine back without it: a 404) gives back nothing more."""
+    first = await sims("vllm", "m", itl_ms=5.0, enable_responses_store=True)
+    second = await sims("vllm", "m", itl_ms=5.0, enable_responses_store=True)
+    sims_ = {first.url: first, second.url: second}
+    gw = await gateway([model_block("m", "vllm", list(sims_), strategy="session-affinity")], auth=KEYS,
+                       health={"enabled": False}, limits={"users": {"alice": {"max_concurrent": 1}}})
+    c = openai_client(gw, ALICE)
+    raw = await c.responses.with_raw_response.create(model="m", input="Tell me about switchyards.",
+                                                     max_output_tokens=4000, background=True)
+    r = raw.parse()
+    assert r.status in ("queued", "in_progress")
+    owner = next(e for e in gw.gw.pool.endpoints("m") if e.name == raw.headers["target-pod"])
+    dead = sims_[owner.url]
+    state = gw.gw.tenancy.state
+    assert (await state.usage("alice"))["concurrent"] == 1
+    await dead.close()
+    # another user's request sent to the dead engine (its session's), refused: its breaker opens
+    await openai_client(gw, BOB).chat.completions.create(
+        model="m", messages=CHAT, extra_headers={"x-session-id": raw.headers["x-session-id"]})
+    assert owner.ejected and owner.healthy
+
+    async def freed():
+        return (await state.usage("alice"))["concurrent"] == 0
+    await until(freed, timeout=10)           # a poll comes within 2 s; giving up takes ten
+    held = asyncio.create_task(c.chat.completions.create(
+        model="m", messages=CHAT, extra_headers={"x-sim-fault": "stall_before_first=inf"}))
+
+    async def holding():
+        return (await state.usage("alice"))["concurrent"] == 1
+    await until(holding)
+    back = await start_sim(SimConfig(engine="vllm", model="m", port=dead.port, host="127.0.0.1",
+                                     enable_responses_store=True))
+    try:
+        api = gw.gw.apis["/v1/responses"]
+
+        async def poll_ended():
+            got = [q for q in (await sim_state(back.url))["received"] if q["path"].endswith(r.id)]
+            return bool(got) and not api._watched
+        await until(poll_ended, timeout=30)              # the poll's 404: it ended
+        assert (await state.usage("alice"))["concurrent"] == 1     # the running request's slot, still held
+    finally:
+        held.cancel()
+        with contextlib.suppress(asyncio.CancelledError, openai.APIError):
+            await held
+        await back.close()
+
+
 async def test_a_background_stream_its_client_left_is_charged_the_rest_of_its_usage_when_it_is_read(sims, gateway):
     """A background stream goes on on its engine when its client leaves: the client was charged what
     it was sent (its prompt's estimate and a token an event), and the rest of the usage when a read
