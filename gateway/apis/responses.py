@@ -106,7 +106,8 @@ _ENDED = ("completed", "incomplete", "failed", "cancelled")
 # a background response answered queued is polled on its engine until it ends (its user's
 # concurrency slot held until then, its usage charged then): every 0.25 s at first, doubling to
 # every 2 s; the slot is given back after WATCH_MAX_S whatever its state, after WATCH_FAILURES polls
-# in a row its engine did not answer, or when its engine no longer knows it (404)
+# in a row its engine did not answer, when its engine no longer knows it (404), or as soon as its
+# engine is known down (``on_health``, a poll unanswered while the endpoint is held out)
 WATCH_FIRST_S = 0.25
 WATCH_EVERY_S = 2.0
 WATCH_MAX_S = 3600.0
@@ -711,7 +712,9 @@ class ResponsesApi(ApiShape):
                 except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
                     failures += 1
                     if not ep.healthy or ep.ejected:
-                        self._give_back(place)  # unreachable, and known down: its place holds nothing now
+                        # unreachable, and known down: its place and its user's slot hold nothing now
+                        self._give_back(place)
+                        self._let_go(slot)
                     continue
                 failures = 0
                 if isinstance(body, dict) and body.get("status") in _ENDED:
@@ -721,9 +724,7 @@ class ResponsesApi(ApiShape):
         finally:
             if first is not None and asyncio.iscoroutine(first):
                 first.close()               # cancelled (the gateway stopping) before it ran
-            if slot is not None and slot in self._slots:     # else given back when its engine went down
-                self._slots.discard(slot)
-                self._release(slot)
+            self._let_go(slot)
             self._places.discard(place)
             self._give_back(place)
 
@@ -739,12 +740,14 @@ class ResponsesApi(ApiShape):
             self._places.discard(place)
             self._give_back(place)
         for slot in [s for s in self._slots if _charged_on(s, ep)]:
-            self._slots.discard(slot)
-            self._release(slot)
+            self._let_go(slot)
 
-    def _release(self, slot: _Slot) -> None:
-        assert self.tenancy is not None
-        self.tenancy.release(slot.user)
+    def _let_go(self, slot: _Slot | None) -> None:
+        """A background response's hold on its user's concurrency slot given back, once: nothing if it
+        was already (its engine went down before its poll ended)."""
+        if slot is not None and slot in self._slots and self.tenancy is not None:
+            self._slots.discard(slot)
+            self.tenancy.release(slot.user)
 
     async def _engine_copy(self, ep: Endpoint, rid: str) -> dict[str, Any] | None:
         """Response ``rid`` as its engine at ``ep`` holds it now; None when it cannot tell (no 200
