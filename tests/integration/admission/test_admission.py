@@ -1076,14 +1076,14 @@ async def test_a_background_stream_its_client_left_holds_its_endpoint_until_it_e
     assert gw.gw.admission._models["m"].granted == 0
 
 
-async def _kv_events_gateway(sims, gateway):
+async def _kv_events_gateway(sims, gateway, **admission):
     """A gateway routing one engine on its KV events, one request in flight an endpoint, with a long
     system prompt served once: the gateway, its KV index, that system message and the endpoint."""
     tok = str(TINY_DIR)
     sim = await sims("vllm", "m", tokenizer=tok, kv_events_port=0, kv_blocks=4096)
     gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url], "tokenizer": tok,
                          "strategy": "prefix-cache", "kv_events": {"enabled": True, "port": sim.engine.kv_events.port}}],
-                       admission={"enabled": True, "max_in_flight_per_endpoint": 1})
+                       admission={"enabled": True, "max_in_flight_per_endpoint": 1, **admission})
     kv = gw.gw.routing.ctx.precise_index
     await until(lambda: kv.subscribers and sim.engine.kv_events.subscriptions >= 1)
     system = {"role": "system", "content": "You are a careful assistant. " + " ".join(f"rule {i} is kqz" for i in range(120))}
@@ -1277,4 +1277,23 @@ async def test_a_request_admission_sheds_is_not_tokenized_for_the_kv_events_matc
     await cancel(blocker)
     assert (await waiter)[0] == 200
     assert (await post(gw.url, chat_body(long), {"x-priority": "sheddable"}))[0] == 200     # let in: tokenized
+    assert tokenizer.segments_off_loop > before
+
+
+@pytest.mark.parametrize("bound", [{"queue_max": 0}, {"queue_max_bytes": 1000}])
+async def test_a_request_the_empty_queue_cannot_take_is_not_tokenized_for_the_kv_events_match(sims, gateway, bound):
+    """With no queue (``queue_max: 0``), or a body larger than ``queue_max_bytes``, a request that
+    finds no room is refused ``queue_full`` though nobody waits: it is refused before its long
+    prompt segment is tokenized for the KV events' match, as one shed behind waiters is."""
+    gw, kv, system, ep = await _kv_events_gateway(sims, gateway, **bound)
+    assert await wait_for(lambda: ep.in_flight == 0 and all(sub.st.emap for sub in kv.subscribers[ep]))
+    tokenizer = kv.tokenizers["m"]
+    long = [system, {"role": "user", "content": " ".join(f"word{i} zq" for i in range(400))}]
+    blocker = await hold(gw)
+    before = tokenizer.segments_off_loop
+    status, _, raw = await post(gw.url, chat_body(long))
+    assert status == 429 and orjson.loads(raw)["error"]["code"] == "queue_full"
+    assert tokenizer.segments_off_loop == before and not len(queue(gw))
+    await cancel(blocker)
+    assert (await post(gw.url, chat_body(long)))[0] == 200      # room: tokenized, served
     assert tokenizer.segments_off_loop > before
