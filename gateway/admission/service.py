@@ -342,15 +342,18 @@ class Admission:
         """Before work a request does ahead of ``admit`` only to route (its prompt tokenized for the
         KV events' match): the 429 ``admit`` would shed it with now, raised first, so a shed request
         costs nothing of that work (none of these decisions reads its tokens). Looked at while
-        requests wait only (the common path pays one length), and changes nothing: nobody evicted,
-        nothing charged; ``admit`` decides again after the work."""
+        requests wait, or when an empty queue could refuse it too (``queue_max: 0``, a body past
+        ``queue_max_bytes``, a deadline: the common path pays a length and three reads), and changes
+        nothing: nobody evicted, nothing charged; ``admit`` decides again after the work."""
         ireq = ctx.ireq
         assert ireq is not None
         model = ireq.model
         s = self.settings(model)
         mq = self._models.get(model)
-        if s is None or mq is None or not len(mq.queue):
+        if s is None or mq is None:
             return
+        if not len(mq.queue) and s.queue_max and len(ireq.body) <= s.queue_max_bytes and ireq.slo_ttft_ms is None:
+            return                          # the queue would take it: nothing sheds it
         rec = ctx.rec
         rank = self.priority_of(ctx, s)
         th = self._by_class[model][rank]
