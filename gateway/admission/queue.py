@@ -30,6 +30,7 @@ from bisect import insort
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from heapq import heapify, heappop, heappush
 from typing import Any
 
 WAITING, GRANTED, FAILED = "waiting", "granted", "failed"
@@ -167,6 +168,30 @@ class FairQueue:
             for user in sorted(lines, key=lambda u: (self.counter(r, u), lines[u].since)):
                 if user != first:
                     yield from lines[user].items
+
+    def walk(self) -> Iterator[Waiter]:
+        """The requests in the order the pump grants them, each once, while the walker grants
+        (``take``, then state ``GRANTED``) or removes the request it was just given: a grant moves
+        its user's counter, so that user's requests after it come again at its new counter's turn,
+        where ``in_order`` walked anew would find them (less the requests passed, which stay
+        passed). One walk however many grants: the users of a class in a heap."""
+        for r in range(len(self._classes) - 1, -1, -1):
+            lines = self._classes[r]
+            heap = [(self.counter(r, u), line.since, u, 0) for u, line in lines.items()]
+            heapify(heap)
+            while heap:
+                _, since, user, i = heappop(heap)
+                items = lines[user].items if user in lines else []
+                while i < len(items):
+                    w = items[i]
+                    yield w
+                    if i < len(items) and items[i] is w:
+                        i += 1                  # passed over
+                    elif w.state == GRANTED:    # its user's counter moved: its turn again by it
+                        if i < len(items):
+                            heappush(heap, (self.counter(r, user), since, user, i))
+                        break
+                    # else removed (shed, gone): the next is where it was
 
     def take(self, w: Waiter) -> None:
         """Dispatch ``w``: out of the queue, its cost on its user's counter."""

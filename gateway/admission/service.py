@@ -524,57 +524,46 @@ class Admission:
         # go to the others: one bound to a busy engine (a LoRA adapter's, a response's owner) does
         # not hold the queue back from an idle one. Once every endpoint is kept, nobody can go. A
         # waiter all of whose endpoints are kept already is passed over at the cost of a look, not
-        # counted in ``MAX_SKIPPED``: the queue is walked once per grant, however many wait so.
-        skip: set[int] = set()
+        # counted in ``MAX_SKIPPED``. One walk, however many are granted (``FairQueue.walk``).
         reserved: set[Endpoint] = set()
         ready: list[Endpoint] | None = None
         bound = 0
-        while True:
-            gone: list[Waiter] = []         # out of the queue once the walk ends (it is not resumed after a change)
-            grant = None
-            for w in q.in_order():
-                if id(w) in skip:
-                    continue
-                if w.deadline <= now and not w.fut.done() and (s := self.settings(model)) is not None:
-                    # its deadline passed before its timer ran (a busy event loop ran the release that
-                    # frees a slot first): shed now, never served late
-                    err = self._rejection(model, s, mq, w.rank, "deadline", q.position(w.rank, w.user, w), w.rec,
-                                          slo=w.slo_ms)
-                    gone.append(w)          # shed, not served: nothing on its user's counter
-                    w.fut.set_exception(err)
-                    continue
-                if w.fut.done():            # its task was cancelled and has not run yet: not served
-                    gone.append(w)
-                    continue
-                eps = self._ready(model, w)
-                if not eps:
-                    gone.append(w)
-                    w.fut.set_exception(_no_endpoint(model))
-                    continue
-                free = [ep for ep in eps if ep not in reserved] if reserved else eps
-                if free and total_headroom(free, w.pairs, by_class[w.rank], now) - mq.granted >= 1:
-                    grant = w
-                    break
-                bound_to = not w.widen or w.accepts is not None     # not free to go anywhere
-                if free:                    # endpoints no waiter before it keeps: kept for it now
-                    reserved.update(eps)
-                    if ready is None:
-                        ready = self.pool.ready(model)
-                    bound += 1
-                    if not bound_to or bound > MAX_SKIPPED or reserved.issuperset(ready):
-                        break
-                elif not bound_to:
-                    break
-                skip.add(id(w))             # bound to endpoints of its own: the others may serve the rest
-            for w in gone:
+        for w in q.walk():
+            if w.deadline <= now and not w.fut.done() and (s := self.settings(model)) is not None:
+                # its deadline passed before its timer ran (a busy event loop ran the release that
+                # frees a slot first): shed now, never served late
+                err = self._rejection(model, s, mq, w.rank, "deadline", q.position(w.rank, w.user, w), w.rec,
+                                      slo=w.slo_ms)
+                q.remove(w)                 # shed, not served: nothing on its user's counter
+                w.fut.set_exception(err)
+                continue
+            if w.fut.done():                # its task was cancelled and has not run yet: not served
                 q.remove(w)
-            if grant is None:
+                continue
+            eps = self._ready(model, w)
+            if not eps:
+                q.remove(w)
+                w.fut.set_exception(_no_endpoint(model))
+                continue
+            free = [ep for ep in eps if ep not in reserved] if reserved else eps
+            if free and total_headroom(free, w.pairs, by_class[w.rank], now) - mq.granted >= 1:
+                q.take(w)                   # dispatched: its cost goes on its user's counter
+                w.reserved = frozenset(reserved) if reserved else None
+                w.state = GRANTED
+                mq.granted += 1
+                w.fut.set_result(None)
+                continue
+            bound_to = not w.widen or w.accepts is not None     # not free to go anywhere
+            if free:                        # endpoints no waiter before it keeps: kept for it now
+                reserved.update(eps)
+                if ready is None:
+                    ready = self.pool.ready(model)
+                bound += 1
+                if not bound_to or bound > MAX_SKIPPED or reserved.issuperset(ready):
+                    return
+            elif not bound_to:
                 return
-            q.take(grant)                   # dispatched: its cost goes on its user's counter
-            grant.reserved = frozenset(reserved) if reserved else None
-            grant.state = GRANTED
-            mq.granted += 1
-            grant.fut.set_result(None)
+            # bound to endpoints of its own: the others may serve the rest
 
     def _room_now(self, model: str, mq: ModelQueue, rank: int, candidates: list[Endpoint], pairs: bool,
                   th: Thresholds, now: float) -> list[Endpoint]:

@@ -7,7 +7,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.admission.queue import DrainRate, FairQueue, Waiter, retry_after_s
+from gateway.admission.queue import GRANTED, DrainRate, FairQueue, Waiter, retry_after_s
 
 SHED, STD, CRIT = 0, 1, 2
 
@@ -45,6 +45,69 @@ def test_the_walk_in_order_meets_the_waiters_as_peek_passes_over_them():
     assert walked == seen and sorted(map(id, walked)) == sorted(map(id, items))
     assert list(q.in_order(STD)) == [x for x in walked if x.rank >= STD]
     assert [x.user for x in walked] == ["c", "f", "a", "a", "b", "d", "e"]
+
+def _rewalk(q, decide):
+    """The pump's order as it was: after each grant or removal, ``in_order`` walked anew, the
+    waiters passed over skipped."""
+    passed: set[int] = set()
+    out = []
+    while True:
+        for x in q.in_order():
+            if id(x) in passed:
+                continue
+            out.append(x.seq)
+            d = decide(x)
+            if d == "stop":
+                return out
+            if d == "grant":
+                q.take(x)
+                x.state = GRANTED
+                break
+            if d == "remove":
+                q.remove(x)
+                break
+            passed.add(id(x))
+        else:
+            return out
+
+
+def _walk(q, decide):
+    out = []
+    for x in q.walk():
+        out.append(x.seq)
+        d = decide(x)
+        if d == "stop":
+            break
+        if d == "grant":
+            q.take(x)
+            x.state = GRANTED
+        elif d == "remove":
+            q.remove(x)
+    return out
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from("abcde"), st.integers(0, 60), st.integers(0, 3),
+                          st.sampled_from(["grant", "grant", "pass", "remove", "stop"])), max_size=40),
+       st.dictionaries(st.sampled_from("abcde"), st.integers(0, 200)))
+def test_one_walk_meets_the_waiters_as_walking_anew_after_each_grant_does(entries, counters):
+    """``walk`` (the pump's one walk) meets the waiters in the order the pump met them when it
+    walked the queue anew after each grant (a grant moves its user's counter, and so the order),
+    whatever it does with each: grant it, pass it over, remove it, or stop."""
+    orders = []
+    for run in (_rewalk, _walk):
+        q = FairQueue()
+        for user, c in counters.items():
+            for r in range(3):
+                q.charge(r, user, float(c + r))
+        items = []
+        for rank, user, cost, deadline, _ in entries:
+            x = Waiter(rank, user, 10, 0.0, cost=float(cost), deadline=float(deadline) if deadline else math.inf)
+            q.push(x)
+            items.append(x)
+        what = {x.seq: e[4] for x, e in zip(items, entries, strict=True)}
+        orders.append(run(q, lambda x, what=what: what[x.seq]))
+    assert orders[0] == orders[1]
+
 
 def test_classes_first_then_users_in_turn_then_arrival_order():
     q = FairQueue()
