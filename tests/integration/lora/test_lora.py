@@ -462,3 +462,23 @@ async def test_a_vllm_without_runtime_adapter_loading_is_named_in_the_load_failu
     assert (status, headers["x-error-lora-load"], body["error"]["code"]) == (502, "error", "lora_load_failed")
     assert "status 404: Not Found" in body["error"]["message"]
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true" in body["error"]["message"], body
+
+
+async def test_a_load_call_that_outlasts_load_timeout_s_is_no_fault_of_its_endpoint(sims, gateway):
+    """An engine still reading a large adapter when ``load_timeout_s`` runs out is busy, not broken:
+    the load fails (502, and the endpoint cools down for that adapter), but the endpoint's breaker
+    hears no fault, and the base model's requests go on to both endpoints."""
+    a = await sims("vllm", "m", **LORA_SIM, lora_load_call_ms=3000)
+    b = await sims("vllm", "m", **LORA_SIM, lora_load_call_ms=3000)
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url], adapters={"big": "org/big-lora"})],
+                       lora={"discovery_interval_s": 0, "load_timeout_s": 0.2},
+                       breaker={"consecutive_faults": 1, "max_ejection_percent": 100})
+    await until(lambda: len(gw.gw.pool.ready("m")) == 2, timeout=10)
+    status, headers, body = await chat(gw, "big")
+    assert (status, headers["x-error-lora-load"]) == (502, "error"), body
+    assert "within 0.2s" in body["error"]["message"], body
+    text = await gw.metrics_text()
+    assert metric(text, "switchyard_lora_loads_total", model="m", adapter="big", result="error") == 1
+    assert metric(text, "switchyard_upstream_errors_total", model="m", error_class="timeout") == 1
+    assert metric(text, "switchyard_breaker_transitions_total") == 0, text
+    assert len(gw.gw.pool.ready("m")) == 2
