@@ -564,10 +564,12 @@ class Lora:
         """POST an adapter call to ``ep``; ``None`` when ``judge`` finds the answer fine, else why not.
         ``answer`` gets the answer's bytes. A call this process could make no socket for tells nothing
         of the engine: with ``local_raises`` (a load, which a request awaits) it is the main path's
-        503 ``gateway_resources``, and no cooldown follows; else (an unload) it failed."""
+        503 ``gateway_resources``, and no cooldown follows; else (an unload) it failed. A call that
+        outlasts ``load_timeout_s`` fails, but is no fault for the endpoint's breaker (an engine
+        reading a large adapter is slow, not broken)."""
         try:
             status, raw = await self.upstream.fetch(ep, call[0], call[1], {"Content-Type": "application/json"},
-                                                    model, self.settings.load_timeout_s)
+                                                    model, self.settings.load_timeout_s, timeout_fault=False)
             if key_refused(status, ep.api_key is not None):     # counted and logged by the fetch
                 return f"the engine refused the gateway's credentials for it (status {status})"
             if answer is not None:

@@ -273,11 +273,14 @@ class Upstream:
             raise f from None
 
     async def fetch(self, ep: Endpoint, path: str, body: bytes, headers: dict[str, str],
-                    model: str, timeout: float | None = None, report: bool = True) -> tuple[int, bytes]:
+                    model: str, timeout: float | None = None, report: bool = True,
+                    timeout_fault: bool = True) -> tuple[int, bytes]:
         """POST and read the whole answer (prefill legs, aborts) within ``timeout``; raises
         ``UpstreamFailure`` (kind ``timeout`` when the time ran out). With ``report`` (not for
-        aborts) the outcome goes to the endpoint's breaker."""
-        status, raw = await self.answer(ep, self.begin(ep, path, body, headers), model, timeout, report)
+        aborts) the outcome goes to the endpoint's breaker; a timeout only with ``timeout_fault``
+        (not for a LoRA adapter's load, which may outlast any bound on a healthy engine)."""
+        status, raw = await self.answer(ep, self.begin(ep, path, body, headers), model, timeout, report,
+                                        timeout_fault)
         keyed = ep.api_key is not None
         if key_refused(status, keyed):
             engine_key_refused(self.metrics, ep, model, status, path)
@@ -308,9 +311,10 @@ class Upstream:
             raise f from None
 
     async def answer(self, ep: Endpoint, x: Exchange, model: str, timeout: float | None = None,
-                     report: bool = True) -> tuple[int, bytes]:
+                     report: bool = True, timeout_fault: bool = True) -> tuple[int, bytes]:
         """The whole answer of a begun exchange within ``timeout``, as ``fetch`` reads it; its
-        status is not told to the breaker (``record`` it), its failures are (with ``report``)."""
+        status is not told to the breaker (``record`` it), its failures are (with ``report``; a
+        timeout with ``timeout_fault`` too)."""
         try:
             async with asyncio.timeout(timeout):
                 resp = await x.response()
@@ -320,7 +324,7 @@ class Upstream:
                     resp.release()      # back to the pool when fully read; closed (engine aborts) otherwise
             return resp.status, raw
         except TimeoutError:
-            self.failed(ep, model, "timeout", report)
+            self.failed(ep, model, "timeout", report and timeout_fault)
             raise UpstreamFailure("timeout", f"no answer from {x.url} within {timeout:g}s", retryable=False) from None
         except UpstreamTooLarge as e:       # counted as the relay counts a whole answer over the bound
             self.failed(ep, model, "too_large", report)
