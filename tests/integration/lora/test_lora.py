@@ -482,3 +482,32 @@ async def test_a_load_call_that_outlasts_load_timeout_s_is_no_fault_of_its_endpo
     assert metric(text, "switchyard_upstream_errors_total", model="m", error_class="timeout") == 1
     assert metric(text, "switchyard_breaker_transitions_total") == 0, text
     assert len(gw.gw.pool.ready("m")) == 2
+
+
+async def test_an_adapter_discovery_finds_under_an_alias_name_is_warned_of_without_a_reload(sims, gateway):
+    """The file's check cannot see the adapters the engines will serve: an alias the gateway started
+    with may have the name of one an engine lists later (registered at its start, or loaded by
+    someone else). Discovery warns of it when it first finds it there, as a reload does, and not
+    again at each round; requests for that name still go to the alias."""
+    a = await sims("vllm", "m", **LORA_SIM)
+    b = await sims("vllm", "m2")
+    gw = await gateway([model_block("m", "vllm", [a.url]), model_block("m2", "vllm", [b.url])], lora=FAST_LORA,
+                       aliases=[{"name": "sql", "targets": [{"model": "m2"}]}])
+    with structlog.testing.capture_logs() as logs:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(a.url + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "org/sql"}) as r:
+                assert r.status == 200, await r.text()
+        await wait_for(lambda: "sql" in gw.gw.pool.endpoints("m")[0].adapters.served)
+        lora, rounds = gw.gw.lora, []
+        counted = lora.count_serving        # called at the end of each discovery round
+
+        def count() -> None:
+            rounds.append(1)
+            counted()
+        lora.count_serving = count
+        await wait_for(lambda: len(rounds) >= 3)    # more rounds, which find it again
+    warned = [e for e in logs if e["event"] == "alias shadows a lora adapter the engines serve"]
+    assert [(e["log_level"], e["alias"], e["adapter_model"], e["endpoints"]) for e in warned] == [
+        ("warning", "sql", "m", [a.url.split("//")[1]])]
+    status, _, body = await chat(gw, "sql")
+    assert (status, body.get("model")) == (200, "m2"), body
