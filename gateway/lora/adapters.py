@@ -199,6 +199,7 @@ class Lora:
         if before is not None and before.discovery_interval_s != config.lora.discovery_interval_s:
             self._rediscover.set()
         self.paths: dict[str, tuple[str, str]] = {a: (m.name, p) for m in config.models for a, p in m.adapters.items()}
+        self._alias_names = frozenset(a.name for a in config.aliases)
 
     # -- before routing ------------------------------------------------------------------------
 
@@ -877,6 +878,12 @@ class Lora:
         for a in list(found):
             if (id(ep), a) in self._unloading or self._unloaded_at.get((id(ep), a), -1.0) >= asked:
                 del found[a]
+        if self._alias_names:
+            # the file's check cannot see an engine's adapters: a reload warns of those it finds
+            # under an alias's name (gateway/server/reload.py), and this of those found since
+            for a in self._alias_names.intersection(found).difference(ep.adapters.served):
+                log.warning("alias shadows a lora adapter the engines serve", alias=a, adapter_model=found[a],
+                            endpoints=[ep.name])
         ep.adapters.served = found
 
     def tell_uses(self) -> None:
