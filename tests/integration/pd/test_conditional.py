@@ -160,6 +160,24 @@ async def test_requests_run_whole_spread_over_equally_loaded_combined_endpoints(
     assert pods == {c1.url.split("//")[1], c2.url.split("//")[1]}
 
 
+async def test_requests_pd_pairs_cannot_serve_spread_over_equally_loaded_combined_endpoints(sims, gateway):
+    """A request the pairs cannot serve (SGLang's ``n`` > 1: a prompt's samples share one bootstrap
+    room) runs whole on the combined endpoints as a short prompt does: equal ones at random, not all
+    on the first listed."""
+    p, d = await sims("sglang", "m", role="prefill"), await sims("sglang", "m", role="decode")
+    c1, c2 = await sims("sglang", "m"), await sims("sglang", "m")
+    rs = {"name": "rs", "prefill": [{"url": p.url, "bootstrap_port": p.bootstrap_port}], "decode": [d.url],
+          "combined": [c1.url, c2.url]}
+    gw = await gateway([{"name": "m", "engine": "sglang", "rolesets": [rs], "pd": {"combined_load_ratio": 0}}])
+    pods = set()
+    async with aiohttp.ClientSession() as s:
+        for i in range(24):             # all on one of the two at random: 2 in 2^24
+            status, headers, _ = await post(gw, chat_body([{"role": "user", "content": f"hi {i}"}], n=2), http=s)
+            assert status == 200 and headers["x-pd-decision"] == "combined; reason=several_choices"
+            pods.add(headers["target-pod"])
+    assert pods == {c1.url.split("//")[1], c2.url.split("//")[1]}
+
+
 async def test_on_kv_events_the_decode_reports_what_it_holds(sims, gateway):
     """With the decode publishing KV events, its uncached tokens are the prompt's tokens less what
     its engine reports holding: turn 1 is disaggregated (the decode has sent no event yet, so the
