@@ -27,7 +27,7 @@ combined endpoint of the model (equal ones at random); else the request is disag
 
 A request the engine's pairs cannot serve (its adapter's ``unsplit``) runs whole, before any rule:
 on the chosen decode when its engine prefills by itself, else on the least-loaded combined
-endpoint, else it is refused with 400. vLLM: a completion's batch of prompts (``several_prompts``:
+endpoint (equal ones at random), else it is refused with 400. vLLM: a completion's batch of prompts (``several_prompts``:
 its prefill answers the first prompt's KV params alone), prompt logprobs (``prompt_logprobs``:
 a decode that loads the prompt's KV does not run the forward pass they come from) and a request of
 no tokens (``no_generation``: ``max_tokens`` 0) or of a ``min_tokens`` out of its bounds
@@ -147,8 +147,8 @@ class PDDecider:
 
     def _whole(self, ctx: RequestContext, engine: Any, candidates: list[Endpoint], unsplit: Unsplit) -> list[Endpoint]:
         """A request the engine's pairs cannot serve (``unsplit``): whole on the chosen decode when
-        its engine prefills by itself, else on the least-loaded combined endpoint, else refused
-        (400, naming the field)."""
+        its engine prefills by itself, else on the least-loaded combined endpoint (equal ones at
+        random), else refused (400, naming the field)."""
         reason = unsplit.reason
         ireq, d = ctx.ireq, ctx.decision
         assert ireq is not None and d is not None
@@ -162,7 +162,7 @@ class PDDecider:
             raise GatewayError(400, f"{unsplit.what} is not served by P/D pairs of the model `{ireq.model}`, and it "
                                     f"has no combined endpoint to run it whole: {unsplit.why}", param=unsplit.param)
         low = min(c.in_flight + c.remote_in_flight for c in combined)
-        d.endpoint = next(c for c in combined if c.in_flight + c.remote_in_flight == low)
+        d.endpoint = self.rng.choice([c for c in combined if c.in_flight + c.remote_in_flight == low])
         d.prefill = None
         self._record(ctx, "combined", reason, None)
         return combined
