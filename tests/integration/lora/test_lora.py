@@ -323,6 +323,38 @@ async def test_pd_model_routes_both_legs_to_endpoints_serving_the_adapter(sims, 
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_an_adapter_of_a_pd_model_without_a_ready_decode_runs_whole_on_a_combined_endpoint(sims, gateway, engine):
+    """With no ready decode the ``pd`` strategy runs a base model's requests whole on the roleset's
+    combined endpoint; an adapter's request too, loading the adapter there, not a 503 that says its
+    load failed on every endpoint. Without a combined endpoint, the 503 names the missing role."""
+    p, d = await sims(engine, "m", role="prefill", **LORA_SIM), await sims(engine, "m", role="decode", **LORA_SIM)
+    c = await sims(engine, "m", **LORA_SIM)
+    n_p, n_d = await sims(engine, "n", role="prefill", **LORA_SIM), await sims(engine, "n", role="decode", **LORA_SIM)
+
+    def model(name, prefill, decode, **more):
+        pre = {"url": prefill.url, "bootstrap_port": prefill.bootstrap_port} if engine == "sglang" else prefill.url
+        return {"name": name, "engine": engine, "rolesets": [{"name": "rs", "prefill": [pre], "decode": [decode.url],
+                                                              **more}]}
+
+    gw = await gateway([{**model("m", p, d, combined=[c.url]), "adapters": {"sql": "org/sql-lora"}},
+                        {**model("n", n_p, n_d), "adapters": {"chat": "org/chat-lora"}}],
+                       lora={"discovery_interval_s": 0})
+    await d.close()
+    await n_d.close()
+    await until(lambda: not any(ep.ready for ep in gw.gw.pool.endpoints() if ep.role == "decode"), timeout=10)
+    status, headers, body = await chat(gw, "sql")
+    assert status == 200 and body["model"] == "sql", body
+    assert headers["x-pd-decision"] == "combined; reason=no_pair_combined"
+    assert headers["target-pod"] == c.url.split("//")[1]
+    assert [len(load_calls(await sim_state(u))) for u in (p.url, c.url)] == [0, 1]
+    status, headers, body = await chat(gw, "chat")
+    assert status == 503, body
+    assert "no ready decode endpoint of the P/D model `n` serves the LoRA adapter `chat`" in body["error"]["message"]
+    text = await gw.metrics_text()
+    assert metric(text, "switchyard_lora_loads_total", result="cooldown") == 0
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
 async def test_a_refused_decode_leg_of_an_adapter_goes_to_no_decode_without_it(sims, gateway, engine):
     """The adapter's decode died (its port refuses) before the probes noticed: its leg goes to no
     decode of the roleset that does not serve the adapter (which would answer that the adapter does
