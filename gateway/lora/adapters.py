@@ -31,7 +31,10 @@ with an adapter to unload, below), and among those with a free slot (fewer activ
 
 A P/D model's adapter requests (``serving_pairs``) are routed by ``pd`` among the endpoints that
 serve the adapter, so both legs (and a request run whole, by conditional disaggregation) land on
-engines that have it. When no prefill or no decode serves it and the model's ``adapters`` has it,
+engines that have it. With no ready prefill or no ready decode at all (no pair, so ``pd`` runs
+requests whole on a combined endpoint), the request is one for the combined endpoints, as
+``prepare`` makes it (else 503 naming the missing role). When no prefill or no decode serves it and
+the model's ``adapters`` has it,
 the same ``_load`` runs for each missing role among that role's endpoints, concurrently, as one
 shared load per (model, adapter) (apart from a whole-request load of it, for a request a header sent
 to the model's combined endpoints: ``_shared_load``); the first failure is every waiter's 502 (the other role's load
@@ -278,6 +281,14 @@ class Lora:
         adapter, model = ireq.lora, ireq.model
         missing = self._missing_roles(candidates, adapter)
         if missing:
+            unpaired = [r for r in missing if not any(ep.role == r for ep in candidates)]
+            if unpaired:
+                # no ready endpoint of a role: no pair at all, and ``pd`` runs the request whole on a
+                # combined endpoint, where the adapter is wanted (loaded as for a whole request)
+                whole = [ep for ep in candidates if ep.role not in ("prefill", "decode")]
+                if not whole:
+                    self._no_endpoint(model, adapter, " or ".join(unpaired))
+                return await self.prepare(ctx, whole)
             path = self._loadable(model, adapter, " or ".join(missing))
             await self._shared_load(ctx, model, adapter, True, lambda: self._load_roles(model, adapter, path, candidates))
             missing = self._missing_roles(candidates, adapter)
