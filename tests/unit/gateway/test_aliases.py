@@ -148,3 +148,19 @@ def test_yaml_anchors_used_again_elsewhere_are_fine():
 def test_with_kubernetes_discovery_a_target_may_be_a_discovered_model():
     cfg = parse_config("kubernetes: {enabled: true}\naliases: [{name: c, targets: [{model: found-by-label}]}]")
     assert cfg.aliases[0].targets[0].model == "found-by-label"
+
+
+@pytest.mark.parametrize("kubernetes", [False, True])
+def test_a_target_that_is_an_adapter_the_config_lists_is_refused_as_one(kubernetes):
+    """An alias's targets are models: a listed adapter is named as one (not an unknown model), and
+    refused with Kubernetes discovery on too, where a target no model names is otherwise taken for
+    a discovered model's (an adapter never has ready endpoints of its own, so a split between it and
+    a model sent it nothing)."""
+    base = BASE.replace("endpoints: [http://127.0.0.1:2]", "endpoints: [http://127.0.0.1:2], adapters: {sql: org/sql}")
+    if kubernetes:
+        base = "kubernetes: {enabled: true}\n" + base
+    with pytest.raises(ConfigError) as e:
+        parse_config(base + "aliases: [{name: c, targets: [{model: llama-8b}, {model: sql}]}]", source="gw.yaml")
+    assert e.value.key_path == "aliases[0].targets[1].model"
+    assert str(e.value) == ("gw.yaml: aliases[0].targets[1].model: 'sql' is a LoRA adapter of model 'llama-8b-v2' "
+                            "(models[1].adapters); an alias's targets are models")
