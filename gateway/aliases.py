@@ -70,8 +70,9 @@ def check_aliases(aliases: Sequence[AliasConfig], models: Sequence[str], discove
                   adapters: Mapping[str, tuple[int, str]] | None = None) -> None:
     """The checks that need the whole config (``Config.__post_init__``): an alias may not shadow a
     model, an adapter the config lists (``adapters``: name → the index and name of its model) or
-    another alias, and its targets are models. With Kubernetes discovery on, a target that no
-    ``models:`` entry names may still come from discovered pods, so it is accepted. (An alias is
+    another alias, and its targets are models, not adapters the config lists (a target is placed by
+    its model's ready endpoints, which an adapter has none of). With Kubernetes discovery on, a
+    target that no ``models:`` entry names may still come from discovered pods, so it is accepted. (An alias is
     resolved before the LoRA stage: one named as an adapter would have its targets answer that
     adapter's requests without it.)"""
     model_names = set(models)
@@ -91,6 +92,10 @@ def check_aliases(aliases: Sequence[AliasConfig], models: Sequence[str], discove
             if t.model in alias_names:
                 raise ValueError(f"aliases[{i}].targets[{j}].model: {t.model!r} is an alias; "
                                  "an alias points at models, not at other aliases")
+            if adapters and t.model in adapters:
+                at, model = adapters[t.model]
+                raise ValueError(f"aliases[{i}].targets[{j}].model: {t.model!r} is a LoRA adapter of model "
+                                 f"{model!r} (models[{at}].adapters); an alias's targets are models")
             if t.model not in model_names and not discovered:
                 known = ", ".join(sorted(model_names)) or "none"
                 raise ValueError(f"aliases[{i}].targets[{j}].model: unknown model {t.model!r} (models: {known})")
