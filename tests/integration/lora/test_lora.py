@@ -4,6 +4,8 @@ under concurrency, failed loads and their cool-down, enginesim's slots, load cal
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 
 import aiohttp
 import anthropic
@@ -15,7 +17,7 @@ import structlog
 from gateway.config.schema import config_from_dict
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS
 from gateway.server.app import RELOAD_KEY
-from tests.support.enginesim import restart_sim
+from tests.support.enginesim import restart_sim, start_sim
 from tests.support.factories import model_block
 from tests.support.http import anthropic_client, chat_body, openai_client, post, sim_state
 from tests.support.lora import FAST_LORA, LORA_SIM, MSG, chat, load_calls
@@ -168,6 +170,30 @@ async def test_an_engine_restart_seen_only_by_its_scrape_gets_its_adapters_loade
     try:
         await until(lambda: ep.metrics.start_time == restarted.engine.started_at)
         assert ep.healthy
+        status, _, body = await chat(gw, "tone")
+        assert status == 200, body
+        assert len(load_calls(await sim_state(restarted.url))) == 1
+    finally:
+        await restarted.close()
+
+
+async def test_a_load_that_failed_on_an_engine_that_then_restarted_does_not_cool_down_the_new_engine(sims, gateway):
+    """A load asked of an engine that was going down (its port refused the call) cools that
+    endpoint down for the adapter; the engine that comes back up there (its scrape names a new
+    start) is another process, which was never asked: the next request loads the adapter there,
+    not a 503 until failure_cooldown_s has passed."""
+    s = await sims("vllm", "m", **LORA_SIM)
+    gw = await gateway([model_block("m", "vllm", [s.url], adapters={"tone": "org/tone-lora"})],
+                       lora={"discovery_interval_s": 0, "failure_cooldown_s": 600}, health={"interval_s": 60})
+    ep = gw.gw.pool.endpoints("m")[0]
+    await until(lambda: ep.metrics is not None and ep.metrics.start_time == s.engine.started_at)
+    await until(lambda: time.time() - s.engine.started_at > 1.5, timeout=10)     # two starts told apart
+    await s.close()
+    status, headers, body = await chat(gw, "tone")
+    assert (status, headers["x-error-lora-load"]) == (502, "error"), body
+    restarted = await start_sim(dataclasses.replace(s.cfg, port=s.port))
+    try:
+        await until(lambda: ep.metrics.start_time == restarted.engine.started_at, timeout=10)
         status, _, body = await chat(gw, "tone")
         assert status == 200, body
         assert len(load_calls(await sim_state(restarted.url))) == 1
