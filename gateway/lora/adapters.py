@@ -23,8 +23,9 @@ with an adapter to unload, below), and among those with a free slot (fewer activ
 
 - concurrent requests for the same adapter wait on the one load (its outcome is theirs);
 - a failed load answers 502 ``lora_load_failed`` with the engine's message, and that endpoint is
-  not asked to load that adapter again for ``lora.failure_cooldown_s``; while every endpoint is
-  cooling down, 503 with a Retry-After. A load the engine refuses as full, with no adapter of this
+  not asked to load that adapter again for ``lora.failure_cooldown_s`` (or until its engine is seen
+  to restart: ``on_health``, ``engine_restarted``); while every endpoint is cooling down, 503 with
+  a Retry-After. A load the engine refuses as full, with no adapter of this
   gateway to unload there, goes on to the next endpoint and cools none down (a slot may free at any
   moment); the 502 is the last refusal's when every endpoint refused;
 - a name that is neither a model, an alias nor a known adapter is 404 ``model_not_found``.
@@ -720,6 +721,10 @@ class Lora:
         i = id(ep)
         for a in [a for a in ep.adapters.served if (i, a) in self._loaded_at and not ep.adapters.in_flight.get(a)]:
             log.info(event, model=self._not_served(ep, a), adapter=a, endpoint=ep.name)
+        # a load that failed there failed on the engine before (often as it went down): the new one
+        # was never asked
+        for key in [k for k in self._cooldown if k[0] == i]:
+            del self._cooldown[key]
 
     def _forget(self, ep: Endpoint) -> None:
         i = id(ep)
