@@ -380,6 +380,24 @@ async def test_an_adapter_of_a_pd_model_without_a_ready_decode_runs_whole_on_a_c
     assert metric(text, "switchyard_lora_loads_total", result="cooldown") == 0
 
 
+async def test_an_adapter_request_sglang_pairs_cannot_serve_runs_whole_on_a_combined_endpoint(sims, gateway):
+    """SGLang's pairs cannot serve ``n`` > 1 (a prompt's samples share one bootstrap room): the base
+    model's such request runs whole on the combined endpoint, and an adapter's too, loading the
+    adapter there (not on the pairs, which cannot run it), not a 400 saying the model has no
+    combined endpoint."""
+    p, d = await sims("sglang", "m", role="prefill", **LORA_SIM), await sims("sglang", "m", role="decode", **LORA_SIM)
+    c = await sims("sglang", "m", **LORA_SIM)
+    rs = {"name": "rs", "prefill": [{"url": p.url, "bootstrap_port": p.bootstrap_port}], "decode": [d.url],
+          "combined": [c.url]}
+    gw = await gateway([{"name": "m", "engine": "sglang", "rolesets": [rs], "pd": {"combined_load_ratio": 0},
+                         "adapters": {"sql": "org/sql-lora"}}], lora={"discovery_interval_s": 0})
+    for _ in range(2):
+        status, headers, body = await post(gw, chat_body(MSG, model="sql", n=2))
+        assert status == 200, body
+        assert headers["x-pd-decision"].startswith("combined; ") and headers["target-pod"] == c.url.split("//")[1]
+    assert [len(load_calls(await sim_state(u))) for u in (p.url, d.url, c.url)] == [0, 0, 1]
+
+
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 async def test_a_refused_decode_leg_of_an_adapter_goes_to_no_decode_without_it(sims, gateway, engine):
     """The adapter's decode died (its port refuses) before the probes noticed: its leg goes to no
