@@ -34,7 +34,9 @@ A P/D model's adapter requests (``serving_pairs``) are routed by ``pd`` among th
 serve the adapter, so both legs (and a request run whole, by conditional disaggregation) land on
 engines that have it. With no ready prefill or no ready decode at all (no pair, so ``pd`` runs
 requests whole on a combined endpoint), the request is one for the combined endpoints, as
-``prepare`` makes it (else 503 naming the missing role). When no prefill or no decode serves it and
+``prepare`` makes it (else 503 naming the missing role); so is one the pairs cannot serve (the
+engine's ``unsplit``, SGLang's: a decode that never prefills by itself) when the model has
+combined endpoints and none of them serves the adapter yet. When no prefill or no decode serves it and
 the model's ``adapters`` has it,
 the same ``_load`` runs for each missing role among that role's endpoints, concurrently, as one
 shared load per (model, adapter) (apart from a whole-request load of it, for a request a header sent
@@ -280,6 +282,13 @@ class Lora:
         ireq = ctx.ireq
         assert ireq is not None and ireq.lora is not None
         adapter, model = ireq.lora, ireq.model
+        whole = [ep for ep in candidates if ep.role not in ("prefill", "decode")]
+        if whole and not (engine := adapter_for(whole[0].engine)).decode_runs_whole \
+                and engine.unsplit(ireq) is not None:
+            # the pairs cannot serve it (SGLang's n > 1): it runs whole on a combined endpoint
+            # (gateway/pd/decide.py), where the adapter is wanted, not on the pairs
+            loaded = [] if any(adapter in ep.adapters.served for ep in whole) else await self.prepare(ctx, whole)
+            return [ep for ep in candidates if adapter in ep.adapters.served] or loaded
         missing = self._missing_roles(candidates, adapter)
         if missing:
             unpaired = [r for r in missing if not any(ep.role == r for ep in candidates)]
