@@ -8,12 +8,14 @@ Every wait is on a DOM condition, checked inside the page, with a bound; the pag
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 import pytest
 import redis.asyncio as aioredis
 
+from enginesim import start_sim
 from gateway.demo import DEMO_ENGINES
 from gateway.observability.status import MAX_NAME
 from tests.support.cdp import launch_for_test
@@ -343,3 +345,37 @@ async def test_markup_in_what_clients_and_engines_name_is_shown_as_text(sims, ga
     for text in (model, "nope" + XSS, "u" + XSS, "w" + XSS):
         assert text in shown, text
     assert page.problems == [], "\n".join(page.problems)
+
+
+async def test_an_engine_that_dies_and_returns_is_shown_down_then_ready(sims, gateway, page):
+    a, b = await sims("vllm", "m"), await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url])], status=FAST_PAGE)
+    name = next(ep.name for ep in gw.gw.pool.endpoints() if ep.url.rstrip("/") == a.url.rstrip("/"))
+    state = q(f'#endpoints tr[data-endpoint="{name}"] td[data-field="state"]') + ".textContent"
+    await page.navigate(gw.url + "/status")
+    await page.wait_for(f"{state} === 'ready' && " + q("#tile-endpoints") + ".textContent === '2 / 2'")
+    await page.wait_for("[...document.querySelectorAll('#endpoints td[data-field=scraped]')]"
+                        ".every(td => td.textContent.endsWith('ago'))")
+    assert await chat(gw, "m", stream=True, rid="before") == 200
+
+    back = await restart_sim_after(a, page, state)
+    try:
+        await page.wait_for(f"{state} === 'ready' && " + q("#tile-endpoints") + ".textContent === '2 / 2'",
+                            timeout=30)
+        for i in range(4):
+            assert await chat(gw, "m", rid=f"after-{i}") == 200
+        await page.wait_for(cell("m", "requests") + " === '5'")
+        assert page.problems == [], "\n".join(page.problems)
+    finally:
+        await back.close()
+
+
+async def restart_sim_after(sim, page, state: str):
+    """``sim`` stopped until the page shows its endpoint down, then started again on its port."""
+    cfg = sim.cfg
+    port = sim.port
+    await sim.close()
+    await page.wait_for(f"{state} === 'unhealthy' && " + q("#tile-endpoints") + ".textContent === '1 / 2'",
+                        timeout=30)
+    assert page.problems == [], "\n".join(page.problems)
+    return await start_sim(dataclasses.replace(cfg, port=port))
