@@ -19,7 +19,7 @@ from enginesim import start_sim
 from gateway.demo import DEMO_ENGINES
 from gateway.observability.status import MAX_NAME
 from tests.support.cdp import launch_for_test
-from tests.support.factories import model_block, roleset, sim_pod
+from tests.support.factories import model_block, pd_model, pd_pair, roleset, sim_pod
 from tests.support.status import ADMIN, chat
 
 FAST_PAGE = {"refresh_s": 0.5}
@@ -375,7 +375,29 @@ async def restart_sim_after(sim, page, state: str):
     cfg = sim.cfg
     port = sim.port
     await sim.close()
-    await page.wait_for(f"{state} === 'unhealthy' && " + q("#tile-endpoints") + ".textContent === '1 / 2'",
-                        timeout=30)
+    await page.wait_for(f"{state} === 'unhealthy' && " + q("#tile-endpoints") + ".textContent === '1 / 2'"
+                        " && [...document.querySelectorAll('#rolesets .card h3 .badge')]"
+                        ".every(b => b.textContent === 'incomplete')", timeout=30)
     assert page.problems == [], "\n".join(page.problems)
     return await start_sim(dataclasses.replace(cfg, port=port))
+
+
+async def test_a_decode_that_dies_and_returns_leaves_its_roleset_incomplete_then_ready(sims, gateway, page):
+    p, d = await pd_pair(sims, "sglang")
+    gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])], status=FAST_PAGE)
+    name = next(ep.name for ep in gw.gw.pool.endpoints() if ep.role == "decode")
+    state = q(f'#endpoints tr[data-endpoint="{name}"] td[data-field="state"]') + ".textContent"
+    badge = q('#rolesets .card[data-roleset="m/rs-1"] h3 .badge') + ".textContent"
+    await page.navigate(gw.url + "/status")
+    await page.wait_for(f"{state} === 'ready' && {badge} === 'ready'")
+    assert await chat(gw, "m", stream=True, rid="pd-before") == 200
+
+    back = await restart_sim_after(d, page, state)
+    try:
+        await page.wait_for(f"{state} === 'ready' && {badge} === 'ready' && "
+                            + q("#tile-endpoints") + ".textContent === '2 / 2'", timeout=30)
+        assert await chat(gw, "m", stream=True, rid="pd-after") == 200
+        await page.wait_for(cell("m", "requests") + " === '2'")
+        assert page.problems == [], "\n".join(page.problems)
+    finally:
+        await back.close()
