@@ -274,9 +274,11 @@ async def test_audio_body_limit(sims, gateway):
 
 
 @pytest.mark.parametrize("path,body", [("/v1/rerank", {"query": "q", "documents": ["x" * 1000] * 200}),
-                                       ("/v1/embeddings", {"input": ["x" * 1000] * 200})])
+                                       ("/v1/embeddings", {"input": ["x" * 1000] * 200}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 200_000}]})])
 async def test_a_chunked_json_body_over_the_limit_is_body_too_large(sims, gateway, path, body):
-    """Without a Content-Length the limit is found while reading: the same 413 code as the edge's."""
+    """Without a Content-Length the limit is found while reading: the same 413 code as the edge's, and
+    its message names the key that set the limit, as the edge's to a told length does."""
     v = await sims("vllm", "llama")
     gw = await gateway([model_block("llama", "vllm", [v.url])], server={"max_body_bytes": 100_000})
     raw = orjson.dumps({"model": "llama", **body})
@@ -289,6 +291,10 @@ async def test_a_chunked_json_body_over_the_limit_is_body_too_large(sims, gatewa
                                                     headers={"Content-Type": "application/json"}) as r:
         err = (await r.json())["error"]
         assert r.status == 413 and err["code"] == "body_too_large" and err["type"] == "invalid_request_error"
+        async with s.post(gw.url + path, data=raw, headers={"Content-Type": "application/json"}) as told:
+            assert told.status == 413
+            assert err["message"] == (await told.json())["error"]["message"] == (
+                "request body exceeds 100000 bytes (server.max_body_bytes)")
 
 
 async def test_an_alias_rewrites_the_model_inside_the_form(sims, gateway):
