@@ -327,8 +327,8 @@ class AudioApi(PassthroughApi):
         into a growing bytearray, then into bytes)."""
         length = request.content_length
         if max_bytes and length is not None and length > max_bytes:
-            raise GatewayError(413, f"request body exceeds {max_bytes} bytes", code="body_too_large",
-                                   error_class=ErrorClass.VALIDATION)
+            raise GatewayError(413, f"request body exceeds {max_bytes} bytes (server.max_body_bytes)",
+                               code="body_too_large", error_class=ErrorClass.VALIDATION)
         if not request.body_exists:
             # aiohttp's one shared empty payload answers "end of an HTTP chunk" for ever once read
             return b""
@@ -343,8 +343,8 @@ class AudioApi(PassthroughApi):
                     break
                 size += len(chunk)
                 if max_bytes and size > max_bytes:
-                    raise GatewayError(413, f"request body exceeds {max_bytes} bytes", code="body_too_large",
-                                   error_class=ErrorClass.VALIDATION)
+                    raise GatewayError(413, f"request body exceeds {max_bytes} bytes (server.max_body_bytes)",
+                                       code="body_too_large", error_class=ErrorClass.VALIDATION)
                 chunks.append(chunk)
         except web.RequestPayloadError as e:
             raise GatewayError(400, f"the request body could not be read: {parser_message(str(e))}", code="bad_body",

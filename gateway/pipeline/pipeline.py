@@ -234,8 +234,8 @@ class Pipeline:
                 else:
                     body = await request.read()
             except web.HTTPRequestEntityTooLarge:
-                raise GatewayError(413, f"request body exceeds {limit} bytes", code="body_too_large",
-                                   error_class=ErrorClass.VALIDATION) from None
+                raise GatewayError(413, f"request body exceeds {limit} bytes (server.max_body_bytes)",
+                                   code="body_too_large", error_class=ErrorClass.VALIDATION) from None
             except web.RequestPayloadError as e:     # broken chunking, an undecodable Content-Encoding
                 raise GatewayError(400, f"the request body could not be read: {parser_message(str(e))}", code="bad_body",
                                    error_class=ErrorClass.VALIDATION) from None

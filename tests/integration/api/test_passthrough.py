@@ -261,7 +261,7 @@ async def test_audio_body_limit(sims, gateway):
     async with aiohttp.ClientSession() as s:
         async with s.post(gw.url + "/v1/audio/transcriptions", data=body(), headers=ctype) as r:
             err = (await r.json())["error"]
-            assert r.status == 413 and err["message"] == "request body exceeds 100000 bytes"
+            assert r.status == 413 and err["message"] == "request body exceeds 100000 bytes (server.max_body_bytes)"
             assert err["code"] == "body_too_large"          # as with a Content-Length over the limit
         c = openai_client(gw)
         with pytest.raises(openai.APIStatusError) as ei:        # with a Content-Length: refused before reading
