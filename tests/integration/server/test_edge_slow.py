@@ -469,3 +469,59 @@ async def test_a_whole_answer_whose_client_resets_while_its_body_goes_out_is_log
         line = next(x for x in lines if x["event"] == "request")
         assert (line["status"], line["error_class"]) == (200, None), line
         assert sum(v for k, v in gw.samples().items() if k.startswith("switchyard_client_cancels_total")) == 1
+
+
+@on_both_loops
+async def test_a_whole_answer_to_an_http_1_0_client_that_resets_while_its_body_goes_out_is_logged_as_its_cancel():
+    """As on HTTP/1.1, for an HTTP/1.0 client, whose answer aiohttp writes: the request's line
+    follows the write (a 499 counted as the client's cancel), not a 200 logged before the body
+    went out; one that reads it all has its 200."""
+    big = orjson.dumps({"id": "c1", "object": "chat.completion", "created": 1, "model": "m",
+                        "choices": [{"index": 0, "message": {"role": "assistant", "content": "w" * (24 << 20)},
+                                     "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=big, content_type="application/json")
+
+    raw = request("POST", CHAT, BODY).replace(b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", 1)
+    loop = asyncio.get_running_loop()
+    async with fake_engine(chat) as url, edge_gateway(endpoint=url) as gw:
+        with gw.app[GATEWAY_KEY].request_log.capture() as lines:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.setblocking(False)
+            try:
+                await loop.sock_connect(s, ("127.0.0.1", gw.port))
+                await loop.sock_sendall(s, raw)
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    got = await loop.sock_recv(s, 4096)
+                    assert got, head
+                    head += got
+                assert head.startswith(b"HTTP/1.0 200"), head[:200]
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            finally:
+                s.close()       # with SO_LINGER 0: a reset, MBs of the answer still unsent
+            assert await wait_for(lambda: [x for x in lines if x["event"] == "request"], timeout=10.0, interval=0.01)
+        line = next(x for x in lines if x["event"] == "request")
+        assert (line["status"], line["error_class"]) == (499, "client_cancel"), line
+        assert sum(v for k, v in gw.samples().items() if k.startswith("switchyard_client_cancels_total")) == 1
+        assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
+        with gw.app[GATEWAY_KEY].request_log.capture() as lines:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.setblocking(False)
+            try:
+                await loop.sock_connect(s, ("127.0.0.1", gw.port))
+                await loop.sock_sendall(s, raw)
+                got = bytearray()
+                while chunk := await loop.sock_recv(s, 1 << 20):
+                    got += chunk
+            finally:
+                s.close()
+            assert got.startswith(b"HTTP/1.0 200") and got.endswith(big), bytes(got[:200])
+            assert await wait_for(lambda: [x for x in lines if x["event"] == "request"], timeout=10.0, interval=0.01)
+        line = next(x for x in lines if x["event"] == "request")
+        assert (line["status"], line["error_class"]) == (200, None), line
