@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import socket
 
 import aiohttp
 import openai
@@ -668,3 +669,52 @@ async def test_the_response_model_is_the_one_the_engines_answer_names(gateway, r
     for reply in (whole, streamed):
         at = server_span(rx, reply.headers["request-id"]).attributes
         assert (at["gen_ai.request.model"], at.get("gen_ai.response.model")) == ("m", named)
+
+
+@pytest.mark.parametrize("version", ["1.0", "1.1"])
+async def test_a_whole_answer_whose_client_resets_while_its_body_goes_out_ends_its_span_as_the_cancel(
+        gateway, receiver, version):
+    """A non-streaming answer of MBs whose client reads its head and resets the connection: the
+    request's span, as its log line, says the client's cancel (499, ``client_cancel``), not the 200
+    the handler returned before the body went out; over HTTP/1.0 (aiohttp writes that answer) as
+    over HTTP/1.1."""
+    rx = receiver
+    big = orjson.dumps({"id": "c1", "object": "chat.completion", "created": 1, "model": "m",
+                        "choices": [{"index": 0, "message": {"role": "assistant", "content": "w" * (24 << 20)},
+                                     "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=big, content_type="application/json")
+
+    async with fake_engine(chat) as url:
+        gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [url]}], tracing=traced(rx))
+        body = orjson.dumps({"model": "m", "messages": MSG, "max_tokens": 2})
+        raw = (f"POST /v1/chat/completions HTTP/{version}\r\nHost: gw\r\nContent-Type: application/json\r\n"
+               f"x-request-id: cut-{version}\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+        loop = asyncio.get_running_loop()
+        capture = gw.gw.request_log.capture()
+        lines = capture.__enter__()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.setblocking(False)
+        try:
+            await loop.sock_connect(s, ("127.0.0.1", gw.port))
+            await loop.sock_sendall(s, raw)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                got = await loop.sock_recv(s, 4096)
+                assert got, head
+                head += got
+            assert head.startswith(f"HTTP/{version} 200".encode()), head[:200]
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        finally:
+            s.close()       # with SO_LINGER 0: a reset, MBs of the answer still unsent
+        try:        # the line, then the span, once the write's end is known
+            assert await wait_for(lambda: [x for x in lines if x["event"] == "request"], timeout=10.0, interval=0.01)
+        finally:
+            capture.__exit__(None, None, None)
+        await flush(gw)
+    at = server_span(rx, f"cut-{version}").attributes
+    assert (at["http.response.status_code"], at.get("error.type")) == (499, "client_cancel"), at
