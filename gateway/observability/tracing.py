@@ -319,6 +319,15 @@ class Trace:
     def finish(self, rec: Record) -> None:
         """The request is done: its outcome onto the request span, open legs ended."""
 
+    def hold(self) -> None:
+        """The answer's body is still on its way to the client once the handler returns (a whole
+        answer over the client's transport's limit, or one aiohttp writes after the handler): the
+        request span stays open, whatever status the handler returned, until ``release``."""
+
+    def release(self, status: int) -> None:
+        """The held answer went out (``status``), or its client left while it went (499): the
+        request span ends with that status."""
+
     def edge_answered(self, status: int) -> None:
         """The edge answered the request ``status`` itself while its handler read the body (a 408 or
         400, gateway/pipeline/context.py ``take_edge_answer``) and cancelled the handler: the span
@@ -449,7 +458,7 @@ class RequestTrace(Trace):
     """The trace of one request: its SERVER span, the route span, the legs."""
 
     __slots__ = ("tracing", "span", "ctx", "trace_id", "recording", "_route", "_legs", "_unsampled_leg",
-                 "_perf0", "_epoch0", "_closed", "_stream_leg", "edge_status")
+                 "_perf0", "_epoch0", "_closed", "_stream_leg", "edge_status", "_held")
 
     def __init__(self, tracing: Tracing, span: otel.Span) -> None:
         self.tracing = tracing
@@ -464,6 +473,7 @@ class RequestTrace(Trace):
         self._perf0 = time.perf_counter()
         self._epoch0 = time.time_ns()
         self._closed = False
+        self._held = False
         self.edge_status: int | None = None    # the edge's own answer (``edge_answered``)
 
     def _ns(self, perf: float) -> int:
@@ -584,9 +594,17 @@ class RequestTrace(Trace):
     def edge_answered(self, status: int) -> None:
         self.edge_status = status
 
+    def hold(self) -> None:
+        self._held = True
+
+    def release(self, status: int) -> None:
+        self._held = False
+        self.close(status)
+
     def close(self, status: int) -> None:
-        """The answer went out with ``status`` (499: the client left): the request span ends."""
-        if self._closed:
+        """The answer went out with ``status`` (499: the client left): the request span ends
+        (a held one's at ``release``)."""
+        if self._closed or self._held:
             return
         self._closed = True
         if self._route is not None:

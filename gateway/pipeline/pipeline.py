@@ -189,7 +189,10 @@ class Pipeline:
                 self._leave(model, ctx)
             self.lifecycle.leave(task)
             self.tenancy.settle(ticket, rec)        # charge usage tokens, release the concurrency slot
-            ctx.trace.finish(rec)
+            if ctx.unsent is None:
+                ctx.trace.finish(rec)
+            else:                                   # the span too ends once the body went, or failed
+                ctx.trace.hold()
             if (d := ctx.decision) is not None and d.reason:    # why the last decision chose as it did
                 rec.extra["route_reason"] = d.reason
             if ctx.unsent is None:
@@ -198,8 +201,8 @@ class Pipeline:
                 self.lifecycle.spawn(self._recorded_once_sent(ctx))
 
     async def _recorded_once_sent(self, ctx: RequestContext) -> None:
-        """The line of a whole answer the client's transport held over its limit: written once the
-        body went, or, when the client's connection was lost first (a reset while MBs went out), as
+        """The line and span of a whole answer the client's transport held over its limit, or that
+        aiohttp writes after the handler (``WatchedResponse``): written once the body went, or, when the client's connection was lost first (a reset while MBs went out), as
         the client's cancel (499), counted as one; the normal path never comes here."""
         rec = ctx.rec
         went = True
@@ -211,6 +214,8 @@ class Pipeline:
                 rec.error_class = ErrorClass.CLIENT_CANCEL
                 # its head went out: ``streaming``, the stage after the headers
                 self.metrics.child(self.metrics.client_cancels, rec.label_model, "streaming").inc()
+            ctx.trace.finish(rec)
+            ctx.trace.release(rec.status)
             record_request(rec, self.metrics, time.perf_counter(), self.request_log, self.observers)
 
     # -- stages ---------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from gateway.pipeline.sse import (
     string_code,
     usage_tokens,
 )
-from gateway.pipeline.whole import WrittenStream, open_stream, stream_head, write_whole
+from gateway.pipeline.whole import WatchedResponse, WrittenStream, open_stream, stream_head, write_whole
 from gateway.request import BINARY_FORMATS, BINARY_PATHS, ROUTED_PATHS
 from gateway.resilience.outcome import Outcome, key_refused, of_answer, of_status, unsupported_event
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout, UpstreamTooLarge
@@ -1040,6 +1040,12 @@ class Relay:
                 if written.unsent:      # a client slower than its answer: its line once the body went
                     ctx.unsent = written
                 return written      # type: ignore[return-value]    # what aiohttp reads of a response
+            if ctx.http.__class__ is web.Request:
+                # aiohttp writes it once the handler returned (an HTTP/1.0 client's): its line and
+                # span follow the write
+                r = ctx.unsent = WatchedResponse(status=200, body=body, headers=headers)
+                r.headers["Content-Type"] = ctype
+                return r
         r = web.Response(status=200, body=body, headers=headers)
         r.headers["Content-Type"] = ctype
         return r

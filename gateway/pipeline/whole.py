@@ -113,6 +113,45 @@ class WrittenAnswer:
         return f"<WrittenAnswer {self.status} {self.body_length} bytes>"
 
 
+class WatchedResponse(web.Response):
+    """A whole answer aiohttp writes once the handler has returned (``write_whole`` declined it: an
+    HTTP/1.0 client's): ``went`` says how its write ended, so that the request's line and span
+    follow it, as a ``WrittenAnswer``'s do. The write fails where the client's connection is lost
+    before the head went (``prepare``) or while the body goes out (``write_eof``'s drain)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._went: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+    def _told(self, went: bool) -> None:
+        if not self._went.done():
+            self._went.set_result(went)
+
+    async def prepare(self, request: Any) -> Any:
+        try:
+            return await super().prepare(request)
+        except BaseException:
+            self._told(False)
+            raise
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        went = False
+        try:
+            await super().write_eof(data)
+            went = True
+        finally:
+            self._told(went)
+
+    @property
+    def unsent(self) -> bool:
+        return not self._went.done()
+
+    async def went(self) -> bool:
+        """Whether the answer was written whole before the client's connection was lost; awaited
+        off the handler's way, in a task of its own."""
+        return await self._went
+
+
 class _Ends(dict):
     """The request classes whose transport and writer are aiohttp's, or act alike, each with the end
     of its answers' heads; a class not listed gives None (one subscript in ``_head``, no call)."""
