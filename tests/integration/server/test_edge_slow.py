@@ -525,3 +525,50 @@ async def test_a_whole_answer_to_an_http_1_0_client_that_resets_while_its_body_g
             assert await wait_for(lambda: [x for x in lines if x["event"] == "request"], timeout=10.0, interval=0.01)
         line = next(x for x in lines if x["event"] == "request")
         assert (line["status"], line["error_class"]) == (200, None), line
+
+
+@on_both_loops
+async def test_a_client_reset_read_with_its_whole_answer_is_logged_as_its_cancel():
+    """The engine's whole answer and the client's reset reach the gateway together (the engine
+    writes its answer, and the client resets its connection, before the gateway's next read): no
+    byte of the answer can reach the client, so the request's line is the client's cancel (499,
+    counted), as for a reset while the body goes out, not a 200; over HTTP/1.1 and HTTP/1.0. The
+    gateway serves the next client."""
+    small = orjson.dumps({"id": "c1", "object": "chat.completion", "created": 1, "model": "m",
+                          "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                                       "finish_reason": "stop"}],
+                          "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+    client: list[socket.socket] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = len(small)
+        await resp.prepare(request)
+        await resp.write(small)         # into the engine's socket now: its transport is not paused
+        if client:                      # in the same callback, before the gateway reads either
+            s = client.pop()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            s.close()
+        await resp.write_eof()
+        return resp
+
+    loop = asyncio.get_running_loop()
+    async with fake_engine(chat) as url, edge_gateway(endpoint=url) as gw:
+        for n, version in enumerate(("1.1", "1.0"), 1):
+            raw = request("POST", CHAT, BODY).replace(b" HTTP/1.1\r\n", f" HTTP/{version}\r\n".encode(), 1)
+            with gw.app[GATEWAY_KEY].request_log.capture() as lines:
+                s = socket.socket()
+                s.setblocking(False)
+                await loop.sock_connect(s, ("127.0.0.1", gw.port))
+                client.append(s)
+                await loop.sock_sendall(s, raw)
+                assert await wait_for(lambda: [x for x in lines if x["event"] == "request"], timeout=10.0,
+                                      interval=0.01)
+            assert not client
+            line = next(x for x in lines if x["event"] == "request")
+            assert (line["status"], line["error_class"]) == (499, "client_cancel"), (version, line)
+            assert sum(v for k, v in gw.samples().items() if k.startswith("switchyard_client_cancels_total")) == n
+            assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
+        ex = await exchange(gw.port, request("POST", CHAT, BODY, close=True))
+        assert [r.status for r in ex.responses] == [200] and ex.first.body == small
