@@ -1040,6 +1040,9 @@ class Relay:
                 if written.unsent:      # a client slower than its answer: its line once the body went
                     ctx.unsent = written
                 return written      # type: ignore[return-value]    # what aiohttp reads of a response
+            transport = ctx.http.transport
+            if transport is not None and transport.is_closing():
+                return self._gone(ctx)
             if ctx.http.__class__ is web.Request:
                 # aiohttp writes it once the handler returned (an HTTP/1.0 client's): its line and
                 # span follow the write
@@ -1049,6 +1052,18 @@ class Relay:
         r = web.Response(status=200, body=body, headers=headers)
         r.headers["Content-Type"] = ctype
         return r
+
+    def _gone(self, ctx: RequestContext) -> web.Response:
+        """The client's connection was lost as the answer came (its reset read in the same loop turn
+        as the engine's answer, before the handler wrote it): no byte of it can reach the client, so
+        the request is the client's cancel (499), as when the connection is lost while the body
+        goes out; the engine did the work, and its usage is charged alike."""
+        rec = ctx.rec
+        rec.status = 499
+        rec.error_class = ErrorClass.CLIENT_CANCEL
+        self.metrics.child(self.metrics.client_cancels, rec.label_model, "before_headers").inc()
+        ctx.trace.event("abort", {"switchyard.abort.by": "client"})
+        return web.Response(status=499)     # (not written: the transport closes)
 
     def _binary(self, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str], ctype: str,
                 body: bytes) -> web.Response:
