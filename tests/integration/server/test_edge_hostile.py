@@ -515,7 +515,9 @@ async def test_a_body_that_breaks_while_an_early_answer_drains_it_logs_no_traceb
 @on_both_loops
 async def test_header_bytes_that_are_not_utf8_are_quoted_in_a_shaped_error():
     """aiohttp reads a header's bytes that are not UTF-8 as lone surrogates; an error quoting
-    them (an unknown routing strategy) is still written, with the bytes escaped, not a 500."""
+    them (an unknown routing strategy) is still written, with the bytes escaped, not a 500; the
+    header that echoes the value has the bytes the client sent, percent-encoded (not the UTF-8 of
+    the surrogates that stood for them, bytes it never sent)."""
     async with edge_gateway(**SERVER) as gw:
         body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
         ex = await exchange(gw.port, request("POST", "/v1/chat/completions", body,
@@ -523,6 +525,7 @@ async def test_header_bytes_that_are_not_utf8_are_quoted_in_a_shaped_error():
                             responses=1, until_close=False)
         err = assert_openai_error(ex.first, 400)
         assert "\\xff\\xfe" in err["message"]
+        assert ex.first.headers["routing-strategy"] == "least-%FF%FE"
 
 
 @on_both_loops
