@@ -47,12 +47,23 @@ MAX_LOG_CHARS = 1024       # a client-written value in the request log line (use
 def safe_header_value(value: str) -> str:
     """A client-controlled value made safe to echo in a response header: characters outside
     visible ASCII become ``%XX`` escapes of their UTF-8 bytes, and the result is bounded. The
-    HTTP writer refuses control characters, so an unescaped one would cost the client its answer."""
+    HTTP writer refuses control characters, so an unescaped one would cost the client its answer.
+    A header's bytes that are not UTF-8, which aiohttp reads as lone surrogates, are escaped as the
+    bytes they stand for."""
     if len(value) > MAX_ECHO_CHARS:
         value = value[:MAX_ECHO_CHARS]
     if _UNSAFE.search(value) is None:
         return value
-    return _UNSAFE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode("utf-8", "surrogatepass")), value)
+    return _UNSAFE.sub(_escaped, value)
+
+
+def _escaped(m: re.Match[str]) -> str:
+    text = m.group()
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:      # a surrogate no undecodable byte stands for
+        raw = text.encode("utf-8", "surrogatepass")
+    return "".join(f"%{b:02X}" for b in raw)
 
 
 def model_not_found(name: str, error_class: ErrorClass = ErrorClass.MODEL_NOT_FOUND) -> GatewayError:
