@@ -202,8 +202,9 @@ class Pipeline:
 
     async def _recorded_once_sent(self, ctx: RequestContext) -> None:
         """The line and span of a whole answer the client's transport held over its limit, or that
-        aiohttp writes after the handler (``WatchedResponse``): written once the body went, or, when the client's connection was lost first (a reset while MBs went out), as
-        the client's cancel (499), counted as one; the normal path never comes here."""
+        aiohttp writes after the handler (``WatchedResponse``): written once the body went, or, when
+        the client's connection was lost first (a reset while MBs went out), as the client's cancel
+        (499), counted as one; the normal path never comes here."""
         rec = ctx.rec
         went = True
         try:

@@ -142,10 +142,6 @@ class WatchedResponse(web.Response):
         finally:
             self._told(went)
 
-    @property
-    def unsent(self) -> bool:
-        return not self._went.done()
-
     async def went(self) -> bool:
         """Whether the answer was written whole before the client's connection was lost; awaited
         off the handler's way, in a task of its own."""
