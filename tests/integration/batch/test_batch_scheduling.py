@@ -1255,3 +1255,35 @@ async def test_the_lines_of_a_batch_whose_model_went_wait_for_it_in_a_runner_sta
     third = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path, max_concurrency=1))
     done = await run_to_end(openai_client(third), b.id, timeout=30)
     assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 6, 0), done
+
+
+async def test_a_cancel_answered_as_the_batchs_end_begins_ends_it_cancelled(sims, gateway, tmp_path, monkeypatch):
+    """Every line answered, the runner begins the batch's end (``_finalize``) and a cancel is
+    answered ``cancelling`` before that end's first step (the store still says ``in_progress``):
+    the batch ends ``cancelled``, as the cancel's answer promised, with every answered line in its
+    output file, never ``completed`` from ``cancelling``."""
+    from gateway.batch.runner import BatchRunner
+
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
+    real = BatchRunner._finalize
+    entered, go = asyncio.Event(), asyncio.Event()
+
+    async def held(self, job, final: str):
+        if final == "completed" and not entered.is_set():
+            entered.set()
+            await go.wait()
+        return await real(self, job, final)
+
+    monkeypatch.setattr(BatchRunner, "_finalize", held)
+    c = openai_client(gw)
+    b = await create(c, rows(["m"] * 3))
+    await asyncio.wait_for(entered.wait(), 30)
+    assert (await c.batches.cancel(b.id)).status == "cancelling"
+    go.set()
+    done = await run_to_end(c, b.id)
+    assert done.status == "cancelled", done
+    assert done.cancelling_at and done.cancelled_at and done.completed_at is None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (3, 3, 0)
+    out = [orjson.loads(x) for x in (await c.files.content(done.output_file_id)).content.splitlines()]
+    assert [o["custom_id"] for o in out] == ["req-0", "req-1", "req-2"]
