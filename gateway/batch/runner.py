@@ -402,7 +402,9 @@ class BatchRunner:
         """Write the output and error files by streaming the stored lines, then the final state."""
         bid, doc = job.id, job.doc
         now = now_s()
-        if final == "completed" and doc["status"] == "in_progress":
+        if final == "completed" and doc["status"] != "finalizing":
+            # the store says whether it is still in_progress: a cancel answered since this end began
+            # (its doc may be the one the cancel stored) ends it cancelled, at the next look
             def to_finalizing(d: dict[str, Any]) -> bool:
                 if d["status"] != "in_progress":
                     return False
