@@ -556,30 +556,32 @@ async def test_truncated_and_malformed_uploads_and_bad_batch_requests(sims, gate
     assert status == 400 and body["error"]["code"] == "invalid_json"
 
 
+def _age(tmp_path, bid: str) -> None:
+    """The stored batch's ``expires_at`` moved into the past while it is in progress, as 24 hours
+    passing would: read and written in one transaction, as the store does (between a plain read
+    and the write, the runner may finish the batch, and the write would put it back in progress)."""
+    import sqlite3
+
+    db = sqlite3.connect(str(tmp_path / "batch" / "batches.sqlite3"), timeout=5, isolation_level=None)
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        doc = orjson.loads(db.execute("SELECT doc FROM batches WHERE id = ?", (bid,)).fetchone()[0])
+        if doc["status"] == "in_progress":
+            doc["expires_at"] = doc["created_at"] - 1
+            db.execute("UPDATE batches SET doc = ? WHERE id = ?", (orjson.dumps(doc), bid))
+        db.execute("COMMIT")
+    finally:
+        db.close()
+
+
 async def test_a_batch_past_its_window_expires_and_says_so_for_every_line_left(sims, gateway, tmp_path):
     """``completion_window`` is 24 h: the test moves the stored batch's ``expires_at`` into the past
     (as 24 hours passing would) while its lines run on a slow engine."""
-    import sqlite3
-
     gw, c, rows, b = await _slow_batch(sims, gateway, tmp_path)
     assert b.expires_at == b.created_at + 24 * 3600
 
-    def age() -> None:       # the runner rewrites the doc as lines finish: set it until it is seen
-        # read and write in one transaction, as the store does: between a plain read and the
-        # write, the runner may finish the batch, and the write would put it back in progress
-        db = sqlite3.connect(str(tmp_path / "batch" / "batches.sqlite3"), timeout=5, isolation_level=None)
-        try:
-            db.execute("BEGIN IMMEDIATE")
-            doc = orjson.loads(db.execute("SELECT doc FROM batches WHERE id = ?", (b.id,)).fetchone()[0])
-            if doc["status"] == "in_progress":
-                doc["expires_at"] = doc["created_at"] - 1
-                db.execute("UPDATE batches SET doc = ? WHERE id = ?", (orjson.dumps(doc), b.id))
-            db.execute("COMMIT")
-        finally:
-            db.close()
-
     async def expired() -> bool:
-        age()
+        _age(tmp_path, b.id)     # the runner rewrites the doc as lines finish: set it until it is seen
         return (await c.batches.retrieve(b.id)).status == "expired"
 
     await until(expired, timeout=20)
@@ -588,6 +590,21 @@ async def test_a_batch_past_its_window_expires_and_says_so_for_every_line_left(s
     await _every_line_once(c, b, rows, "batch_expired")
     page = await gw.metrics_text()
     assert sample(page, "switchyard_batch_lines_total", model="m", outcome="failed") == b.request_counts.failed
+
+
+async def test_a_cancel_once_the_window_ended_is_refused_and_the_batch_expires(sims, gateway, tmp_path):
+    """An in-progress batch whose ``expires_at`` passed has expired, whether or not the runner's
+    look at the store has seen it yet: a cancel then is the 400 ``invalid_batch_state`` (an answer
+    ``cancelling`` would promise an end ``cancelled`` that the expiry under way does not keep), and
+    the batch ends ``expired``, every line not answered named in its error file."""
+    gw, c, rows, b = await _slow_batch(sims, gateway, tmp_path)
+    _age(tmp_path, b.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        await c.batches.cancel(b.id)
+    assert e.value.status_code == 400 and e.value.body["code"] == "invalid_batch_state", e.value.body
+    b = await run_to_end(c, b.id)
+    assert b.status == "expired" and b.cancelling_at is None and b.cancelled_at is None, b
+    await _every_line_once(c, b, rows, "batch_expired")
 
 
 async def test_files_past_their_ttl_leave_the_store_and_the_disk(sims, gateway, tmp_path):
