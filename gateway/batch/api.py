@@ -451,15 +451,23 @@ class BatchApi:
         now = now_s()
 
         def cancel(d: dict[str, Any]) -> bool:
-            if d["status"] in ("validating", "in_progress"):
+            if d["status"] == "validating" or d["status"] == "in_progress" and not _window_ended(d, now):
                 d.update(status="cancelling", cancelling_at=now)
                 return True
             return False
         doc = await self.db.run(BatchStore.update_batch, bid, cancel) or doc
+        if doc["status"] == "in_progress" and _window_ended(doc, now):
+            # it has expired: the runner ends it so at its next look, if it has not begun already
+            raise _bad("Cannot cancel a batch with status expired", "batch_id", "invalid_batch_state")
         if doc["status"] not in ACTIVE or doc["status"] == "finalizing":
             raise _bad(f"Cannot cancel a batch with status {doc['status']}", "batch_id", "invalid_batch_state")
         self.on_change(doc)
         return _json(doc)
+
+
+def _window_ended(doc: dict[str, Any], now: int) -> bool:
+    """Whether an in-progress batch has expired: its ``expires_at`` passed, as the runner judges it."""
+    return bool(doc.get("expires_at")) and now >= doc["expires_at"]
 
 
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)      # a full disk, a quota, a file size limit
