@@ -843,6 +843,53 @@ async def test_the_calls_on_a_stored_stream_still_generating_answer_as_on_the_re
                 await c.responses.create(model="m", input="and then?", previous_response_id="resp_cut1")
 
 
+async def _held_on_one_replica(gateway, redis_server, url: str):
+    """Two replicas on one Redis with gateway state, and a stored stream of the held engine
+    started on the first, read up to its first delta: (first, second, stream, events seen)."""
+    blocks = {"state": {"redis_url": redis_server.url}, "responses": {"state": "gateway"}}
+    g1 = await gateway([model_block("m", "vllm", [url])], **blocks)
+    g2 = await gateway([model_block("m", "vllm", [url])], **blocks)
+    stream = await openai_client(g1).responses.create(model="m", input="weather?", stream=True)
+    seen = []
+    async for ev in stream:
+        seen.append(ev.type)
+        if ev.type == "response.function_call_arguments.delta":
+            break
+    return openai_client(g1), openai_client(g2), stream, seen
+
+
+async def test_a_stored_stream_still_generating_on_one_replica_is_in_progress_on_another(gateway, redis_server):
+    """Gateway state on Redis, two replicas: a stored stream still generating on the first was a
+    404 on the second until it ended (the record was written then). Its replica writes the
+    response in progress as the stream starts, replaced when it ends: the second answers it
+    ``in_progress`` with its input, and completed once it ended."""
+    go_on = asyncio.Event()
+    async with fake_engine(_held_stream(go_on), paths=("/v1/responses",)) as url:
+        c1, c2, stream, seen = await _held_on_one_replica(gateway, redis_server, url)
+        try:
+            got = await until_answered(lambda: c2.responses.retrieve("resp_cut1"))
+            items = await c2.responses.input_items.list("resp_cut1")
+        finally:
+            go_on.set()
+        assert (got.id, got.status, got.model) == ("resp_cut1", "in_progress", "m")
+        assert [i.content[0].text for i in items.data] == ["weather?"]
+        seen += [ev.type async for ev in stream]
+        assert seen[-1] == "response.completed"
+        assert (await c2.responses.retrieve("resp_cut1")).status == "completed"
+        assert (await c1.responses.retrieve("resp_cut1")).status == "completed"
+
+
+async def until_answered(call):
+    """``call()``'s answer once it is not a 404 (the record written as the stream started is
+    written beside the client's first event, so a call right after that event may precede it)."""
+    async with asyncio.timeout(10):
+        while True:
+            try:
+                return await call()
+            except openai.NotFoundError:
+                await asyncio.sleep(0.02)
+
+
 async def test_an_engine_that_breaks_mid_event_ends_the_stream_with_error_and_response_failed(gateway):
     """The half event an engine sent before its connection broke never reaches the client: the
     SDK reads the stream up to the gateway's error and response.failed events, rather than
