@@ -130,6 +130,7 @@ class Exchange:
     place: InFlight | None = None                        # a cut background stream's place, for its poll
     running: str | None = None                           # the id of its stored stream, while it runs
     deleted: bool = False                                # that stream deleted while it ran: not kept
+    placeholder: asyncio.Task | None = None              # its record in progress being written (Redis history)
 
 
 class ResponsesMetrics:
@@ -173,6 +174,15 @@ def _not_failed(rid: str, response: Any) -> None:
         raise GatewayError(400, f"Previous response with id '{rid}' failed; it cannot be continued. Send the "
                            "conversation again without it.", param="previous_response_id",
                            code="invalid_value", error_class=ErrorClass.VALIDATION)
+
+
+def _not_running(rid: str, response: Any) -> None:
+    """A follow-up's previous response must have ended: one still generating (its record in
+    progress, written as its stream started on another replica) has no output yet to continue."""
+    if isinstance(response, dict) and response.get("status") == "in_progress":
+        raise GatewayError(400, f"Previous response with id '{rid}' is still in progress; continue it once it "
+                           "has ended.", param="previous_response_id", code="invalid_value",
+                           error_class=ErrorClass.VALIDATION)
 
 
 def _not_streamed(query: Any) -> None:
@@ -384,6 +394,10 @@ class ResponsesApi(ApiShape):
                 self._running.pop(ex.running, None)
             ex.running = rid
             self._running[rid] = ctx
+            if self.gateway_held and self.backend == "redis" and ex.placeholder is None:
+                # other replicas do not ask this one: they read the response in progress from the
+                # store, where its record at the end replaces it (``_keep``), or ``ending`` removes it
+                ex.placeholder = asyncio.get_running_loop().create_task(self._place(ctx, rid))
 
     def _owner_early(self, ctx: RequestContext, rid: str) -> None:
         task = asyncio.get_running_loop().create_task(self._record_owner(ctx, rid))
@@ -426,6 +440,13 @@ class ResponsesApi(ApiShape):
             if self._running.get(ex.running) is ctx:
                 del self._running[ex.running]
             ex.running = None
+        if isinstance(ex, Exchange) and ex.placeholder is not None and ex.scanner is not None \
+                and ex.scanner.response_id:
+            # its record in progress, not replaced by its record (cut, not kept, deleted): removed
+            task = asyncio.get_running_loop().create_task(self._unplace(ex.placeholder, ex.scanner.response_id))
+            self._early.add(task)
+            task.add_done_callback(self._early.discard)
+            ex.placeholder = None
         if not isinstance(ex, Exchange) or ex.scanner is None or ex.scanner.done or ireq is None or d is None \
                 or ireq.data.get("background") is not True or self.admission is None:
             return
@@ -542,6 +563,7 @@ class ResponsesApi(ApiShape):
             if prev is not None:
                 record = await _as_previous(prev, self._record(prev, rec.user))
                 _not_failed(prev, record.get("response"))
+                _not_running(prev, record.get("response"))
                 history = unique_items(list(record.get("input") or ()) + output_as_input(record.get("output")))
                 chain = chain_ids(record)
                 self._follow(prev, record, ireq.model, candidates)
@@ -816,16 +838,51 @@ class ResponsesApi(ApiShape):
         """Gateway state: the history record of response ``rid``, as it ended (``final``)."""
         assert self.history is not None and ctx.ireq is not None
         ex = self._exchange(ctx)
+        blob = self._history_blob(ctx, rid, final)
+        if blob is None:
+            return
+        if ex.placeholder is not None:      # its record in progress lands first, and is replaced
+            await asyncio.wait([ex.placeholder])
+        await self._write(self.history, "history", rid, blob)
+        ex.placeholder = None
+
+    def _history_blob(self, ctx: RequestContext, rid: str, response: dict[str, Any]) -> bytes | None:
+        """The history record of ``rid`` as ``response`` stands, or None (counted, logged) when it
+        is over ``history.max_response_bytes``."""
+        assert ctx.ireq is not None
+        ex = self._exchange(ctx)
         ep = ctx.decision.endpoint if ctx.decision is not None else None
         blob = orjson.dumps({"id": rid, "model": ctx.ireq.model, "user": self._owner_user(ctx.rec.user),
-                             "input": ex.input, "output": final.get("output") or [], "response": final,
+                             "input": ex.input, "output": response.get("output") or [], "response": response,
                              "endpoint": ep.url if ep is not None else None, "at": time.time(), "ids": ex.chain})
         if len(blob) > self.cfg.history.max_response_bytes:
             self.m.writes.labels("history", "too_large").inc()
             log.warning("response history not stored: over responses.history.max_response_bytes",
                         response_id=rid, bytes=len(blob), request_id=ctx.rec.request_id)
+            return None
+        return blob
+
+    async def _place(self, ctx: RequestContext, rid: str) -> None:
+        """Gateway state on Redis: a stored stream's response as its ``response.created`` announced
+        it, in progress, written as it starts, so every replica answers it until its record at
+        the end replaces it (a replica's sibling workers ask it; other replicas cannot)."""
+        ex = self._exchange(ctx)
+        snap = ex.scanner.snapshot if ex.scanner is not None else None
+        if not isinstance(snap, dict) or ctx.ireq is None:
             return
-        await self._write(self.history, "history", rid, blob)
+        blob = self._history_blob(ctx, rid, {**snap, "status": "in_progress"})
+        if blob is not None and not ex.deleted:
+            await self._write(self.history, "history", rid, blob)
+
+    async def _unplace(self, placed: asyncio.Task, rid: str) -> None:
+        """The record in progress of a stored stream that ended without its record (cut, not kept,
+        deleted while it ran), removed once written."""
+        await asyncio.wait([placed])
+        assert self.history is not None
+        try:
+            await self.history.delete(rid)
+        except StoreUnavailable as e:       # it expires with its TTL
+            self._unreachable(e, "responses state not written")
 
     async def _record_owner(self, ctx: RequestContext, rid: str, failed: dict[str, Any] | None = None) -> None:
         """Engine state: the endpoint that holds response ``rid`` (it answered ``ctx``), for the

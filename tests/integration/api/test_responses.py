@@ -879,6 +879,27 @@ async def test_a_stored_stream_still_generating_on_one_replica_is_in_progress_on
         assert (await c1.responses.retrieve("resp_cut1")).status == "completed"
 
 
+async def test_a_stored_stream_its_client_leaves_is_no_longer_in_progress_on_another_replica(gateway, redis_server):
+    """The record in progress a stored stream wrote as it started is removed when the stream ends
+    without its record (its client left: nothing is kept), so no replica answers it in progress."""
+    go_on = asyncio.Event()
+    async with fake_engine(_held_stream(go_on), paths=("/v1/responses",)) as url:
+        _c1, c2, stream, _seen = await _held_on_one_replica(gateway, redis_server, url)
+        try:
+            assert (await until_answered(lambda: c2.responses.retrieve("resp_cut1"))).status == "in_progress"
+            await stream.close()
+
+            async def gone() -> bool:
+                try:
+                    await c2.responses.retrieve("resp_cut1")
+                except openai.NotFoundError:
+                    return True
+                return False
+            assert await until(gone)
+        finally:
+            go_on.set()
+
+
 async def until_answered(call):
     """``call()``'s answer once it is not a 404 (the record written as the stream started is
     written beside the client's first event, so a call right after that event may precede it)."""
