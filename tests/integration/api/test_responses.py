@@ -900,6 +900,32 @@ async def test_a_stored_stream_its_client_leaves_is_no_longer_in_progress_on_ano
             go_on.set()
 
 
+@pytest.mark.parametrize("where", ["same", "other"])
+async def test_a_stored_stream_deleted_while_generating_is_not_written_back_when_it_ends(
+        gateway, redis_server, where):
+    """Gateway state on Redis: a DELETE of a stored stream still generating, on its own replica or
+    on another, removed its record in progress, and the record written as the stream ended brought
+    the deleted response back. A DELETE wins: the deletion leaves a mark the end's write checks,
+    so the response stays deleted for every replica and a follow-up."""
+    go_on = asyncio.Event()
+    async with fake_engine(_held_stream(go_on), paths=("/v1/responses",)) as url:
+        c1, c2, stream, seen = await _held_on_one_replica(gateway, redis_server, url)
+        deleter = c1 if where == "same" else c2
+        try:
+            await until_answered(lambda: deleter.responses.retrieve("resp_cut1"))
+            await deleter.responses.delete("resp_cut1")
+        finally:
+            go_on.set()
+        seen += [ev.type async for ev in stream]
+        assert seen[-1] == "response.completed"
+        for c in (c1, c2):
+            with pytest.raises(openai.NotFoundError):
+                await c.responses.retrieve("resp_cut1")
+        with pytest.raises(openai.BadRequestError) as ei:
+            await c2.responses.create(model="m", input="and then?", previous_response_id="resp_cut1")
+        assert ei.value.body["code"] == "previous_response_not_found"
+
+
 async def until_answered(call):
     """``call()``'s answer once it is not a 404 (the record written as the stream started is
     written beside the client's first event, so a call right after that event may precede it)."""
