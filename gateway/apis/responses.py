@@ -101,6 +101,9 @@ _PD_ROLES = ("prefill", "decode")
 # the owners' store key of what a background response owes its user's TPM window until a read finds
 # it ended (a response id, a path segment, holds no "/": no call on a response names one)
 OWED = "owed/"
+# the history store's mark of a response deleted while its stream ran (``_mark_gone``): the record
+# its stream writes as it ends is removed again when it finds one (it lives the history's TTL)
+GONE = "gone/"
 # a response's states after which it generates nothing more
 _ENDED = ("completed", "incomplete", "failed", "cancelled")
 # a background response answered queued is polled on its engine until it ends (its user's
@@ -131,6 +134,7 @@ class Exchange:
     running: str | None = None                           # the id of its stored stream, while it runs
     deleted: bool = False                                # that stream deleted while it ran: not kept
     placeholder: asyncio.Task | None = None              # its record in progress being written (Redis history)
+    contested: bool = False                              # a DELETE elsewhere may race its end: check for GONE
 
 
 class ResponsesMetrics:
@@ -333,7 +337,10 @@ class ResponsesApi(ApiShape):
             if op == "rdel":
                 return b"1" if self._drop_running(key) else b""
             ctx = self._running.get(key) if op == "rget" else None
-            return orjson.dumps(self._running_record(ctx)) if ctx is not None else b""
+            if ctx is None:
+                return b""
+            self._exchange(ctx).contested = True    # the sibling may delete it as it ends here
+            return orjson.dumps(self._running_record(ctx))
         store = {"owner": self.owners, "hist": self.history}.get(name)
         if op not in ("rget", "rdel") or not isinstance(store, WorkerStore) or not key:
             return b""
@@ -398,6 +405,7 @@ class ResponsesApi(ApiShape):
                 # other replicas do not ask this one: they read the response in progress from the
                 # store, where its record at the end replaces it (``_keep``), or ``ending`` removes it
                 ex.placeholder = asyncio.get_running_loop().create_task(self._place(ctx, rid))
+                ex.contested = True
 
     def _owner_early(self, ctx: RequestContext, rid: str) -> None:
         task = asyncio.get_running_loop().create_task(self._record_owner(ctx, rid))
@@ -845,6 +853,30 @@ class ResponsesApi(ApiShape):
             await asyncio.wait([ex.placeholder])
         await self._write(self.history, "history", rid, blob)
         ex.placeholder = None
+        if ex.contested:
+            await self._unless_gone(rid)
+
+    async def _unless_gone(self, rid: str) -> None:
+        """A stored stream's record, just written as it ended, removed again if a DELETE marked
+        the response gone meanwhile (on another worker or replica, which cannot stop this write):
+        a DELETE marks before it deletes, and this reads the mark after writing, so one of the two
+        removes the record, whichever order they ran in."""
+        assert self.history is not None
+        try:
+            if await self.history.get(GONE + rid) is not None:
+                await self.history.delete(rid)
+        except StoreUnavailable as e:
+            self._unreachable(e)
+
+    async def _mark_gone(self, rid: str) -> None:
+        """A DELETE of a stored stream still running: the mark its end's write checks, written
+        before the record is deleted (a 503 when the store cannot take it: nothing deleted)."""
+        assert self.history is not None
+        try:
+            await self.history.put(GONE + rid, b"1")
+        except StoreUnavailable as e:
+            self._unreachable(e)
+            raise _store_unreachable(e) from None
 
     def _history_blob(self, ctx: RequestContext, rid: str, response: dict[str, Any]) -> bytes | None:
         """The history record of ``rid`` as ``response`` stands, or None (counted, logged) when it
@@ -1097,9 +1129,11 @@ class ResponsesApi(ApiShape):
             rec.error_class, rec.error = None, None
             return await self._at_owner(rec, rid, owner, request)
         if action == "delete":
+            await self._mark_gone(rid)
             if not self._drop_running(rid) and self._ask is not None:
                 await self._ask(f"rdel run {rid}")
-            body = {"id": rid, "object": "response", "deleted": True}
+            # its record, had its stream ended since it was asked and written it: removed
+            body = await self._deleted(self.history, rid)
         elif action == "input_items":
             page = _page_query(request.query)
             body = _input_items_page(rid, unique_items(list(record.get("input") or ())), page)
@@ -1118,6 +1152,10 @@ class ResponsesApi(ApiShape):
         rec.model_known = True                 # the gateway stored it: a model it served
         rec.status = 200
         if action == "delete":
+            response = record.get("response")
+            if isinstance(response, dict) and response.get("status") == "in_progress":
+                await self._mark_gone(rid)      # its stream, on another replica, writes its record as it ends
+                self._drop_running(rid)
             body: Any = await self._deleted(self.history, rid)
         elif page is not None:
             body = _input_items_page(rid, unique_items(list(record.get("input") or ())), page)
