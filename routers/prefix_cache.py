@@ -47,7 +47,8 @@ request as that engine tokenizes it; an endpoint without live events (none yet, 
 on the approximate index, its block match scaled to tokens, and the decision counts the fallback
 (``kv_events_fallback``). A request that cannot be keyed as the engine keys it is judged on the
 approximate index on every candidate (``kv_events_tokenize``; ``kv_events_multimodal`` for image,
-audio or video parts, whose feature hashes the engine folds into its block hashes). The approximate
+audio or video parts, whose feature hashes the engine folds into its block hashes;
+``kv_events_responses`` for a Responses request, whose input the engine renders its own way). The approximate
 index is fed either way, so a fallback starts warm.
 """
 
@@ -65,6 +66,8 @@ from routers.session_map import RESPONSE, session_of
 from routers.simple import LeastRequestRouter
 
 __all__ = ["PrefixCacheRouter", "PrefixIndex", "cached_depths", "prefix_keys"]
+
+RESPONSES = "/v1/responses"  # gateway.apis.paths.RESPONSES (routers import only endpoints and request)
 
 
 def cached_depths(ctx: RouterContext, index: PrefixIndex, strategy: str, req: InferenceRequest,
@@ -85,7 +88,8 @@ def cached_depths(ctx: RouterContext, index: PrefixIndex, strategy: str, req: In
         return index.depths(req, pool)
     found = precise.match(req, pool)
     if found is None:             # not keyed like the engine: a tokenizer error, or multimodal parts
-        ctx.on_fallback(strategy, "kv_events_multimodal" if req.multimodal else "kv_events_tokenize")
+        ctx.on_fallback(strategy, "kv_events_multimodal" if req.multimodal else
+                        "kv_events_responses" if req.path == RESPONSES else "kv_events_tokenize")
         return index.depths(req, pool)
     exact, tokens, others = found
     floor = max(1, ctx.settings.prefix_min_match_tokens)

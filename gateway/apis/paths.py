@@ -7,6 +7,7 @@ anything else of the gateway.
 from __future__ import annotations
 
 MESSAGES = "/v1/messages"
+RESPONSES = "/v1/responses"
 COUNT_TOKENS = "/v1/messages/count_tokens"
 ANTHROPIC_PATHS = (MESSAGES, COUNT_TOKENS)
 # the characters that go on with a path's last name: after "/v1/messages" they make another path

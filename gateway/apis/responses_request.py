@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.apis.paths import RESPONSES as RESPONSES  # the path, re-exported
 from gateway.errors import GatewayError
 from gateway.request import (
     InferenceRequest,
@@ -31,8 +32,6 @@ from gateway.request import (
     slo_objectives,
     text_and_tools_tokens,
 )
-
-RESPONSES = "/v1/responses"
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> GatewayError:

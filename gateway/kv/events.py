@@ -61,7 +61,7 @@ from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gateway.apis.paths import PASSTHROUGH_PATHS
+from gateway.apis.paths import PASSTHROUGH_PATHS, RESPONSES
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.kv.index import CLEAR_STRETCH, Applied, EndpointState, EventIndex, request_root
 from gateway.kv.settings import KVEventsConfig
@@ -913,7 +913,7 @@ class KVEventsManager:
         then finds them cached). Errors are left to ``match``, which falls back and counts them."""
         model = candidates[0].model if candidates else req.model
         tok = self.tokenizers.get(model)
-        if tok is None or self.tokenize_threads <= 0 or req.multimodal:    # multimodal: not keyed
+        if tok is None or self.tokenize_threads <= 0 or req.multimodal or req.path == RESPONSES:   # not keyed
             return
         try:
             segments, lead = self.index.segments(req, tok)

@@ -45,6 +45,7 @@ from itertools import accumulate, chain, islice, repeat
 from operator import and_
 from typing import Any, NamedTuple
 
+from gateway.apis.paths import RESPONSES
 from gateway.endpoints import Endpoint
 from gateway.kv.settings import KVEventsConfig
 from gateway.kv.tokenization import Keys, ModelTokenizer
@@ -948,6 +949,9 @@ class EventIndex:
         root = request_root(req, model, bs)
         if root is None:              # multimodal: route on the approximate index
             self._on_fallback(model, "", "multimodal")
+            return None
+        if req.path == RESPONSES:     # its input is the engine's to render (items, instructions): not keyed
+            self._on_fallback(model, "", "responses")
             return None
         try:
             k = self.request_keys(req, tok, model, root, bs)
