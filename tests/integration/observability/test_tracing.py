@@ -718,3 +718,54 @@ async def test_a_whole_answer_whose_client_resets_while_its_body_goes_out_ends_i
         await flush(gw)
     at = server_span(rx, f"cut-{version}").attributes
     assert (at["http.response.status_code"], at.get("error.type")) == (499, "client_cancel"), at
+
+
+async def test_the_response_model_of_a_responses_or_messages_stream_is_the_one_its_events_name(gateway, receiver):
+    """A Responses stream's ``response.created`` and terminal event, and a Messages stream's
+    ``message_start``, name the model that answered, and the relay decodes them already: the span's
+    gen_ai.response.model is that name, as for chat, where it was the gateway's model name."""
+    rx = receiver
+    named = "org/m-2026-12"
+
+    def sse(name: str, data: dict) -> bytes:
+        return b"event: " + name.encode() + b"\ndata: " + orjson.dumps({"type": name, **data}) + b"\n\n"
+
+    async def responses(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        resp = {"id": "resp_1", "object": "response", "created_at": 1, "model": named, "status": "in_progress",
+                "output": []}
+        usage = {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4}
+        await out.write(sse("response.created", {"sequence_number": 0, "response": resp}))
+        await out.write(sse("response.output_text.delta", {"sequence_number": 1, "output_index": 0,
+                                                           "content_index": 0, "item_id": "m1", "delta": "hi"}))
+        await out.write(sse("response.completed", {"sequence_number": 2, "response": {
+            **resp, "status": "completed", "usage": usage}}))
+        await out.write_eof()
+        return out
+
+    async def messages(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        msg = {"id": "msg_1", "type": "message", "role": "assistant", "model": named, "content": [],
+               "stop_reason": None, "usage": {"input_tokens": 3, "output_tokens": 0}}
+        await out.write(sse("message_start", {"message": msg}))
+        await out.write(sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}))
+        await out.write(sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "hi"}}))
+        await out.write(sse("content_block_stop", {"index": 0}))
+        await out.write(sse("message_delta", {"delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 1}}))
+        await out.write(sse("message_stop", {}))
+        await out.write_eof()
+        return out
+
+    async with fake_engine(responses, paths=("/v1/responses",), routes=(web.post("/v1/messages", messages),)) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], tracing=traced(rx), scrape={"enabled": False})
+        r = await post(gw, {"model": "m", "input": "hi", "stream": True, "store": False}, path="/v1/responses")
+        m = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2, "stream": True}, path="/v1/messages")
+        assert r.status == m.status == 200, (r.body, m.body)
+        await flush(gw)
+    for reply in (r, m):
+        at = server_span(rx, reply.headers["request-id"]).attributes
+        assert (at["gen_ai.request.model"], at.get("gen_ai.response.model")) == ("m", named)
