@@ -574,8 +574,8 @@ class MessagesScanner:
     """Scan an Anthropic Messages event stream (``StreamScanner``): bytes pass through unchanged."""
 
     __slots__ = ("first_token_at", "last_token_at", "token_events", "itl", "usage", "finish_reason", "error", "done",
-                 "moved", "_start_usage", "_buf", "_pending", "_skip", "_now", "_cr", "_lf", "_retyped", "_inclusive")
-    model: str | None = None    # the engine's model is not read off its events (the trace keeps the gateway's name)
+                 "moved", "_start_usage", "_buf", "_pending", "_skip", "_now", "_cr", "_lf", "_retyped", "_inclusive",
+                 "model")
 
     def __init__(self, inclusive: bool = False) -> None:
         self._inclusive = inclusive  # input_tokens counts the cache reads (``openai_usage``)
@@ -586,6 +586,7 @@ class MessagesScanner:
         self.usage: dict | None = None
         self.finish_reason: str | None = None
         self.error: dict | None = None
+        self.model: str | None = None   # the model message_start names (decoded already): the trace's
         self.done = False
         self.moved = False          # the last read held more than comments (``has_fields``)
         self._start_usage: dict[str, Any] = {}
@@ -750,6 +751,9 @@ class MessagesScanner:
         if kind == "message_start":
             msg = obj.get("message")
             usage = msg.get("usage") if isinstance(msg, dict) else None
+            model = msg.get("model") if isinstance(msg, dict) else None
+            if model.__class__ is str:
+                self.model = model
             if isinstance(usage, dict):
                 self._start_usage = usage
                 if _reports(usage):

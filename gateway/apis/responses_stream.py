@@ -65,7 +65,7 @@ def _fields(ev: bytes) -> tuple[str | None, bytes | None]:
 class ResponsesScanner:
     """One upstream Responses stream. ``feed``/``finish`` return the bytes to forward."""
 
-    model: str | None = None    # the engine's model is not read off its events (the trace keeps the gateway's name)
+    model: str | None = None    # the model the engine's response names (created, terminal): the trace's
 
     def __init__(self, on_created: Callable[[str], None] | None = None) -> None:
         self.on_created = on_created           # called once with the id ``response.created`` gives
@@ -300,6 +300,9 @@ class ResponsesScanner:
             return False
         if isinstance(resp.get("id"), str):
             self.response_id = resp["id"]
+        model = resp.get("model")
+        if model.__class__ is str:      # an event decoded already: no cost of its own
+            self.model = model
         if name == "response.created":
             self.snapshot = resp
             if self.on_created is not None and self.response_id is not None:
