@@ -843,10 +843,10 @@ async def test_the_calls_on_a_stored_stream_still_generating_answer_as_on_the_re
                 await c.responses.create(model="m", input="and then?", previous_response_id="resp_cut1")
 
 
-async def _held_on_one_replica(gateway, redis_server, url: str):
-    """Two replicas on one Redis with gateway state, and a stored stream of the held engine
-    started on the first, read up to its first delta: (first, second, stream, events seen)."""
-    blocks = {"state": {"redis_url": redis_server.url}, "responses": {"state": "gateway"}}
+async def _held_on_one_replica(gateway, redis_server, url: str, state: str = "gateway"):
+    """Two replicas on one Redis with ``state``, and a stored stream of the held engine started
+    on the first, read up to its first delta: (first, second, stream, events seen)."""
+    blocks = {"state": {"redis_url": redis_server.url}, "responses": {"state": state}}
     g1 = await gateway([model_block("m", "vllm", [url])], **blocks)
     g2 = await gateway([model_block("m", "vllm", [url])], **blocks)
     stream = await openai_client(g1).responses.create(model="m", input="weather?", stream=True)
@@ -924,6 +924,35 @@ async def test_a_stored_stream_deleted_while_generating_is_not_written_back_when
         with pytest.raises(openai.BadRequestError) as ei:
             await c2.responses.create(model="m", input="and then?", previous_response_id="resp_cut1")
         assert ei.value.body["code"] == "previous_response_not_found"
+
+
+async def test_with_engine_state_a_stored_stream_still_generating_on_one_replica_is_in_progress_on_another(
+        gateway, redis_server):
+    """Engine state on Redis, two replicas: the affinity record of a stored stream was written as it
+    ended, so another replica had no owner for it (a 404) while it ran. Its replica writes one as it
+    starts, holding the response in progress: the second answers a GET ``in_progress`` and a cancel
+    with the 400 of a response not created in the background, and once it ended sends a GET to the
+    engine, as for any response."""
+    go_on = asyncio.Event()
+
+    async def retrieve(request: web.Request) -> web.Response:
+        return web.json_response({"id": request.match_info["rid"], "object": "response", "model": "m",
+                                  "status": "completed", "output": []})
+
+    routes = (web.get("/v1/responses/{rid}", retrieve),)
+    async with fake_engine(_held_stream(go_on), paths=("/v1/responses",), routes=routes) as url:
+        _c1, c2, stream, seen = await _held_on_one_replica(gateway, redis_server, url, "engine")
+        try:
+            got = await until_answered(lambda: c2.responses.retrieve("resp_cut1"))
+            with pytest.raises(openai.BadRequestError) as ei:
+                await c2.responses.cancel("resp_cut1")
+        finally:
+            go_on.set()
+        assert (got.id, got.status, got.model) == ("resp_cut1", "in_progress", "m")
+        assert ei.value.body["message"] == "Cannot cancel a synchronous response."
+        seen += [ev.type async for ev in stream]
+        assert seen[-1] == "response.completed"
+        assert (await c2.responses.retrieve("resp_cut1")).status == "completed"
 
 
 async def until_answered(call):
