@@ -401,11 +401,12 @@ class ResponsesApi(ApiShape):
                 self._running.pop(ex.running, None)
             ex.running = rid
             self._running[rid] = ctx
-            if self.gateway_held and self.backend == "redis" and ex.placeholder is None:
+            if self.backend == "redis" and ex.placeholder is None:
                 # other replicas do not ask this one: they read the response in progress from the
-                # store, where its record at the end replaces it (``_keep``), or ``ending`` removes it
+                # store, where its record at the end replaces it (``_keep``, ``_record_owner``), or
+                # ``ending`` removes it
                 ex.placeholder = asyncio.get_running_loop().create_task(self._place(ctx, rid))
-                ex.contested = True
+                ex.contested = self.gateway_held
 
     def _owner_early(self, ctx: RequestContext, rid: str) -> None:
         task = asyncio.get_running_loop().create_task(self._record_owner(ctx, rid))
@@ -516,9 +517,11 @@ class ResponsesApi(ApiShape):
             await self._keep(ctx, rid, snap)
         elif ctx.ireq.data.get("background") is not True:
             ep = ctx.decision.endpoint if ctx.decision is not None else None
+            await self._placed(ex)
             await self._write(self.owners, "affinity", rid, orjson.dumps(
                 {"url": ep.url if ep is not None else None, "model": ctx.ireq.model,
                  "user": self._owner_user(ctx.rec.user), "failed": snap}))
+            ex.placeholder = None
 
     def body_usage(self, ctx: RequestContext, data: dict[str, Any]) -> dict | None:
         self._exchange(ctx).body = data
@@ -583,6 +586,7 @@ class ResponsesApi(ApiShape):
             return self._background_streamers(ireq, candidates) if _background_stream(ireq) else candidates
         owner = await _as_previous(prev, self._owner(prev, rec.user))
         _not_failed(prev, owner.get("failed"))
+        _not_running(prev, owner.get("running"))
         if owner["model"] != ireq.model:
             raise GatewayError(400, f"Response '{prev}' was produced by model '{owner['model']}'; continue it "
                                "with the same model", param="previous_response_id", error_class=ErrorClass.VALIDATION)
@@ -849,8 +853,7 @@ class ResponsesApi(ApiShape):
         blob = self._history_blob(ctx, rid, final)
         if blob is None:
             return
-        if ex.placeholder is not None:      # its record in progress lands first, and is replaced
-            await asyncio.wait([ex.placeholder])
+        await self._placed(ex)
         await self._write(self.history, "history", rid, blob)
         ex.placeholder = None
         if ex.contested:
@@ -895,24 +898,39 @@ class ResponsesApi(ApiShape):
         return blob
 
     async def _place(self, ctx: RequestContext, rid: str) -> None:
-        """Gateway state on Redis: a stored stream's response as its ``response.created`` announced
-        it, in progress, written as it starts, so every replica answers it until its record at
-        the end replaces it (a replica's sibling workers ask it; other replicas cannot)."""
+        """On Redis: a stored stream's response as its ``response.created`` announced it, in
+        progress, written as it starts (its history record, or with engine state its affinity
+        record holding it as ``running``), so every replica answers it until its record at the end
+        replaces it (a replica's sibling workers ask it; other replicas cannot)."""
         ex = self._exchange(ctx)
         snap = ex.scanner.snapshot if ex.scanner is not None else None
-        if not isinstance(snap, dict) or ctx.ireq is None:
+        if not isinstance(snap, dict) or ctx.ireq is None or ex.deleted:
             return
-        blob = self._history_blob(ctx, rid, {**snap, "status": "in_progress"})
-        if blob is not None and not ex.deleted:
+        running = {**snap, "status": "in_progress"}
+        if not self.gateway_held:
+            if ctx.decision is not None:
+                ep = ctx.decision.endpoint
+                await self._write(self.owners, "affinity", rid, orjson.dumps(
+                    {"url": ep.url, "model": ep.model, "user": self._owner_user(ctx.rec.user), "running": running}))
+            return
+        blob = self._history_blob(ctx, rid, running)
+        if blob is not None:
             await self._write(self.history, "history", rid, blob)
+
+    @staticmethod
+    async def _placed(ex: Exchange) -> None:
+        """A stored stream's record in progress landed, before the record that replaces it is written."""
+        if ex.placeholder is not None:
+            await asyncio.wait([ex.placeholder])
 
     async def _unplace(self, placed: asyncio.Task, rid: str) -> None:
         """The record in progress of a stored stream that ended without its record (cut, not kept,
         deleted while it ran), removed once written."""
         await asyncio.wait([placed])
-        assert self.history is not None
+        store = self.history if self.gateway_held else self.owners
+        assert store is not None
         try:
-            await self.history.delete(rid)
+            await store.delete(rid)
         except StoreUnavailable as e:       # it expires with its TTL
             self._unreachable(e, "responses state not written")
 
@@ -931,7 +949,12 @@ class ResponsesApi(ApiShape):
             record["failed"] = failed
         if ctx.ireq is not None and ctx.ireq.data.get("background") is True:
             record["background"] = True     # it may end failed after its answer: a follow-up asks its engine
+        ex = ctx.api_state
+        if isinstance(ex, Exchange):
+            await self._placed(ex)
         await self._write(self.owners, "affinity", rid, orjson.dumps(record))
+        if isinstance(ex, Exchange):
+            ex.placeholder = None
 
     # -- state --------------------------------------------------------------------------------
 
@@ -1119,6 +1142,11 @@ class ResponsesApi(ApiShape):
         if not isinstance(record, dict) or not isinstance(record.get("response"), dict) \
                 or (self.auth_on and record.get("user") != self._owner_user(user)):
             raise missing
+        return await self._running_call(rec, rid, action, record, request)
+
+    async def _running_call(self, rec: RequestRecord, rid: str, action: str, record: dict[str, Any],
+                            request: web.Request) -> web.StreamResponse:
+        """The call on a stored stream still running, whose ``record`` holds its response in progress."""
         rec.model, rec.model_known = str(record.get("model") or "-"), True
         if action == "cancel":
             raise GatewayError(400, "Cannot cancel a synchronous response.", param="response_id",
@@ -1176,6 +1204,9 @@ class ResponsesApi(ApiShape):
                                error_class=ErrorClass.VALIDATION)
         owner = await self._owner(rid, self._owner_user(user))
         rec.model, rec.model_known = owner["model"], True
+        if isinstance(owner.get("running"), dict):     # a stored stream still running on another replica
+            action = request.match_info.get("action") or request.method.lower()
+            return await self._running_call(rec, rid, action, {**owner, "response": owner["running"]}, request)
         if isinstance(owner.get("failed"), dict):
             return await self._failed_call(rec, rid, owner["failed"], request)
         return await self._at_owner(rec, rid, owner, request)
