@@ -654,7 +654,10 @@ class ResponsesApi(ApiShape):
         if not ex.store or ex.deleted:
             # nothing kept (or deleted while it ran), so nothing to continue: no lineage either,
             # which the memory backend's owner lookup falls back to and would send a follow-up or a
-            # GET to the engine
+            # GET to the engine; its record in progress removed before its last event goes out
+            if ex.placeholder is not None:
+                placed, ex.placeholder = ex.placeholder, None
+                await self._unplace(placed, rid)
             return
         if self.gateway_held:
             assert self.history is not None
@@ -1158,6 +1161,9 @@ class ResponsesApi(ApiShape):
             return await self._at_owner(rec, rid, owner, request)
         if action == "delete":
             await self._mark_gone(rid)
+            ctx = self._running.get(rid)
+            if ctx is not None:             # its record in progress, if on its way, lands before the delete
+                await self._placed(self._exchange(ctx))
             if not self._drop_running(rid) and self._ask is not None:
                 await self._ask(f"rdel run {rid}")
             # its record, had its stream ended since it was asked and written it: removed
