@@ -9,6 +9,7 @@ import subprocess
 
 import aiohttp
 import pytest
+import redis
 import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -103,3 +104,15 @@ async def test_a_responses_store_at_a_rediss_url_for_a_plain_redis_says_no_tls(s
     assert "TLS" in got["error"]["message"] and "unreachable" in got["error"]["message"], got
     [line] = [x for x in logs if x["event"].startswith("responses state store")]
     assert line["event"] == "responses state store unreachable" and line["reason"] == "no_tls", line
+
+
+async def test_a_responses_store_does_not_send_again_a_call_that_got_no_tls_answer(redis_server):
+    """A TLS handshake that got no answer would get none on a second try: the store's call fails at
+    its first connection, not after trying the plain Redis again (its connections, counted by the
+    Redis, are the one of the failed call)."""
+    plain = redis.Redis(port=redis_server.port)
+    before = int(plain.info("stats")["total_connections_received"])
+    await _store_says_no_tls(f"rediss://127.0.0.1:{redis_server.port}/0", redis_server.port)
+    after = int(plain.info("stats")["total_connections_received"])
+    plain.close()
+    assert after - before == 1, after - before
