@@ -10,8 +10,9 @@ a ``PX`` expiry, so nothing outlives its TTL). A Redis call is bounded by four t
 most ``TRIES`` times in all within that bound, ``RETRY_PAUSES_S`` between: a Cluster client re-reads its slot map only for the call after the one that failed, so
 after a failover each idle replica's first call on a moved slot would fail on a Cluster healthy
 again, and a Sentinel-managed client asks the Sentinels again on its next connection. Every call
-(GET, SET with PX, DEL) may be sent twice. A refused password or user (``auth``) is not a
-passing fault: that call is not sent again. A failure still there raises ``StoreUnavailable`` and
+(GET, SET with PX, DEL) may be sent twice. A refused password or user (``auth``) and a TLS
+handshake that got no answer (``no_tls``: a Redis serving plain TCP) are no passing faults: that
+call is not sent again, and fails after one connect timeout. A failure still there raises ``StoreUnavailable`` and
 the caller decides (a lookup answers 503 with Retry-After, a write is counted and logged). Every
 call touches one key, so on a Redis Cluster the records spread over its shards (no hash tag); the
 client is gateway/state/redis.py's.
@@ -194,7 +195,8 @@ class RedisStore:
                     except PoolTimeout:             # it waited its time for a connection already
                         raise
                     except UNAVAILABLE as e:
-                        if transport_reason(e) == "auth":   # the same password, refused again
+                        # the same password refused again; a plain-TCP server silent again
+                        if transport_reason(e) == "auth" or no_tls_answer(e):
                             raise
                         failed = e
                 assert failed is not None
