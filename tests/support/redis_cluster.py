@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.support.ports import listen_port
-from tests.support.redis_server import SET_FLAGS, RedisProc, stop_set, wait_until
+from tests.support.redis_server import SET_FLAGS, RedisProc, run, stop_set, wait_until
 
 
 @dataclass
@@ -58,7 +58,7 @@ class RedisCluster:
     def start(self, timeout: float = 30.0) -> RedisCluster:
         for n in self.nodes:
             n.spawn()
-        subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+        run([self.cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
                         "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout)
         self.wait_ok(timeout)
@@ -82,7 +82,7 @@ class RedisCluster:
     # -- topology ----------------------------------------------------------------------------
 
     def cli_call(self, node: Node, *args: str) -> str:
-        return subprocess.run([self.cli, "-p", str(node.port), *args], capture_output=True, text=True,
+        return run([self.cli, "-p", str(node.port), *args], capture_output=True, text=True,
                               timeout=5, check=False).stdout
 
     def _info(self, node: Node, section: str) -> dict[str, str]:

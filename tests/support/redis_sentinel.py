@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import tempfile
 
 import pytest
 
 from tests.support.ports import listen_port
-from tests.support.redis_server import SET_FLAGS, RedisProc, stop_set, wait_until
+from tests.support.redis_server import SET_FLAGS, RedisProc, run, stop_set, wait_until
 
 SERVICE = "mymaster"
 
@@ -90,7 +89,7 @@ class RedisSentinel:
     # -- roles -------------------------------------------------------------------------------
 
     def _cli(self, port: int, *args: str) -> str:
-        return subprocess.run([self.cli, "-p", str(port), *args], capture_output=True, text=True,
+        return run([self.cli, "-p", str(port), *args], capture_output=True, text=True,
                               timeout=5, check=False).stdout
 
     def _info(self, p: RedisProc, section: str) -> dict[str, str]:

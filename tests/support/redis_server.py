@@ -25,6 +25,21 @@ import pytest
 from tests.support.ports import listen_port
 
 
+def popen(argv: list[str], **kw) -> subprocess.Popen:
+    """``subprocess.Popen`` with the environment passed as a copy (``os.environ``'s, taken now).
+    Without one, a child made by vfork (subprocess's way on Linux, the GIL released meanwhile)
+    execs with the process's own environment array, read in the parent's memory, while another
+    thread may be moving it: pytest sets and removes ``PYTEST_CURRENT_TEST`` at each test's phase,
+    and a set is started ahead of its test in another thread (tests/conftest.py ``_Ahead``), so the
+    exec failed now and then with EFAULT ("Bad address"). A copy is built before the fork."""
+    return subprocess.Popen(argv, env=dict(os.environ), **kw)
+
+
+def run(argv: list[str], **kw) -> subprocess.CompletedProcess:
+    """``subprocess.run`` with the environment passed as a copy (see :func:`popen`)."""
+    return subprocess.run(argv, env=dict(os.environ), **kw)
+
+
 class RedisServer:
     def __init__(self, port: int | None = None) -> None:
         self.binary = shutil.which("redis-server")
@@ -40,7 +55,7 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         assert self.proc is None, "already running"
-        self.proc = subprocess.Popen(
+        self.proc = popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.dir, "--daemonize", "no", "--loglevel", "warning", "--databases", "1"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.dir)
@@ -125,7 +140,7 @@ class RedisProc:
     def spawn(self, timeout: float = 10.0) -> None:
         """Start it and wait until it answers PING."""
         os.makedirs(self.dir, exist_ok=True)
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.dir)
+        self.proc = popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.dir)
         deadline = time.monotonic() + timeout
         while not ping(self.port):
             if self.proc.poll() is not None:
