@@ -60,6 +60,8 @@ async def test_a_rediss_sentinel_url_names_the_sentinel_that_gave_no_tls_answer(
     finally:
         await close_client(client)
     assert _no_tls(redis_server.port) in str(ei.value)
+    # what was tried: the primary's name, how many Sentinels, over TLS
+    assert str(ei.value).startswith("No master found for 'mymaster' by 1 Sentinel over TLS ("), ei.value
 
 
 async def test_a_rediss_url_for_a_redis_serving_tls_is_reached(tmp_path):

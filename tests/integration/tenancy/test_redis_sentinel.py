@@ -4,6 +4,8 @@ killed mid-run."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.support.factories import model_block
 from tests.support.redis_failover import (
     changes_reach_the_other_at_once,
@@ -84,3 +86,28 @@ async def test_sentinels_that_refuse_the_gateways_password_are_said_to(sims, gat
     assert line["reason"] == "auth" and "credentials" in line["event"], line
     assert "not answering" not in line["error"] and "state.sentinel_password" in line["error"], line
     assert all(f"127.0.0.1:{s.port}" in line["error"] for s in redis_sentinel.sentinels), line
+
+
+async def test_sentinels_that_know_no_such_primary_or_are_no_sentinels_are_named(redis_sentinel, redis_server):
+    """Sentinels that answer but know no primary of the URL's name, and a server of the URL that is
+    no Sentinel (a plain Redis refuses SENTINEL MASTERS), are named in the "no primary" error, with
+    how many Sentinels were asked and whether over TLS, where it said only "No master found" (or,
+    for a plain Redis, its "unknown command" as an error of the call)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from gateway.config.schema import StateConfig
+    from gateway.state.redis import close_client, redis_client
+
+    sentinels = [f"127.0.0.1:{s.port}" for s in redis_sentinel.sentinels]
+    plain = f"127.0.0.1:{redis_server.port}"
+    client = redis_client(StateConfig(redis_url=f"redis+sentinel://{','.join([*sentinels, plain])}/nosuch",
+                                      timeout_s=1.0))
+    try:
+        with pytest.raises(RedisConnectionError) as ei:
+            await client.ping()
+    finally:
+        await close_client(client)
+    e = str(ei.value)
+    assert e.startswith("No master found for 'nosuch' by 4 Sentinels (no TLS) ("), e
+    assert f"Sentinels that know no primary 'nosuch': {', '.join(sentinels)}" in e, e
+    assert f"no Sentinels (SENTINEL refused): {plain}: unknown command 'SENTINEL'" in e, e
