@@ -348,6 +348,7 @@ def _make_client(cfg: StateConfig, socket_timeout: float | None) -> BoundedRedis
     if cfg.sentinel_password is not None:
         sentinel_kw["password"] = cfg.sentinel_password
     sentinel = _Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kw)
+    sentinel.tls = target.tls
     if target.tls:
         for s in sentinel.sentinels:
             s.connection_pool.connection_class = TLSConnection
@@ -360,26 +361,36 @@ def _make_client(cfg: StateConfig, socket_timeout: float | None) -> BoundedRedis
 
 
 class _Sentinel(Sentinel):
-    """Sentinel whose "no primary" error names each Sentinel it could not ask by its address, with
-    what went wrong (those that refused the password apart, a refusal as the error's cause). The
-    client library's listed each as its Python object (its connection pool, connection and every
-    setting, about 1 KB a Sentinel) and the error only by its class; that text is what the warnings
-    of an outage carry."""
+    """Sentinel whose "no primary" error says what was tried: the primary's name, how many
+    Sentinels were asked and whether over TLS (``tls``, set by :func:`redis_client`), and names each
+    Sentinel by its address with what it answered: no answer (what went wrong), a refused password
+    (a refusal as the error's cause), no primary of that name, the primary named down, or no
+    Sentinel at all (a plain Redis refuses SENTINEL as an unknown command). The client library's
+    listed each Sentinel it could not ask as its Python object (its connection pool, connection and
+    every setting, about 1 KB a Sentinel), the error only by its class, and named none that
+    answered; a server that is no Sentinel failed the call with its "unknown command". That text
+    is what the warnings of an outage carry."""
+
+    tls = False
 
     async def discover_master(self, service_name: str):
-        failed, refused = [], []
+        failed, refused, unknown, down, strangers = [], [], [], [], []
         auth: AuthenticationError | None = None
         for i, sentinel in enumerate(self.sentinels):
+            kw = sentinel.connection_pool.connection_kwargs
+            where = f"{kw.get('host')}:{kw.get('port')}"
             try:
                 masters = await sentinel.sentinel_masters()
             except (RedisConnectionError, RedisTimeoutError) as e:
-                kw = sentinel.connection_pool.connection_kwargs
-                said = f"{kw.get('host')}:{kw.get('port')}: {str(e) or type(e).__name__}"
+                said = f"{where}: {str(e) or type(e).__name__}"
                 if isinstance(e, AuthenticationError):
                     auth = e
                     refused.append(said)
                 else:
                     failed.append(said)
+                continue
+            except ResponseError as e:          # a server that is no Sentinel
+                strangers.append(f"{where}: {str(e).strip()}")
                 continue
             state = masters.get(service_name)
             if state and self.check_master_state(state, service_name):
@@ -387,11 +398,16 @@ class _Sentinel(Sentinel):
                 self.sentinels[0], self.sentinels[i] = sentinel, self.sentinels[0]
                 ip = self._force_master_ip if self._force_master_ip is not None else state["ip"]
                 return ip, state["port"]
+            (down if state else unknown).append(where)
         why = ([f"Sentinels refusing the password (state.sentinel_password): {'; '.join(refused)}"] if refused else []) \
-            + ([f"Sentinels not answering: {'; '.join(failed)}"] if failed else [])
+            + ([f"Sentinels not answering: {'; '.join(failed)}"] if failed else []) \
+            + ([f"Sentinels that know no primary {service_name!r}: {', '.join(unknown)}"] if unknown else []) \
+            + ([f"Sentinels that name it down (or seen by too few Sentinels): {', '.join(down)}"] if down else []) \
+            + ([f"no Sentinels (SENTINEL refused): {'; '.join(strangers)}"] if strangers else [])
+        n = len(self.sentinels)
         # a refused password is the cause (``transport_reason`` reads it): it is what to fix
-        raise MasterNotFoundError(f"No master found for {service_name!r}"
-                                  + (f" ({'; '.join(why)})" if why else "")) from auth
+        raise MasterNotFoundError(f"No master found for {service_name!r} by {n} Sentinel{'s' if n > 1 else ''} "
+                                  f"{'over TLS' if self.tls else '(no TLS)'} ({'; '.join(why)})") from auth
 
 
 class _CheckBeforeSend:
