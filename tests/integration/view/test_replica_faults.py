@@ -140,3 +140,48 @@ async def test_a_stream_key_of_another_type_is_one_loss_not_one_each_retry(redis
         await admin.aclose()
         await a.stop()
         await b.stop()
+
+
+async def test_a_redis_at_its_memory_limit_that_refuses_some_writes_is_logged_once_a_while(redis_server):
+    """A Redis at the edge of its maxmemory (noeviction) refuses one write and takes the next:
+    the link goes down and up again with each. Every loss is counted, but one line says it is lost
+    and one that it is back, not a warning and an info line each time: the losses that follow
+    within ``LOST_LOG_S`` of a logged one are logged with the next, as ``since_last``."""
+    import redis.asyncio as aioredis
+    import structlog
+
+    got_b: list[bytes] = []
+    a, b = _link(redis_server.url, "a", []), _link(redis_server.url, "b", got_b)
+    admin = aioredis.Redis.from_url(redis_server.url)
+
+    async def refused() -> int:
+        stats = await admin.info("errorstats")
+        return int(stats.get("errorstat_OOM", {}).get("count", 0))
+
+    a.start()
+    b.start()
+    try:
+        await until(lambda: a.up and b.up, timeout=10)
+        await admin.config_set("maxmemory-policy", "noeviction")
+        with structlog.testing.capture_logs() as logs:
+            for i in range(3):            # refused, then taken: down and up again
+                n = await refused()
+                await admin.config_set("maxmemory", 1)
+                a.queue([Session(f"conversation-{i}", "http://e1")])
+                await until(lambda n=n: _refused_more(refused, n), timeout=10)
+                await until(lambda: not a.up, timeout=10)
+                await admin.config_set("maxmemory", 0)
+                await until(lambda i=i: any(f"conversation-{i}".encode() in p for p in got_b), timeout=10)
+                await until(lambda: a.up, timeout=10)
+        assert a.m.redis_lost._single.value == 3
+        assert [e["event"] for e in logs if "redis stream" in e["event"]] == [
+            "shared routing view: redis stream lost; routing on the local view",
+            "shared routing view: redis stream reachable"], logs
+        # why, without the refused command's arguments (the facts' encoded bytes)
+        [lost] = [e for e in logs if "lost" in e["event"]]
+        assert lost["reason"] == "oom" and "XADD" not in lost["error"] and "\x00" not in lost["error"], lost
+    finally:
+        await admin.config_set("maxmemory", 0)
+        await admin.aclose()
+        await a.stop()
+        await b.stop()
