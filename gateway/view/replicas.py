@@ -38,7 +38,7 @@ import structlog
 from redis.exceptions import ResponseError
 
 from gateway.config.schema import StateConfig
-from gateway.state.redis import CALL_FAILED, forget_topology, held_loop_timeout, redis_client
+from gateway.state.redis import CALL_FAILED, forget_topology, held_loop_timeout, redis_client, refusal
 from gateway.view.config import ViewConfig
 from gateway.view.metrics import ViewMetrics
 from gateway.view.wire import Insert, Session, encode
@@ -48,6 +48,7 @@ log = structlog.get_logger("switchyard.view")
 STOP_WAIT_S = 2.0           # how long stop() waits for a loop to end, and for a client to close
 CATCH_UP_CHUNK = 200        # entries applied per event-loop turn while catching up
 READ_COUNT = 1000           # entries per XREAD
+LOST_LOG_S = 30.0           # a lost link is logged at most this often (each loss is counted)
 
 
 class ReplicaLink:
@@ -76,20 +77,34 @@ class ReplicaLink:
         self._write_failed = False        # the writer lost the link: it tries again by itself
         self._tasks: list[asyncio.Task] = []
         self._down_since = 0.0
+        self._loss_logged = True          # the last loss was logged (the first up is, too)
+        self._lost_logged_at = -LOST_LOG_S
+        self._lost_quiet = 0              # losses not logged since the last line
 
     # -- state -------------------------------------------------------------------------------
 
-    def _mark(self, up: bool, why: str = "") -> None:
+    def _mark(self, up: bool, why: str = "", reason: str | None = None) -> None:
+        """A loss is counted each time; its line is written at most once per ``LOST_LOG_S`` (a
+        Redis at its memory limit refuses one write and takes the next: down and up again with
+        each), the next one saying how many were not (``since_last``). The line that the stream
+        is back follows a loss that was logged."""
         if up == self.up:
             return
         self.up = up
         self.m.redis_up = 1.0 if up else 0.0
         if up:
-            log.info("shared routing view: redis stream reachable", stream=self.key)
-        else:
-            self.m.redis_lost.inc()
-            self._down_since = time.monotonic()
-            log.warning("shared routing view: redis stream lost; routing on the local view", error=why)
+            if self._loss_logged:
+                log.info("shared routing view: redis stream reachable", stream=self.key)
+            return
+        self.m.redis_lost.inc()
+        now = self._down_since = time.monotonic()
+        self._loss_logged = now - self._lost_logged_at >= LOST_LOG_S
+        if not self._loss_logged:
+            self._lost_quiet += 1
+            return
+        log.warning("shared routing view: redis stream lost; routing on the local view", error=why,
+                    **({"reason": reason} if reason else {}), **({"since_last": self._lost_quiet} if self._lost_quiet else {}))
+        self._lost_logged_at, self._lost_quiet = now, 0
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -127,7 +142,10 @@ class ReplicaLink:
             except CALL_FAILED as e:     # no Cluster node reachable, a connection lost: down, not a bug
                 _stop_if_cancelled()
                 self._requeue(facts)
-                self._write_down(f"{type(e).__name__}: {e}")
+                # a refusal (out of memory, read-only, ...) says why without the refused command,
+                # whose arguments (the facts' encoded bytes) the client library's text quotes
+                why = refusal(e)
+                self._write_down(f"{type(e).__name__}: Redis refused the write" if why else f"{type(e).__name__}: {e}", why)
                 # a failed pipeline leaves a Cluster client on its old slot map (a promoted
                 # replica would never be written to): read it again on the next call
                 await forget_topology(self.writer)
@@ -145,9 +163,9 @@ class ReplicaLink:
                 self._mark(True)
             await asyncio.sleep(cfg.flush_interval_s)
 
-    def _write_down(self, why: str) -> None:
+    def _write_down(self, why: str, reason: str | None = None) -> None:
         self._write_failed = True
-        self._mark(False, why)
+        self._mark(False, why, reason)
 
     async def _retry_later(self) -> None:
         """A writer that lost the link tries again after ``view.retry_s``, whatever the reader
