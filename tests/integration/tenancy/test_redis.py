@@ -255,6 +255,34 @@ async def test_a_redis_that_refuses_writes_is_down_with_its_reason_and_clients_g
         await r.aclose()
 
 
+async def test_a_redis_at_its_memory_limit_that_refuses_some_writes_is_logged_once_a_while(
+        sims, gateway, redis_server):
+    """A Redis at the edge of its maxmemory (noeviction) refuses one write and takes the next: the
+    shared state goes down and up again with each. Every outage is counted, but one warning says
+    it refuses writes and one line that it is back, not a pair each time: the outages that follow
+    within ``OUTAGE_LOG_S`` of a logged one are logged with the next, as ``since_last``."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS, limits={"users": {"alice": {"rpm": 100}}},
+                       state=state(redis_server))
+    assert (await chat(gw)).choices
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(3):
+                await _refuse_writes(r, redis_server, "oom")
+                assert (await chat(gw)).choices
+                assert await wait_for(lambda: _state_up_metric(gw, 0.0), timeout=10)
+                await _take_writes(r, "oom")
+                assert await wait_for(lambda: _state_up_metric(gw, 1.0), timeout=10)
+        assert 'switchyard_state_outages_total{mode="standalone"} 3.0' in await gw.metrics_text()
+        said = [x for x in logs if x["event"].startswith("shared state")]
+        assert [x["event"] for x in said] == ["shared state refuses writes; failure policy applies",
+                                              "shared state reachable"], said
+    finally:
+        await r.config_set("maxmemory", 0)
+        await r.aclose()
+
+
 async def _refuse_commands(r, refusal: str) -> None:
     """Make a running redis-server refuse the gateway's commands: its ACL user may no longer touch
     the gateway's keys (NOPERM), or another application wrote a key of the gateway's names as
