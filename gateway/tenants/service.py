@@ -57,6 +57,7 @@ MAX_BACKOFF_S = 2.0
 MAX_UNKNOWN_KEYS = 10_000
 FAIL_OPEN_LOG_EVERY_S = 10.0
 START_RETRY_S = 1.0          # start-up: how long a failing first sync is tried again
+OUTAGE_LOG_S = 30.0          # an outage's warning is written at most this often (each is counted)
 START_RETRY_GAP_S = 0.1
 START_FINAL = COMMAND_REFUSALS | {"auth", "no_tls"}    # what a second try at start meets alike
 
@@ -181,6 +182,9 @@ class Tenancy:
         self._version: str | None = None          # the store's directory version the mirror has
         self._tag: str | None = None              # ... and the tag of the write that made it
         self._reload_all = False                  # read the whole directory next (after an outage)
+        self._outage_logged = True                # the last outage was logged (the first up is, too)
+        self._outage_logged_at = -OUTAGE_LOG_S
+        self._outages_quiet = 0                   # outages not logged since the last warning
         self._mirrored = 0                        # counts the mirror's updates
         self._refreshing = asyncio.Lock()
         self._sync_error = ""       # why the last sync failed, for the log
@@ -285,31 +289,41 @@ class Tenancy:
         await self.state.stop()
 
     def _on_transition(self, up: bool, why: str, reason: str = "") -> None:
+        """Each outage is counted; its warning is written at most once per ``OUTAGE_LOG_S`` (a
+        Redis at its memory limit refuses one write and takes the next: down and up again with
+        each), the next one saying how many were not (``since_last``). The line that the state is
+        back follows an outage that was logged."""
         self.m.state_up.set(1 if up else 0)
         mode = redis_mode(self.cfg.redis_url or "")
         if up:
             # a store that was unreachable may have lost writes and made others since (a restart,
             # a failover): its change log cannot be trusted against the mirror, read it whole
             self._reload_all = True
-            log.info("shared state reachable", redis_url=_redact(self.cfg.redis_url), mode=mode)
-        elif reason in COMMAND_REFUSALS:
-            self.m.outages.labels(mode).inc()
+            if self._outage_logged:
+                log.info("shared state reachable", redis_url=_redact(self.cfg.redis_url), mode=mode)
+            return
+        self.m.outages.labels(mode).inc()
+        now = time.monotonic()
+        self._outage_logged = now - self._outage_logged_at >= OUTAGE_LOG_S
+        if not self._outage_logged:
+            self._outages_quiet += 1
+            return
+        quiet = {"since_last": self._outages_quiet} if self._outages_quiet else {}
+        self._outage_logged_at, self._outages_quiet = now, 0
+        if reason in COMMAND_REFUSALS:
             log.warning("shared state refuses the gateway's commands; failure policy applies",
                         policy=self.policy, reason=reason, error=why, redis_url=_redact(self.cfg.redis_url),
-                        mode=mode)
+                        mode=mode, **quiet)
         elif reason == "auth":
-            self.m.outages.labels(mode).inc()
             log.warning("shared state refuses the gateway's credentials; failure policy applies",
                         policy=self.policy, reason=reason, error=why, redis_url=_redact(self.cfg.redis_url),
-                        mode=mode)
+                        mode=mode, **quiet)
         elif reason and reason not in ("unreachable", "no_tls"):
-            self.m.outages.labels(mode).inc()
             log.warning("shared state refuses writes; failure policy applies", policy=self.policy, reason=reason,
-                        error=why, redis_url=_redact(self.cfg.redis_url), mode=mode)
+                        error=why, redis_url=_redact(self.cfg.redis_url), mode=mode, **quiet)
         else:
-            self.m.outages.labels(mode).inc()
             log.warning(f"{trouble(reason)}; failure policy applies", policy=self.policy, error=why,
-                        redis_url=_redact(self.cfg.redis_url), mode=mode)
+                        redis_url=_redact(self.cfg.redis_url), mode=mode, **quiet)
 
     async def refresh(self) -> None:
         """Bring the local directory to the store's current users and keys: with Redis, the
