@@ -1767,3 +1767,39 @@ async def test_a_continuable_stream_ends_at_done_and_its_engines_connection_is_n
         await client.close()
         assert len(ports) == 2 and ports[0] != ports[1], ports     # the first connection was not kept
         assert migrations(await gw.metrics_text(), "continued") == 0
+
+
+@pytest.mark.parametrize("fault", ["prefill_fails", "decode_silent"])
+async def test_an_sglang_stream_continued_on_a_pair_that_fails_before_its_first_token_ends(sims, gateway, fault):
+    """SGLang P/D: the stream's decode dies mid-stream and the continuation's pair fails before its
+    decode's head (which SGLang sends with the first token): its prefill answers 500, or its decode
+    takes the KV and then stays silent. The client's stream began long before; the continuation's
+    legs are still waited for as a fresh request's are (the prefill's failure ends them, the
+    first-chunk watchdog bounds the silent decode), not as a stream begun by that decode's first
+    token, whose head the gateway awaited up to upstream.first_byte_timeout_s (5 minutes). The
+    stream ends with its error event, the migration counted as failed, the continuation's decode
+    told to stop."""
+    def rs(name, p, d):
+        return {"name": name, "prefill": [{"url": p.url, "bootstrap_port": p.bootstrap_port}], "decode": [d.url]}
+
+    p1 = await sims("sglang", "m", role="prefill")
+    d1 = await sims("sglang", "m", role="decode", fault="drop_after=3")
+    p2 = await sims("sglang", "m", role="prefill", fault="status=500" if fault == "prefill_fails" else None)
+    d2 = await sims("sglang", "m", role="decode",
+                    fault="stall_before_first=inf" if fault == "decode_silent" else None)
+    gw = await gateway([{"name": "m", "engine": "sglang", "rolesets": [rs("a", p1, d1), rs("b", p2, d2)],
+                         "migration_limit": 1, "watchdog": {"first_chunk_timeout_s": 0.5}}],
+                       health={"interval_s": 60}, breaker={"consecutive_faults": 100, "fault_rate": 0})
+    req = {"model": "m", "messages": MSG, "max_tokens": 24, "stream": True}
+    for _ in range(30):         # pairs are picked at random: until the stream began on the dying decode
+        st, got = await asyncio.wait_for(raw_post(gw.url, "/v1/chat/completions", req), 30)
+        if st == 200:
+            break
+    assert st == 200 and isinstance(got[-1], dict) and "error" in got[-1], got[-2:]
+    assert text_of(got)             # the first leg's tokens went out
+    text = await gw.metrics_text()
+    assert migrations(text, "failed") == 1
+
+    async def told(url: str) -> bool:
+        return bool((await sim_state(url))["abort_requests"])
+    await until(lambda: told(d2.url))
