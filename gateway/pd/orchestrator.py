@@ -374,9 +374,11 @@ class PDOrchestrator:
         try:
             while True:
                 await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
-                if prefill_task.done() and ctx.rec.headers_sent:
+                if prefill_task.done() and early and ctx.rec.headers_sent:
                     # the early relay began the client's stream with the decode's first token: the
-                    # decode holds the KV, whatever the prefill's answer says (a late one)
+                    # decode holds the KV, whatever the prefill's answer says (a late one). (A
+                    # continuation's client stream began on an earlier leg: its legs are waited
+                    # for as a fresh request's, below.)
                     resp = await asyncio.shield(decode_task)
                     self.spawn(self._late_prefill(ctx, prefill_task))
                     break
