@@ -374,6 +374,31 @@ async def test_a_decode_that_hangs_up_before_answering_has_the_pair_chosen_again
         await _until_retried(gw, p, d, True, "decode_reset")
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_decode_that_breaks_off_its_whole_answer_has_the_pair_chosen_again(sims, gateway, engine):
+    """A non-streamed request's decode sends its head and part of its body, and its engine dies:
+    the client has seen nothing of the answer (a whole one is sent once read), so the request runs
+    again on a pair without that decode, as for a decode that died before its first token, within
+    the retry budget."""
+    async def cut(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = 1000
+        await resp.prepare(request)
+        await resp.write(b'{"id":"x","choices":[')
+        await asyncio.sleep(0.02)
+        assert request.transport is not None
+        request.transport.abort()           # its engine died in the middle of the answer
+        return resp
+
+    p, d = await pd_pair(sims, engine)
+    async with fake_engine(cut) as broken:
+        rs = {**roleset(engine, p, d, name="rs"), "decode": [broken, d.url]}
+        gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60}, pd=EVEN_PICKS,
+                           breaker={"consecutive_faults": 100, "fault_rate": 0})
+        await _until_retried(gw, p, d, False, "decode_broken")
+
+
 async def _ready(gw, url: str) -> bool:
     """The gateway's ``switchyard_endpoint_ready`` for the endpoint at ``url``."""
     name = url.split("//")[1]
