@@ -570,11 +570,13 @@ class PDOrchestrator:
                     raise self._first_bytes_late(ctx, plan, resp, f.detail) from None   # type: ignore[arg-type]
                 cause, message = self._first_bytes_cause(ctx, f)
                 raise self._first_bytes_bad(ctx, plan, resp, cause, message) from None
-            except GatewayError:        # a whole answer that broke: its prefill's failure closed it
+            except GatewayError as e:   # a whole answer that broke: its prefill's failure closed it
                 if (failed := self._prefill_first(ctx, plan, resp)) is not None:
                     raise failed from None
                 if rec.watchdog is not None or rec.error_class == ErrorClass.UPSTREAM_TIMEOUT:
                     self._abort_decode(ctx, plan)   # one that stalled after its head: stopped
+                elif rec.error_class == ErrorClass.UPSTREAM_BROKEN and not ctx.ireq.stream:
+                    raise self._whole_broken(ctx, plan, e) from None
                 raise
         except asyncio.CancelledError:
             # the client left: a relay that was under way closed the decode's connection itself,
@@ -671,6 +673,18 @@ class PDOrchestrator:
                           suspect=ctx.decision.prefill if cause == "decode_error" else None,
                           code="upstream_unavailable", header=("x-error-pd-decode", cause),
                           error_class=ctx.rec.error_class)
+
+    def _whole_broken(self, ctx: RequestContext, plan: PDPlan, e: GatewayError) -> GatewayError:
+        """A whole answer its decode broke off after its head (its engine died): the client has seen
+        nothing of it, so the pair may be chosen again, as for a stream that broke before its first
+        token. The relay told the decode's breaker and counted the broken body. An SGLang prefill
+        still waiting for this decode to take its KV is aborted too, as for a decode that hung up."""
+        assert ctx.decision is not None and ctx.decision.prefill is not None
+        self._abort_decode(ctx, plan)
+        if plan.concurrent:
+            self._abort(ctx, ctx.decision.prefill, plan.abort)
+        return PairFailed(e.status, e.message, endpoint=ctx.decision.endpoint, cause="decode_broken", code=e.code,
+                          headers=e.headers, error_class=e.error_class)
 
     async def _failed_status(self, ctx: RequestContext, resp: UpstreamResponse) -> None:
         """The decode answered a server error (a 5xx other than 501, 503 and 529; SGLang's when the KV transfer
