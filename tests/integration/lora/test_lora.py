@@ -508,6 +508,34 @@ async def test_the_serving_gauge_drops_an_adapter_no_engine_lists_and_the_config
         "the series of an adapter nothing lists any more stays, at 0, forever"
 
 
+async def test_a_reload_that_removes_a_model_or_a_listed_adapter_drops_their_serving_series_at_once(sims, gateway):
+    """A reload that removes a model takes the series of the adapters its engines served with it,
+    and one that takes an adapter off the model's ``adapters`` list, no engine serving it, drops its
+    0: at the reload, not at the next discovery round (never, with discovery off), where a scrape
+    meanwhile read a model the gateway no longer serves as serving its adapters."""
+    a = await sims("vllm", "m", lora_modules=("sql=org/sql-lora",), **LORA_SIM)
+    b = await sims("vllm", "m2", **LORA_SIM)
+    # discovery's first round at start, then none for the test's length
+    gw = await gateway([model_block("m", "vllm", [a.url]), model_block("m2", "vllm", [b.url], adapters={"cfg": "org/cfg"})],
+                       lora={"discovery_interval_s": 600})
+    series = 'switchyard_lora_adapter_endpoints{adapter="%s",model="%s"}'
+    assert await wait_for(lambda: (series % ("sql", "m")) + " 1.0" in gw.gw.metrics.render().decode(), timeout=10.0)
+    assert (await chat(gw, "cfg"))[0] == 200          # loaded on m2's engine: counted 1
+    async with aiohttp.ClientSession() as s:          # the engine drops it: a listed adapter reads 0
+        async with s.post(b.url + "/v1/unload_lora_adapter", json={"lora_name": "cfg"}) as r:
+            assert r.status == 200, await r.text()
+        await gw.gw.lora.discover(s)                  # a round, as the loop's
+    assert (series % ("cfg", "m2")) + " 0.0" in gw.gw.metrics.render().decode()
+    reloader = gw.runner.app[RELOAD_KEY]
+    raw = msgspec.to_builtins(reloader.live.config)
+    raw["models"] = [model_block("m2", "vllm", [b.url])]
+    result = reloader.reload("test", config_from_dict(raw, source="<test>"))
+    assert (result.result, result.removed) == ("ok", [f"m {a.url}"]), result
+    text = gw.gw.metrics.render().decode()
+    assert series % ("sql", "m") not in text, "a model the reload removed still serves its adapter"
+    assert series % ("cfg", "m2") not in text, "an adapter the reload took off the list keeps its 0"
+
+
 async def test_a_reload_whose_alias_shadows_a_discovered_adapter_is_applied_with_a_warning(sims, gateway):
     """No file check can see the adapters the engines serve, so a reload may add an alias under the
     name of one: it is applied (the alias answers that name from then on, its targets without the
