@@ -206,6 +206,11 @@ class Lora:
             self._rediscover.set()
         self.paths: dict[str, tuple[str, str]] = {a: (m.name, p) for m in config.models for a, p in m.adapters.items()}
         self._alias_names = frozenset(a.name for a in config.aliases)
+        if before is not None:
+            # a reload (its endpoints already brought to the new config): the series of a model it
+            # removed, and the 0 of an adapter it took off a model's list, go now, not at the next
+            # discovery round (never, with discovery off)
+            self.count_serving()
 
     # -- before routing ------------------------------------------------------------------------
 
