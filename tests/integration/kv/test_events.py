@@ -14,7 +14,7 @@ from gateway.kv import events as kv_events
 from gateway.request import CHAT, parse
 from tests.support.enginesim import restart_sim
 from tests.support.http import openai_client, post
-from tests.support.metrics import metric
+from tests.support.metrics import metric, series
 from tests.support.waiting import until
 
 pytestmark = pytest.mark.integration
@@ -364,3 +364,31 @@ async def test_a_gap_before_a_reconnect_is_replayed_at_once_on_an_idle_stream(si
     text = _render(gw)
     assert metric(text, "switchyard_kv_events_replayed_batches_total", model="m") >= 1
     assert metric(text, "switchyard_kv_events_restarts_total", model="m") == 0
+
+
+async def test_a_reload_that_removes_a_model_takes_its_fast_tokenizer_gauge_with_it(sims, gateway):
+    """A reload may remove a model that subscribes to events (its subscriptions go with it): its
+    ``switchyard_kv_events_fast_tokenizer`` gauge goes too, as its index blocks and endpoints'
+    liveness do, where it stayed for the life of the process, a fact about a model no longer served."""
+    import msgspec
+
+    from gateway.config.schema import config_from_dict
+    from gateway.server.app import RELOAD_KEY
+    from tests.support.factories import model_block
+
+    sim = (await _sims(sims, 1))[0]
+    other = await sims("vllm", "m2")
+    s = sim.engine.kv_events
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url], "tokenizer": TOK,
+                         "strategy": "prefix-cache", "kv_events": {"enabled": True, "port": s.port}},
+                        model_block("m2", "vllm", [other.url])])
+    await until(lambda: s.subscriptions >= 1)
+    assert list(series(await gw.metrics_text(), "switchyard_kv_events_fast_tokenizer")) == ['model="m"']
+    reloader = gw.runner.app[RELOAD_KEY]
+    raw = msgspec.to_builtins(reloader.live.config)
+    raw["models"] = [model_block("m2", "vllm", [other.url])]
+    result = reloader.reload("test", config_from_dict(raw, source="<test>"))
+    assert (result.result, result.removed) == ("ok", [f"m {sim.url}"]), result
+    assert series(await gw.metrics_text(), "switchyard_kv_events_fast_tokenizer") == {}, \
+        "a model the reload removed keeps its gauge"
+    await until(lambda: series(gw.gw.metrics.render().decode(), "switchyard_kv_events_index_blocks") == {})
