@@ -163,8 +163,9 @@ class KVEventsMetrics:
 
 
 class _IndexCollector(Collector):
-    def __init__(self, index: EventIndex) -> None:
+    def __init__(self, index: EventIndex, served: Callable[[str], bool]) -> None:
         self.index = index
+        self.served = served        # whether the gateway serves a model (``KVEventsManager.serves``)
 
     def collect(self):
         blocks = GaugeMetricFamily("switchyard_kv_events_index_blocks",
@@ -202,8 +203,12 @@ class _IndexCollector(Collector):
             "switchyard_kv_events_fast_tokenizer_checks",
             "Segments encoded by tiktoken and checked against the tokenizers library (the first 32, then one "
             "in 256), by outcome: agreed, differed (tiktoken then off for the model)", labels=["model", "outcome"])
+        # the gauge of a tokenizer no served model uses goes (a reload removed them):
+        # a fact about prompts no longer encoded; its counters stay, as every counter does
+        used = {id(tok) for model, tok in self.index.tokenizers.items() if self.served(model)}
         for model, tok in _first_names(self.index.tokenizers).items():
-            fast.add_metric([model], 1.0 if tok.fast else 0.0)
+            if id(tok) in used:
+                fast.add_metric([model], 1.0 if tok.fast else 0.0)
             for outcome, n in tok.fast_checks.items():
                 checks.add_metric([model, outcome], n)
             for how, n in tok.renders.items():
@@ -703,7 +708,9 @@ class KVEventsManager:
         self.index = EventIndex(tokenizers, settings, clock, self._fallback)
         self.index.on_retired = self._drain_soon
         self._drain_task: asyncio.Task | None = None
-        registry.register(_IndexCollector(self.index))
+        # the models of the running config (None: those it started with, every tokenizer's)
+        self.listed: frozenset[str] | None = None
+        registry.register(_IndexCollector(self.index, self.serves))
         self.subscribers: dict[Endpoint, list[Subscriber]] = {}     # one per data-parallel rank
         self._refused: set[Endpoint] = set()
         self._sync_task: asyncio.Task | None = None
@@ -881,6 +888,14 @@ class KVEventsManager:
             sub.fresh_at = None
             sub._epoch += 1            # a large message being applied is left
             sub.ask_catch_up()         # what the new engine published before now (an idle one: nothing)
+
+    def follow(self, config: Any) -> None:
+        """A reload was applied: the models it lists (what subscribes is set at start)."""
+        self.listed = frozenset(m.name for m in config.models)
+
+    def serves(self, model: str) -> bool:
+        """Whether ``model`` is still served: the running config lists it, or it has endpoints."""
+        return self.listed is None or model in self.listed or self.pool.has_model(model)
 
     # -- sibling workers (gateway.view.service) ----------------------------------------------------
 

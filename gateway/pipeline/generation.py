@@ -88,6 +88,8 @@ class Services:
         self.retries.reconfigure(config.retry_for, config.routing.metrics_max_age_s)
         self.lora.reconfigure(config)
         self.admission.reconfigure(config)
+        if self.kv_events is not None:
+            self.kv_events.follow(config)
         self.view.sessions.reconfigure(config.routing.session_ttl_s, config.routing.session_max_entries,
                                        config.routing.session_user_share)
 
