@@ -99,3 +99,22 @@ def test_a_models_kv_events_change_needs_a_restart(before, after, path):
     def models(ms):
         return "[" + ", ".join(_kv(*m) for m in ms) + "]"
     assert restart_needed(cfg(models=models(before)), cfg(models=models(after)), tenancy=False, admin=False) == path
+
+
+@pytest.mark.parametrize("events", ["{enabled: true}", None])
+def test_another_tokenizer_for_a_model_on_kv_events_needs_a_restart(tmp_path, events):
+    """The tokenizer is loaded at start, for the models whose prompts are keyed on KV events: a
+    reload that names another directory (a new model revision's) with the events block unchanged
+    was applied, the file saying one tokenizer while the blocks were keyed with the other. Without
+    events no tokenizer is loaded, and nothing needs a restart."""
+    import shutil
+
+    from enginesim.tiny_tokenizer import TINY_DIR
+
+    other = tmp_path / "revision-2"
+    shutil.copytree(TINY_DIR, other)
+    ev = f", kv_events: {events}" if events else ""
+    before = cfg(models=f"[{{name: m, endpoints: [{M}], tokenizer: '{TINY_DIR}'{ev}}}]")
+    after = cfg(models=f"[{{name: m, endpoints: [{M}], tokenizer: '{other}'{ev}}}]")
+    expected = "models[0].tokenizer" if events else None
+    assert restart_needed(before, after, tenancy=False, admin=False) == expected
