@@ -7,9 +7,9 @@ aliases, routing strategies and their settings, ``pd``, ``watchdog``, ``breaker`
 ``server``, ``upstream``, ``health``, ``scrape``, ``state``, ``view`` (the workers' bus and
 the replicas' stream), ``status``, ``tracing``, ``responses`` (its stores), ``batch`` (its routes,
 job store and runner), the rest of ``kubernetes``, a model's ``kv_events`` (its subscriptions
-and tokenizer), and turning tenancy or the admin API on when the gateway started without them. A
-new config that changes one of those is refused as a whole, so that after a successful reload the
-file and what runs are the same thing.
+and tokenizer) and, while it is on them, its ``tokenizer``, and turning tenancy or the admin API
+on when the gateway started without them. A new config that changes one of those is refused as
+a whole, so that after a successful reload the file and what runs are the same thing.
 
 A reload has two steps. *Prepare* reads and validates the file (every error names its key path;
 the file is read and parsed in a thread, ``reload_off_loop``, so requests are answered while a large
@@ -187,12 +187,17 @@ def restart_needed(old: Config, new: Config, *, tenancy: bool, admin: bool) -> s
 
 def _kv_events_change(old: Config, new: Config) -> str | None:
     """``models[i].kv_events`` of a model that is in both and whose events block changed, or that
-    gained one: the subscriptions and tokenizers are set up at start (a model that leaves takes its
-    endpoints' subscriptions with it)."""
-    before = {m.name: m.kv_events for m in old.models}
+    gained one, and ``models[i].tokenizer`` of one in both whose tokenizer the gateway loaded (its
+    events on, or pods that may announce them) and that names another: the subscriptions and
+    tokenizers are set up at start (a model that leaves takes its endpoints' subscriptions with it)."""
+    before = {m.name: m for m in old.models}
     for i, m in enumerate(new.models):
-        if m.name in before and before[m.name] != m.kv_events or m.name not in before and m.kv_events is not None:
+        was = before.get(m.name)
+        if was is not None and was.kv_events != m.kv_events or was is None and m.kv_events is not None:
             return f"models[{i}].kv_events"
+        if (was is not None and was.tokenizer != m.tokenizer
+                and (was.wants_kv_events or old.kubernetes.enabled)):
+            return f"models[{i}].tokenizer"
     return None
 
 
