@@ -966,6 +966,60 @@ async def until_answered(call):
                 await asyncio.sleep(0.02)
 
 
+def _held_then_failing(go_on: asyncio.Event, how: str):
+    """An engine streaming a stored response's first four events, then, once ``go_on`` is set,
+    breaking its connection (``break``) or ending with its own ``error`` event (``error``)."""
+    async def engine(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for event in _function_call_events()[:4]:
+            await out.write(event)
+        await go_on.wait()
+        if how == "error":
+            await out.write(b'event: error\ndata: {"type":"error","code":null,"message":"Internal server error",'
+                            b'"param":null,"sequence_number":4}\n\n')
+            await out.write_eof()
+            return out
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.abort()
+        return out
+    return engine
+
+
+@pytest.mark.parametrize("how", ["break", "error"])
+async def test_a_stored_stream_deleted_while_generating_is_not_kept_when_it_fails(gateway, how):
+    """Gateway state: a stored stream deleted while it generates is not kept when it ends; one that
+    then failed (its engine broke, or ended it with its own error event) was kept as failed all
+    the same, so the deleted id came back: a GET answered it failed, and its input_items listed
+    its input. Its client still gets the error and response.failed; the id stays unknown."""
+    go_on = asyncio.Event()
+    async with fake_engine(_held_then_failing(go_on, how), paths=("/v1/responses",)) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], responses={"state": "gateway"})
+        c = openai_client(gw)
+        stream = await c.responses.create(model="m", input="weather?", stream=True)
+        seen = []
+        async for ev in stream:
+            seen.append(ev.type)
+            if ev.type == "response.function_call_arguments.delta":
+                break
+        try:
+            await c.responses.delete("resp_cut1")
+        finally:
+            go_on.set()         # the engine fails its stream, whatever the DELETE answered
+        events = [ev async for ev in stream]
+        assert [ev.type for ev in events][-2:] == ["error", "response.failed"]
+        assert events[-1].response.id == "resp_cut1"
+        with pytest.raises(openai.NotFoundError):
+            await c.responses.retrieve("resp_cut1")
+        with pytest.raises(openai.NotFoundError):
+            await c.responses.input_items.list("resp_cut1")
+        with pytest.raises(openai.BadRequestError) as ei:
+            await c.responses.create(model="m", input="and then?", previous_response_id="resp_cut1")
+        assert ei.value.body["code"] == "previous_response_not_found"
+
+
 async def test_an_engine_that_breaks_mid_event_ends_the_stream_with_error_and_response_failed(gateway):
     """The half event an engine sent before its connection broke never reaches the client: the
     SDK reads the stream up to the gateway's error and response.failed events, rather than
