@@ -504,9 +504,10 @@ class ResponsesApi(ApiShape):
         """A stream the gateway ended with ``response.failed``: that failed response is kept, as
         OpenAI keeps a response that failed, so a GET of its id says so (gateway state: its history
         record; engine state: the affinity record, since the engine never learnt of the failure).
-        A background response is its engine's: it goes on there, and its engine answers for it."""
+        A background response is its engine's: it goes on there, and its engine answers for it.
+        One deleted while it ran (``_drop_running``) is not kept, failed or not."""
         ex = ctx.api_state
-        if not isinstance(ex, Exchange) or ex.failed is None or not ex.store or ctx.ireq is None:
+        if not isinstance(ex, Exchange) or ex.failed is None or not ex.store or ex.deleted or ctx.ireq is None:
             return
         snap = ex.failed
         rid = snap.get("id")
