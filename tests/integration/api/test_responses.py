@@ -18,6 +18,7 @@ from tests.support.edge import assert_openai_error, exchange
 from tests.support.factories import model_block
 from tests.support.fake_engine import cutting_stream, fake_engine
 from tests.support.http import openai_client, sim_state
+from tests.support.metrics import metric
 from tests.support.tenancy import ALICE, BOB, KEYS
 from tests.support.waiting import until, wait_for
 
@@ -551,6 +552,39 @@ async def test_a_background_stream_its_client_left_is_resumed_through_the_gatewa
     assert (await c.responses.retrieve(rid)).status == "incomplete"
     again = await c.responses.retrieve(rid, stream=True, starting_after=-1)    # the whole stream, from the start
     assert [e.sequence_number async for e in again][0] == 0
+
+
+async def test_a_background_stream_its_response_cancelled_ends_as_cancelled_and_is_no_engine_fault(sims, gateway):
+    """Engine state, ``background`` with ``stream``: a cancel of the response (from any client)
+    ends its stream on its engine, which closes it without a terminal event, as vLLM's does. The
+    gateway took that end for the engine's failure: the client got an ``upstream_incomplete`` error
+    event, the request was logged ``upstream_eof`` and counted a fault against the endpoint, so five
+    cancels in a row opened its breaker. The engine, asked, holds it cancelled: the stream ends as
+    its engine ended it, and the request is no fault."""
+    sim = await sims("vllm", "m", enable_responses_store=True, itl_ms=20.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    c = openai_client(gw)
+    stream = await c.responses.create(model="m", input="tell me a long story", background=True, stream=True,
+                                      max_output_tokens=200)
+    seen = []
+    async for event in stream:
+        seen.append(event)
+        if event.type == "response.output_text.delta":
+            break
+    rid = seen[0].response.id
+    assert (await c.responses.cancel(rid)).status == "cancelled"
+    seen += [event async for event in stream]
+    assert "error" not in [e.type for e in seen]
+    assert (await c.responses.retrieve(rid)).status == "cancelled"
+
+    async def counted() -> bool:
+        page = await gw.metrics_text()
+        return metric(page, "switchyard_upstream_outcomes_total", outcome="success") \
+            + metric(page, "switchyard_upstream_outcomes_total", outcome="fault") >= 1
+    await until(counted, timeout=10)
+    page = await gw.metrics_text()
+    assert metric(page, "switchyard_upstream_outcomes_total", outcome="fault") == 0
+    assert metric(page, "switchyard_upstream_errors_total") == 0
 
 
 @pytest.mark.parametrize("at", ["head", "event"])
