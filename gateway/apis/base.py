@@ -108,6 +108,12 @@ class ApiShape:
         """After ``stream_error`` (or ``stream_errored``) made a stream's last bytes, before they are
         written: what the failure leaves (the Responses API keeps the failed response)."""
 
+    async def closed_early(self, ctx: Any) -> bool:
+        """A stream its engine closed before its terminal event (and without an error event): True
+        when that close is the answer's own end, no failure (the Responses API's background
+        response cancelled meanwhile); default False, the engine's failure."""
+        return False
+
     # the top-level members of a whole answer that ``body_usage``, ``answer_body`` and ``finish``
     # read, when they read no other: a large answer is then decoded into those alone (the relay's
     # ``members_view``); empty: they read it all, and it is decoded whole

@@ -524,6 +524,24 @@ class ResponsesApi(ApiShape):
                  "user": self._owner_user(ctx.rec.user), "failed": snap}))
             ex.placeholder = None
 
+    async def closed_early(self, ctx: RequestContext) -> bool:
+        """A background stream its engine closed before its terminal event: one whose response was
+        cancelled meanwhile (by any client, through any worker or replica) ends so on its engine,
+        vLLM's closing the stream of a background task it cancels. Its engine, asked, holds it
+        ``cancelled``: the stream ended with its response, no failure of the engine's."""
+        ex, ireq, d = ctx.api_state, ctx.ireq, ctx.decision
+        if not isinstance(ex, Exchange) or ex.scanner is None or ireq is None or d is None \
+                or ireq.data.get("background") is not True:
+            return False
+        rid = ex.scanner.response_id
+        if not rid or len(rid) > 200:
+            return False
+        copy = await self._engine_copy(d.endpoint, rid)
+        if copy is None or copy.get("status") != "cancelled":
+            return False
+        ctx.rec.finish_reason = "cancelled"
+        return True
+
     def body_usage(self, ctx: RequestContext, data: dict[str, Any]) -> dict | None:
         self._exchange(ctx).body = data
         status = data.get("status")

@@ -856,7 +856,10 @@ class Relay:
                     tail = string_code(tail)
                 await write(ended_event(tail))
             if not scanner.done and scanner.error is None:
-                rec.error_class, rec.error = failure = of_leg(ctx, EOF_FAILURE)
+                if api is not None and await api.closed_early(ctx):
+                    pass                # its own end (a cancelled background response): no failure
+                else:
+                    rec.error_class, rec.error = failure = of_leg(ctx, EOF_FAILURE)
             elif scanner.done:
                 rec.delivered = True    # the client has the whole answer
         except WatchdogFired as w:
