@@ -587,6 +587,33 @@ async def test_a_background_stream_its_response_cancelled_ends_as_cancelled_and_
     assert metric(page, "switchyard_upstream_errors_total") == 0
 
 
+async def test_a_resumed_background_stream_whose_response_is_cancelled_ends_without_an_error_event(sims, gateway):
+    """A background stream resumed with a GET (``stream=true&starting_after=N``) whose response is
+    then cancelled: its engine closes the replay without a terminal event, which the gateway
+    answered with an ``upstream_incomplete`` error event, telling the client to resume again a
+    response that had ended. The engine, asked, holds it cancelled: the replay ends there."""
+    sim = await sims("vllm", "m", enable_responses_store=True, itl_ms=20.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    c = openai_client(gw)
+    stream = await c.responses.create(model="m", input="tell me a long story", background=True, stream=True,
+                                      max_output_tokens=200)
+    seen = []
+    async for event in stream:
+        seen.append(event)
+        if event.type == "response.output_text.delta":
+            break
+    await stream.close()                        # the client leaves, and resumes
+    rid, last = seen[0].response.id, seen[-1].sequence_number
+    rest = await c.responses.retrieve(rid, stream=True, starting_after=last)
+    events = []
+    async for event in rest:
+        events.append(event)
+        if len(events) == 1:
+            assert (await c.responses.cancel(rid)).status == "cancelled"
+    assert events and "error" not in [e.type for e in events]
+    assert (await c.responses.retrieve(rid)).status == "cancelled"
+
+
 @pytest.mark.parametrize("at", ["head", "event"])
 async def test_a_replay_whose_client_resets_as_the_engine_answers_is_the_clients_cancel(sims, gateway, monkeypatch, at):
     """A background stream's replay (``GET ?stream=true``) whose client's reset is read in the loop
