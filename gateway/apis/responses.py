@@ -1381,7 +1381,8 @@ class ResponsesApi(ApiShape):
         ends with an ``error`` event (``upstream_incomplete``; ``upstream_timeout`` when the
         upstream timeouts ended it), its sequence number the next one, as a created stream's
         failure does: never a stream that just stops, nor a half event; the client resumes again
-        from its last event. No ``response.failed``: the response goes on on its engine."""
+        from its last event. No ``response.failed``: the response goes on on its engine. One whose
+        engine closed it as the response was cancelled (its engine, asked, holds it so) just ends."""
         scanner = ResponsesScanner()
         failure: tuple[ErrorClass, str] | None = None
         code = "upstream_incomplete"
@@ -1405,7 +1406,10 @@ class ResponsesApi(ApiShape):
         tail = scanner.finish()
         if tail:
             await _to_client(out.write(tail))
-        if not scanner.done and scanner.error is None:
+        if not scanner.done and scanner.error is None and failure is None and rid is not None \
+                and (await self._engine_copy(ep, rid) or {}).get("status") == "cancelled":
+            rec.finish_reason = "cancelled"     # closed by its cancel, as a created stream is (``closed_early``)
+        elif not scanner.done and scanner.error is None:
             # the relay's words and metric class for the same failures (gateway/pipeline/relay.py)
             error_class, message = failure or (ErrorClass.UPSTREAM_EOF, "the engine closed the stream before it completed")
             rec.error_class, rec.error = error_class, message[:200]
