@@ -1178,6 +1178,41 @@ async def _background_replay(request: web.Request) -> web.StreamResponse:
     return out
 
 
+async def test_a_background_stream_closed_early_by_an_engine_that_does_not_answer_its_get_ends_with_an_error(gateway):
+    """A background stream its engine closed before its terminal event is asked of its engine (was
+    it cancelled?); an engine that takes that GET and never answers it held the client's stream
+    open for the upstream timeouts (300 s by default) before its error event. It is asked within
+    the health probe's bound, ``health.timeout_s``, then the stream ends with the error event."""
+    never = asyncio.Event()
+
+    async def engine(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for event in _background_events("resp_bg1")[:3]:
+            await out.write(event)
+        await out.write_eof()
+        return out
+
+    async def retrieve(request: web.Request) -> web.Response:
+        await never.wait()
+        return web.json_response({})
+
+    routes = (web.get("/v1/responses/{rid}", retrieve),)
+    async with fake_engine(engine, paths=("/v1/responses",), routes=routes) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], health={"timeout_s": 0.5})
+        c = openai_client(gw)
+
+        async def read() -> list:
+            stream = await c.responses.create(model="m", input="hi", background=True, stream=True)
+            return [event async for event in stream]
+        try:
+            events = await asyncio.wait_for(read(), 30)
+        finally:
+            never.set()         # the engine answers its GET at last, whatever the stream saw
+        assert [e.type for e in events][-1] == "error" and events[-1].code == "upstream_incomplete"
+
+
 async def test_a_resumed_background_stream_that_breaks_ends_with_an_error_event(gateway):
     """A background stream resumed with a GET (``stream=true&starting_after=``) whose engine ends it
     before its terminal event, cleanly or by breaking the connection, ends with the gateway's
