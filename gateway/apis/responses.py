@@ -534,13 +534,20 @@ class ResponsesApi(ApiShape):
                 or ireq.data.get("background") is not True:
             return False
         rid = ex.scanner.response_id
-        if not rid or len(rid) > 200:
-            return False
-        copy = await self._engine_copy(d.endpoint, rid)
-        if copy is None or copy.get("status") != "cancelled":
+        if not rid or len(rid) > 200 or not await self._cancelled(d.endpoint, rid):
             return False
         ctx.rec.finish_reason = "cancelled"
         return True
+
+    async def _cancelled(self, ep: Endpoint, rid: str) -> bool:
+        """Whether the engine at ``ep`` holds response ``rid`` cancelled, asked within a health
+        probe's bound (``health.timeout_s``): the stream it closed waits on the answer."""
+        try:
+            async with asyncio.timeout(self.config.health.timeout_s):
+                copy = await self._engine_copy(ep, rid)
+        except TimeoutError:
+            return False
+        return copy is not None and copy.get("status") == "cancelled"
 
     def body_usage(self, ctx: RequestContext, data: dict[str, Any]) -> dict | None:
         self._exchange(ctx).body = data
@@ -1407,7 +1414,7 @@ class ResponsesApi(ApiShape):
         if tail:
             await _to_client(out.write(tail))
         if not scanner.done and scanner.error is None and failure is None and rid is not None \
-                and (await self._engine_copy(ep, rid) or {}).get("status") == "cancelled":
+                and await self._cancelled(ep, rid):
             rec.finish_reason = "cancelled"     # closed by its cancel, as a created stream is (``closed_early``)
         elif not scanner.done and scanner.error is None:
             # the relay's words and metric class for the same failures (gateway/pipeline/relay.py)
