@@ -1135,6 +1135,24 @@ async def test_a_stream_failed_before_response_created_takes_no_id_the_client_ch
             await bob.responses.retrieve(r.id)
 
 
+async def test_a_background_stream_failed_before_its_engine_announced_it_is_kept_failed(gateway):
+    """Engine state: a ``background`` stream whose engine broke before its ``response.created``
+    gets the gateway's ``response.created`` and ``response.failed`` of an id of the gateway's, which
+    no engine holds; it was not kept (a background response is left to its engine), so a GET of
+    the id the client was given was a 404. It is kept failed, as a stream that is not background."""
+    async with fake_engine(_cut_responses_engine, paths=("/v1/responses",)) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        c = openai_client(gw)
+        events = [ev async for ev in await c.responses.create(model="m", input="x", background=True, stream=True,
+                                                              extra_headers={"x-cut": "0"})]
+        assert [e.type for e in events] == ["response.created", "error", "response.failed"]
+        got = await c.responses.retrieve(events[-1].response.id)
+        assert (got.id, got.status, got.error.code) == (events[0].response.id, "failed", "upstream_incomplete")
+        with pytest.raises(openai.BadRequestError) as ei:
+            await c.responses.create(model="m", input="more", previous_response_id=got.id)
+        assert ei.value.body["param"] == "previous_response_id"
+
+
 def _background_events(rid: str) -> list[bytes]:
     """A background Responses stream of four deltas, framed as vLLM frames it."""
     resp = {"id": rid, "object": "response", "created_at": 1, "model": "m", "status": "queued",
