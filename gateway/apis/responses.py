@@ -504,7 +504,8 @@ class ResponsesApi(ApiShape):
         """A stream the gateway ended with ``response.failed``: that failed response is kept, as
         OpenAI keeps a response that failed, so a GET of its id says so (gateway state: its history
         record; engine state: the affinity record, since the engine never learnt of the failure).
-        A background response is its engine's: it goes on there, and its engine answers for it.
+        A background response its engine announced is its engine's: it goes on there, and its
+        engine answers for it.
         One deleted while it ran (``_drop_running``) is not kept, failed or not."""
         ex = ctx.api_state
         if not isinstance(ex, Exchange) or ex.failed is None or not ex.store or ex.deleted or ctx.ireq is None:
@@ -516,7 +517,8 @@ class ResponsesApi(ApiShape):
         ctx.rec.extra["response_id"] = safe_header_value(rid)
         if self.gateway_held:
             await self._keep(ctx, rid, snap)
-        elif ctx.ireq.data.get("background") is not True:
+        elif ctx.ireq.data.get("background") is not True or ex.scanner is None or ex.scanner.snapshot is None:
+            # (a background response its engine never announced has the gateway's id: no engine holds it)
             ep = ctx.decision.endpoint if ctx.decision is not None else None
             await self._placed(ex)
             await self._write(self.owners, "affinity", rid, orjson.dumps(
