@@ -614,6 +614,36 @@ async def test_a_resumed_background_stream_whose_response_is_cancelled_ends_with
     assert (await c.responses.retrieve(rid)).status == "cancelled"
 
 
+async def test_a_background_stream_and_its_replay_ended_by_a_cancel_log_finish_reason_cancelled(sims, gateway):
+    """The log line of a background stream its response's cancel ended, and of a replay of it so
+    ended, says the response's end, ``finish_reason: cancelled``, with no error, as docs/apis.md
+    says; both said none."""
+    sim = await sims("vllm", "m", enable_responses_store=True, itl_ms=20.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    c = openai_client(gw)
+    for replayed in (False, True):
+        with gw.gw.request_log.capture() as lines:
+            stream = await c.responses.create(model="m", input="tell me a long story", background=True,
+                                              stream=True, max_output_tokens=200)
+            seen = []
+            async for event in stream:
+                seen.append(event)
+                if event.type == "response.output_text.delta":
+                    break
+            rid, last = seen[0].response.id, seen[-1].sequence_number
+            if replayed:
+                await stream.close()        # the client leaves, resumes, then cancels
+                stream = await c.responses.retrieve(rid, stream=True, starting_after=last)
+                async for _event in stream:
+                    break
+            assert (await c.responses.cancel(rid)).status == "cancelled"
+            _rest = [event async for event in stream]
+            path = f"/v1/responses/{rid}" if replayed else "/v1/responses"
+            assert await wait_for(lambda p=path: any(ln["path"] == p for ln in lines), timeout=10.0)
+        line = next(ln for ln in lines if ln["path"] == path)
+        assert (line["status"], line["error_class"], line["finish_reason"]) == (200, None, "cancelled"), replayed
+
+
 @pytest.mark.parametrize("at", ["head", "event"])
 async def test_a_replay_whose_client_resets_as_the_engine_answers_is_the_clients_cancel(sims, gateway, monkeypatch, at):
     """A background stream's replay (``GET ?stream=true``) whose client's reset is read in the loop
