@@ -538,7 +538,7 @@ class ResponsesApi(ApiShape):
         rid = ex.scanner.response_id
         if not rid or len(rid) > 200 or not await self._cancelled(d.endpoint, rid):
             return False
-        ctx.rec.finish_reason = "cancelled"
+        ex.scanner.finish_reason = "cancelled"      # the stream's, its record's when it is observed
         return True
 
     async def _cancelled(self, ep: Endpoint, rid: str) -> bool:
