@@ -62,3 +62,18 @@ def test_vtc_bounds_its_users():
     for i in range(vtc.MAX_USERS + 50):
         router.post_route(make_req(user=f"u{i}"), eps[0])
     assert len(router._users) == vtc.MAX_USERS
+
+
+def test_vtc_a_lone_user_is_spread_over_equal_endpoints():
+    """One active user weighs the same as every active user: the fairness term is neutral, so with
+    nothing in flight its requests are spread at random, also between two range refreshes. Each
+    request raised the cached heaviest count to the user's own and left the cached lightest at its
+    count before, so the lone user read as the heaviest and went to the last endpoint in address order (59 of 60)."""
+    ctx, _ = ctx_for()                                       # the clock stands: no range refresh
+    router = VTCRouter(ctx)
+    eps = make_eps(3)
+    req = make_req("x" * 400, user="alice")
+    counts = dict.fromkeys(eps, 0)
+    for _ in range(60):
+        counts[router.route(req, eps).endpoint] += 1
+    assert min(counts.values()) >= 10, [counts[ep] for ep in eps]
