@@ -113,8 +113,11 @@ class VTCRouter(ScoringRouter):
         tokens = request_tokens(req)
         u.events.append((now, tokens))
         u.total += tokens
-        lo, hi = self._range               # keep the cached range honest between recomputations
         total = u.prune(now - self.window_s)
+        if len(self._users) == 1:          # the only user is the lightest and the heaviest
+            self._range = (total, total)
+            return
+        lo, hi = self._range               # keep the cached range honest between recomputations
         self._range = (min(lo, total) if lo else total, max(hi, total))
 
     # -- scoring ---------------------------------------------------------------------------------
