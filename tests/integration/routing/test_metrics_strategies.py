@@ -68,12 +68,15 @@ async def test_least_waiting_avoids_a_queued_engine_through_the_gateway(sims, ga
                     await t
 
 
-@pytest.mark.parametrize("strategy", ["least-kv-cache", "least-waiting", "throughput", "least-latency"])
+@pytest.mark.parametrize("strategy", ["least-kv-cache", "least-waiting", "throughput", "least-latency",
+                                      "least-kv-cache:2,least-request:1", "least-waiting:2,least-request:1"])
 async def test_an_engine_without_metrics_still_takes_its_share(sims, gateway, strategy):
     """An engine whose /metrics gives nothing usable (here SGLang without --enable-metrics; a scrape
     failing, timing out or answering garbage alike) serves as well as the others: it takes
     requests whenever it has no more in flight than the endpoint the engines' numbers pick, so held
-    streams alternate between the two instead of all piling on the one that reports."""
+    streams alternate between the two instead of all piling on the one that reports. So in a
+    weighted list: the silent engine scored 0 on the metric's part, so with that part weighing
+    more than the rest it was never chosen."""
     reporting = await sims("sglang", "m")
     silent = await sims("sglang", "m", enable_metrics=False)
     gw = await gateway([model_block("m", "sglang", [reporting.url, silent.url])])
