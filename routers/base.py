@@ -212,10 +212,13 @@ class ScoringRouter(Router):
     """A router that can score every candidate, so it can take part in a weighted combination.
 
     ``polarity`` is "least" (lower score is better) or "most" (higher is better). Scores may be
-    ``None``/NaN for a candidate the strategy cannot score (it then gets 0 after normalisation).
+    ``None``/NaN for a candidate the strategy cannot score (it then gets 0 after normalisation, or,
+    with ``unscored_share``, the best score when it has no more requests in flight than the best
+    scored candidates).
     """
 
     polarity: str
+    unscored_share = False
 
     def score(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float | None]:
         raise NotImplementedError

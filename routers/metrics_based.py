@@ -59,6 +59,7 @@ class MetricRouter(ScoringRouter):
 
     name = "metric"
     polarity = "least"
+    unscored_share = True      # in a weighted list, an engine without a usable value takes its share
 
     def __init__(self, ctx: RouterContext) -> None:
         self.ctx = ctx

@@ -128,12 +128,31 @@ def strategy_label(spelling: str) -> str:
     return ",".join(sorted(item.split(":", 1)[0] for item in spelling.split(",")))
 
 
+def _unscored(candidates: Sequence[Endpoint], scores: list[float | None], top: float, coef: float,
+              total: list[float]) -> None:
+    """A part's full share to each candidate it could not score (an engine whose /metrics fail) that
+    has no more requests in flight than the least loaded of those it scored best, as the strategy
+    alone chooses such an endpoint; at 0 it lost every decision to the best scored one whenever
+    that part weighed more than the rest of the list, for as long as its scrape failed."""
+    low = math.inf
+    for ep, s in zip(candidates, scores, strict=True):
+        if s == top:
+            n = ep.in_flight + ep.remote_in_flight
+            if n < low:
+                low = n
+    for i, (ep, s) in enumerate(zip(candidates, scores, strict=True)):
+        if (s is None or s != s or s in (math.inf, -math.inf)) and ep.in_flight + ep.remote_in_flight <= low:
+            total[i] += coef
+
+
 class WeightedRouter(ScoringRouter):
     """A weighted combination of scoring routers (AIBrix's multi-strategy router).
 
     Per strategy the scores are min–max normalised to [0, 1], better = higher: polarity "least"
     gives ``(max - s) / (max - min)``, "most" gives ``(s - min) / (max - min)``; when all valid
-    scores are equal each gets 1.0; ``None``, NaN and ±Inf get 0. Each strategy's normalised score
+    scores are equal each gets 1.0; ``None``, NaN and ±Inf get 0, or for a part whose
+    ``unscored_share`` is set (the engine-metric strategies) 1.0 when the candidate has no more
+    requests in flight than the least loaded of the best scored (``_unscored``). Each strategy's normalised score
     is multiplied by ``weight / sum(weights)`` and the products are summed; the highest total wins.
 
     Exact ties: with an ``rng`` (the registry passes ``RouterContext.rng``) one of the tied
@@ -171,15 +190,20 @@ class WeightedRouter(ScoringRouter):
             if len(scores) != n:
                 raise ValueError(f"router {router.name!r} returned {len(scores)} scores for {n} candidates")
             lo, hi = math.inf, -math.inf
+            missing = False
             for s in scores:
                 if s is not None and s == s and s not in (math.inf, -math.inf):
                     if s < lo:
                         lo = s
                     if s > hi:
                         hi = s
+                else:
+                    missing = True
             if lo > hi:
                 continue                     # nobody scored: this strategy adds 0 to everyone
             span = hi - lo
+            if missing and getattr(router, "unscored_share", False):
+                _unscored(candidates, scores, hi if most else lo, coef, total)
             for i, s in enumerate(scores):
                 if s is None or s != s or s in (math.inf, -math.inf):
                     continue
