@@ -199,6 +199,80 @@ async def test_a_streaming_client_that_stops_reading_is_cut_and_the_engine_abort
 
 
 @on_both_loops
+async def test_a_stream_too_slow_to_fill_the_send_buffer_is_cut_when_its_client_stops_reading():
+    """An engine writing tokens at a steady pace (not a firehose) takes minutes to fill the
+    megabytes a kernel gives a connection's send buffer, so the gateway's write buffer never fills;
+    a client whose receive window is shut for the bound is cut all the same, and the engine's
+    request aborted, on every path that streams (translated ones too)."""
+    paced = {"itl_ms": 2.0, "max_model_len": 1_000_000, "eos_probability": 0.0}
+    bodies = {CHAT: {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200_000,
+                     "stream": True},
+              "/v1/messages": {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                               "max_tokens": 200_000, "stream": True},
+              "/v1/responses": {"model": "m", "input": "hi", "max_output_tokens": 200_000, "stream": True}}
+    async with edge_gateway(sim=paced, write_stall_timeout_s=0.3) as gw:
+        loop = asyncio.get_running_loop()
+        socks = []
+        try:
+            for path, body in bodies.items():
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)     # reads nothing
+                s.setblocking(False)
+                socks.append(s)
+                await loop.sock_connect(s, ("127.0.0.1", gw.port))
+                await loop.sock_sendall(s, request("POST", path, orjson.dumps(body),
+                                                   {"anthropic-version": "2023-06-01"}))
+
+            async def aborted():
+                st = await gw.sim_state()
+                return st if st["counts"]["aborted"] == len(bodies) else None
+
+            state = await wait_for(aborted, timeout=30.0, interval=0.05)
+            assert state, (await gw.sim_state())["counts"]
+            assert state["counts"]["completed"] == 0
+            assert gw.timeouts("write_stall") == len(bodies)
+            assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
+        finally:
+            for s in socks:
+                s.close()
+
+
+@on_both_loops
+async def test_a_kept_alive_connections_next_stream_is_watched_too():
+    """A short stream read whole, then on the same connection a long one its client does not read:
+    the second is cut (its look at the client is its own, not the first one's, which ended)."""
+    paced = {"itl_ms": 2.0, "max_model_len": 1_000_000, "eos_probability": 0.0}
+    async with edge_gateway(sim=paced, write_stall_timeout_s=1.0) as gw:
+        loop = asyncio.get_running_loop()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.setblocking(False)
+        try:
+            await loop.sock_connect(s, ("127.0.0.1", gw.port))
+            short = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+            await loop.sock_sendall(s, request("POST", CHAT, orjson.dumps(short)))
+            got = b""
+            while not got.endswith(b"\r\n0\r\n\r\n"):
+                chunk = await loop.sock_recv(s, 65536)
+                assert chunk, got
+                got += chunk
+            assert b"data: [DONE]" in got
+            long = {**short, "max_tokens": 200_000}
+            await loop.sock_sendall(s, request("POST", CHAT, orjson.dumps(long)))     # and reads nothing more
+
+            async def aborted():
+                st = await gw.sim_state()
+                return st if st["counts"]["aborted"] else None
+
+            state = await wait_for(aborted, timeout=30.0, interval=0.05)
+            assert state, (await gw.sim_state())["counts"]
+            assert state["counts"]["completed"] == 1 and gw.timeouts("write_stall") == 1
+            assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
+        finally:
+            s.close()
+
+
+@on_both_loops
 async def test_a_streaming_client_that_pauses_holds_the_engine_back_and_then_gets_every_byte():
     """The relay pipes chunks from the engine to the client; a client that stops reading (within
     the write-stall bound) makes the gateway stop reading the engine, not buffer the stream."""
