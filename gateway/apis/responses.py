@@ -73,6 +73,7 @@ from gateway.pipeline.context import (
     record_request,
     safe_header_value,
     take_edge_answer,
+    watch_client,
 )
 from gateway.pipeline.ledger import InFlight
 from gateway.request import given_request_id, request_id_from
@@ -1371,6 +1372,7 @@ class ResponsesApi(ApiShape):
                 out = web.StreamResponse(status=r.status, headers={**out_headers, "Cache-Control": "no-cache"})
                 out.content_type = "text/event-stream"
                 await _to_client(out.prepare(request))
+                watch_client(request)
                 rec.headers_sent = True
                 return await self._replay(rec, ep, request, r, out, rid)
         except (aiohttp.ClientError, TimeoutError) as e:

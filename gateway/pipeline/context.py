@@ -364,3 +364,11 @@ def take_edge_answer(request: Any, rec: RequestRecord) -> bool:
 
 def _cut(v: str) -> str:
     return f"{v[:MAX_LOG_CHARS]}… ({len(v)} characters)"
+
+
+def watch_client(request: object) -> None:
+    """A stream began: the edge looks at its client while it runs (``EdgeProtocol.watch_stream``),
+    to cut one that stopped reading before the send buffer fills."""
+    watch = getattr(getattr(request, "protocol", None), "watch_stream", None)
+    if watch is not None:
+        watch()

@@ -30,7 +30,7 @@ from gateway.apis.base import StreamScanner
 from gateway.config.schema import UpstreamConfig, WatchdogConfig
 from gateway.errors import ErrorClass, GatewayError, error_body, error_response, normalize_upstream_error
 from gateway.observability.metrics import GatewayMetrics, observe_all
-from gateway.pipeline.context import RequestContext, RequestRecord, safe_header_value
+from gateway.pipeline.context import RequestContext, RequestRecord, safe_header_value, watch_client
 from gateway.pipeline.sse import (
     AnswerText,
     ChoicesScanner,
@@ -407,6 +407,7 @@ async def open_sse(ctx: RequestContext, headers: dict[str, str], whole: bool = F
         # the client's connection is closing (its reset read in this loop turn, after what woke
         # this task), and the cancel its connection_lost brings has not come yet: the client left
         raise asyncio.CancelledError from None
+    watch_client(ctx.http)
     if begin:
         began(ctx, out)
     return out

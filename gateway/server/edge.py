@@ -18,7 +18,11 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   ``write_stall_timeout_s`` timer; when it fires and the client took no byte meanwhile (its TCP
   acknowledgements, ``_taken``: one that reads, however slowly, is given the bound again) the transport is aborted, which cancels the
   handler exactly as a client disconnect does, so the upstream leg is closed or aborted. A
-  client that keeps up never pauses the transport and pays nothing per chunk.
+  client that keeps up never pauses the transport and pays nothing per chunk. The kernel's send
+  buffer grows to megabytes, which a stream's steady pace of tokens fills only after minutes, so
+  while a stream runs its client is also looked at every ``write_stall_timeout_s``
+  (``watch_stream``: one timer per stream, not per chunk) and cut when it took no byte of what
+  waited for it over a whole period.
 - **Heads that do not end.** The parser holds every byte of a head until its end, up to
   ``max_headers`` fields of ``max_header_bytes`` (1.6 MB by default); ``max_header_total_bytes``
   is checked on a whole head. A head still coming past ``EdgeLimits.head_bytes`` (the request line,
@@ -91,10 +95,12 @@ decode is answered on) and the parser's ``DeflateBuffer``.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import functools
 import re
 import socket
 import sys
+import termios
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -165,6 +171,23 @@ def _taken(transport: asyncio.BaseTransport | None) -> int:
     except (OSError, ValueError):
         return -1
     return int.from_bytes(info[120:128], sys.byteorder) if len(info) >= 128 else -1
+
+
+# Linux's ioctl for the bytes in a socket's send queue (sent and not acknowledged, or not sent yet)
+_OUTQ: int | None = getattr(termios, "TIOCOUTQ", None)
+
+
+def _waiting(transport: asyncio.BaseTransport) -> int:
+    """The bytes written to the client that it has not taken yet (the kernel's send queue, and the
+    transport's own buffer); -1 when not known."""
+    sock = transport.get_extra_info("socket") if _OUTQ is not None else None
+    if sock is None:
+        return -1
+    try:
+        queued = int.from_bytes(fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0"), sys.byteorder)
+    except (OSError, ValueError):
+        return -1
+    return queued + transport.get_write_buffer_size()     # type: ignore[attr-defined]
 
 
 _HEAD = 0      # waiting for a request head, the clock runs (fresh connection, or bytes of a next one)
@@ -556,7 +579,8 @@ class EdgeProtocol(web.RequestHandler):
     __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_timer_at", "_e_stall", "_e_taken", "_e_rx_head", "_e_head_rx", "_e_next_head",
                  "_e_pipelined", "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
                  "_e_read_paused", "_e_framed", "_e_framed_from", "_e_loop", "_e_line", "_e_heads", "_e_unparsed", "_e_head_at", "_lane", "_lane_held", "_lane_server",
-                 "_lane_part", "_lane_task", "_lane_next", "_lane_wake", "_lane_parse", "_lane_request", "_e_linger")
+                 "_lane_part", "_lane_task", "_lane_next", "_lane_wake", "_lane_parse", "_lane_request", "_e_linger",
+                 "_e_watch", "_e_watch_of", "_e_watch_mark")
 
     def __init__(self, manager: web.Server, *, edge: Edge, loop: asyncio.AbstractEventLoop, **kwargs: Any) -> None:
         super().__init__(manager, loop=loop, **kwargs)
@@ -569,6 +593,9 @@ class EdgeProtocol(web.RequestHandler):
                                         # half a millisecond is a plain ``Handle``, without ``when()``)
         self._e_stall: asyncio.TimerHandle | None = None
         self._e_taken = -1              # the bytes the client had taken when the stall bound was set (-1: not known)
+        self._e_watch: asyncio.TimerHandle | None = None     # a stream's client, looked at every write_stall_timeout_s
+        self._e_watch_of = 0            # the request (``_e_started``) whose stream is watched
+        self._e_watch_mark = -1         # the bytes the client had taken at the last look, if some were waiting then (-1: none)
         self._e_rx_head = False         # a byte of the awaited head arrived
         self._e_head_rx = 0             # the bytes of it read so far (``EdgeLimits.head_bytes``)
         self._e_next_head = False       # bytes of a head after the last request parsed are the parser's
@@ -1497,11 +1524,51 @@ class EdgeProtocol(web.RequestHandler):
         log.info("client timeout", reason="write_stall", peer=_peer(transport), answered=False)
         transport.abort()               # → connection_lost: the handler is cancelled, as on a disconnect
 
+    def watch_stream(self) -> None:
+        """A stream's answer began: its handler holds an engine's request for as long as it runs.
+        The write-stall clock above runs only once the kernel's send buffer is full, which an
+        engine writing at a steady pace fills only after minutes (Linux grows it up to
+        ``net.ipv4.tcp_wmem``, 4 MB); so the stream's client is looked at every
+        ``write_stall_timeout_s``, and one that took no byte in a whole period while bytes waited
+        for it in that buffer is cut as a stalled client is."""
+        stall = self._edge.limits.write_stall_timeout_s
+        if not stall or self.transport is None:
+            return
+        watch = self._e_watch
+        if watch is not None:
+            if self._e_watch_of == self._e_started:
+                return
+            watch.cancel()              # the look at an earlier stream of the connection, which ended
+            self._e_watch = None
+        if _taken(self.transport) < 0:
+            return
+        self._e_watch_of = self._e_started
+        self._e_watch_mark = -1
+        self._e_watch = self._e_loop.call_later(stall, self._e_watched)
+
+    def _e_watched(self) -> None:
+        self._e_watch = None
+        transport = self.transport
+        if transport is None or self._e_started != self._e_watch_of or self._e_phase not in (_BODY, _BUSY):
+            return                      # the stream ended
+        taken = _taken(transport)
+        waiting = _waiting(transport)
+        if taken < 0 or waiting < 0:
+            return
+        if taken == self._e_watch_mark:
+            # bytes waited for the client a whole period ago, and it took none of them since
+            self._edge.metrics.timeout("write_stall")
+            log.info("client timeout", reason="write_stall", peer=_peer(transport), answered=False)
+            transport.abort()           # → connection_lost: the handler is cancelled, as on a disconnect
+            return
+        self._e_watch_mark = taken if waiting else -1
+        self._e_watch = self._e_loop.call_later(self._edge.limits.write_stall_timeout_s, self._e_watched)
+
     def _e_cancel_timers(self) -> None:
-        for t in (self._e_timer, self._e_stall):
+        for t in (self._e_timer, self._e_stall, self._e_watch):
             if t is not None:
                 t.cancel()
-        self._e_timer = self._e_stall = None
+        self._e_timer = self._e_stall = self._e_watch = None
 
     # -- errors aiohttp answers itself ---------------------------------------------------------
 
