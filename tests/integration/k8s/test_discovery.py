@@ -534,6 +534,41 @@ async def test_a_list_of_many_pods_orders_each_models_endpoints_once(emu, discov
     assert pool.models() == ["qwen"] and not pool.has_model("llama") and pool.awaited("llama")
 
 
+async def test_pods_that_come_and_go_one_watch_event_at_a_time_are_not_ordered_per_event(emu, discover, monkeypatch):
+    """A watch brings pods one event at a time (a Deployment scaled from 0 to hundreds, a namespace
+    emptied): each is applied alone, as it comes, and must not walk every endpoint of its model
+    (ordering them for their turns, looking for P/D roles, shared names and a strategy hint), which
+    made a burst O(pods²) (measured: 2000 pods added through the watch held the loop 3.5 s in all,
+    and as long again when they were deleted). The summaries still follow every change."""
+    from collections import Counter
+
+    walked: Counter[str] = Counter()
+    summarize = EndpointPool._summarize
+
+    def counted(self, model):
+        walked[model] += len(self._by_model.get(model, ()))
+        summarize(self, model)
+
+    monkeypatch.setattr(EndpointPool, "_summarize", counted)
+    d, pool = await discover(namespaces=["llm"], resync_interval_s=0)
+    await until(lambda: len(emu.watchers) == 1)
+    hint = json.dumps({"profiles": {"default": {"routingStrategy": "least-request"}}})
+    for i in range(300):
+        labels = {M: "llama", **({"role-name": "prefill", "roleset-name": "rs"} if i == 150 else {})}
+        emu.create_pod("llm", f"p{i}", labels, annotations={"model.aibrix.ai/config": hint} if i == 200 else None)
+    await until(lambda: len(pool.endpoints("llama")) == 300)
+    assert sorted(ep.turn for ep in pool.endpoints("llama")) == list(range(300))
+    assert [ep.turn for ep in sorted(pool.endpoints("llama"), key=lambda e: e.url)] == list(range(300))
+    assert pool.has_pd("llama") and pool.strategy_hint("llama") == "least-request" and not pool.shares_names()
+    for i in range(0, 300, 2):
+        emu.delete_pod("llm", f"p{i}")
+    await until(lambda: len(pool.endpoints("llama")) == 150)
+    assert [ep.turn for ep in sorted(pool.endpoints("llama"), key=lambda e: e.url)] == list(range(150))
+    assert not pool.has_pd("llama") and pool.strategy_hint("llama") is None
+    assert d.stats["lists"] == 1 and d.stats["events"] == 450
+    assert sum(walked.values()) <= 600, f"the watch's changes walked {dict(walked)} endpoints"
+
+
 async def test_pd_rolesets_are_assembled_from_labels(emu, discover):
     prof = json.dumps({"profiles": {"default": {"combined": True, "promptLenBucketMaxLength": 512}}})
     sg = {M: "qwen", "model.aibrix.ai/engine": "sglang", "model.aibrix.ai/port": "30000"}
