@@ -9,8 +9,10 @@ Routers, handlers and discovery import this module; it imports nothing of the da
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -172,6 +174,13 @@ def engine_headers(ep: Endpoint, headers: dict[str, str]) -> dict[str, str]:
     return out
 
 
+PD_ROLES = ("prefill", "decode")
+
+
+def _url(ep: Endpoint) -> str:
+    return ep.url
+
+
 def _never(_model: str) -> bool:
     return False
 
@@ -187,6 +196,15 @@ class EndpointPool:
         self._pd: set[str] = set()
         self._shared: set[str] = set()       # models with two endpoints of one name (one engine in two roles)
         self._hints: dict[str, str] = {}
+        # what the summaries are kept from, so that one endpoint added or removed (a pod a watch
+        # event brings) costs no walk of its model's endpoints (which made a burst of thousands
+        # O(pods²)): per model, its endpoints ordered by URL (their turns), how many have a P/D
+        # role, how many endpoints carry each name and how many names two or more, how many a hint
+        self._order: dict[str, list[Endpoint]] = {}
+        self._pd_count: Counter[str] = Counter()
+        self._names: dict[str, Counter[str]] = {}
+        self._dup_names: Counter[str] = Counter()
+        self._hinted: Counter[str] = Counter()
         # the models that have endpoints: ``has_model`` is its lookup, in C (twice a request)
         self._live: set[str] = set()
         self.has_model: Callable[[str], bool] = self._live.__contains__
@@ -222,7 +240,7 @@ class EndpointPool:
         self._by_model.setdefault(ep.model, []).append(ep)
         self._urls[ep.url] = self._urls.get(ep.url, 0) + 1
         self._model_urls[(ep.model, ep.url)] = self._model_urls.get((ep.model, ep.url), 0) + 1
-        self._changed(ep.model)
+        self._changed(ep.model, ep, True)
         return ep
 
     def has_url(self, url: str, model: str | None = None) -> bool:
@@ -254,9 +272,9 @@ class EndpointPool:
             for model in models:
                 self._summarize(model)
 
-    def _changed(self, model: str) -> None:
+    def _changed(self, model: str, ep: Endpoint, added: bool) -> None:
         if self._batched is None:
-            self._summarize(model)
+            self._follow(model, ep, added)
             return
         self.version += 1
         if self._by_model.get(model):
@@ -273,7 +291,7 @@ class EndpointPool:
             eps.remove(ep)
             self._less(self._urls, ep.url)
             self._less(self._model_urls, (ep.model, ep.url))
-            self._changed(ep.model)
+            self._changed(ep.model, ep, False)
             ep.removed = True
             self.retired.append((ep, time.monotonic()))
             for listener in self.removal_listeners:
@@ -309,27 +327,81 @@ class EndpointPool:
         return {ep.name for ep in self._by_model.get(model, ())}
 
     def _summarize(self, model: str) -> None:
+        """The model's summaries worked out anew from its endpoints (at the end of a ``batch``)."""
         self.version += 1
         eps = self._by_model.get(model, ())
-        for i, ep in enumerate(sorted(eps, key=lambda e: e.url)):
+        order = sorted(eps, key=_url)
+        for i, ep in enumerate(order):
             ep.turn = i
+        names = Counter(ep.name for ep in eps)
         if eps:
+            self._order[model], self._names[model] = order, names
+        else:
+            self._order.pop(model, None)
+            self._names.pop(model, None)
+        self._pd_count[model] = sum(ep.role in PD_ROLES for ep in eps)
+        self._dup_names[model] = sum(n > 1 for n in names.values())
+        self._hinted[model] = sum(bool(ep.extra.get("routing_strategy")) for ep in eps)
+        self._settle(model)
+
+    def _follow(self, model: str, ep: Endpoint, added: bool) -> None:
+        """The model's summaries after one endpoint was added or removed, with no walk of its
+        endpoints: its place by URL found by bisection (the turns of those after it move by one),
+        counts moved by one, and its strategy hint looked for again only when a hinted one left."""
+        self.version += 1
+        order = self._order.setdefault(model, [])
+        names = self._names.setdefault(model, Counter())
+        step = 1 if added else -1
+        if added:
+            i = bisect.bisect_right(order, ep.url, key=_url)   # after its URL's others, as a stable sort puts it
+            order.insert(i, ep)
+            names[ep.name] += 1
+            if names[ep.name] == 2:
+                self._dup_names[model] += 1
+        else:
+            i = bisect.bisect_left(order, ep.url, key=_url)
+            while order[i] is not ep:
+                i += 1
+            del order[i]
+            if names[ep.name] == 2:
+                self._dup_names[model] -= 1
+            self._less(names, ep.name)
+        for j in range(i, len(order)):
+            order[j].turn = j
+        if not order:
+            del self._order[model], self._names[model]
+        if ep.role in PD_ROLES:
+            self._pd_count[model] += step
+        hinted = bool(ep.extra.get("routing_strategy"))
+        if hinted:
+            self._hinted[model] += step
+        # the first hint found stays first unless it may have been the one that left, or there was none
+        self._settle(model, hint=hinted and not (added and model in self._hints))
+
+    def _settle(self, model: str, hint: bool = True) -> None:
+        """The model's sets from its counts; ``hint``: its strategy hint looked for again (the
+        first endpoint found that carries one), else it stands as it is."""
+        if self._by_model.get(model):
             self._live.add(model)
         else:
             self._live.discard(model)
-        if any(ep.role in ("prefill", "decode") for ep in eps):
+        if self._pd_count[model] > 0:
             self._pd.add(model)
         else:
             self._pd.discard(model)
-        if len({ep.name for ep in eps}) < len(eps):
+            del self._pd_count[model]
+        if self._dup_names[model] > 0:
             self._shared.add(model)
         else:
             self._shared.discard(model)
-        hint = next((h for ep in eps if (h := ep.extra.get("routing_strategy"))), None)
-        if hint:
-            self._hints[model] = hint
+            del self._dup_names[model]
+        if not hint:
+            return
+        if self._hinted[model] > 0:
+            self._hints[model] = next(h for ep in self._by_model[model] if (h := ep.extra.get("routing_strategy")))
         else:
             self._hints.pop(model, None)
+            del self._hinted[model]
 
     def models(self) -> list[str]:
         return [m for m, eps in self._by_model.items() if eps]

@@ -38,14 +38,26 @@ def test_summaries_match_a_scan_through_random_changes():
     rng = random.Random(7)
     pool = EndpointPool()
     live: list[Endpoint] = []
-    for i in range(400):
+    def change() -> None:
         if live and rng.random() < 0.45:
             pool.remove(live.pop(rng.randrange(len(live))))
         else:
             extra = {"routing_strategy": rng.choice(["", "random", "prefix-cache"])} if rng.random() < 0.3 else {}
-            live.append(pool.add(Endpoint(url=f"http://10.0.{i // 200}.{i % 200 + 1}:8000",
+            live.append(pool.add(Endpoint(url=f"http://10.0.0.{rng.randrange(1, 60)}:8000",
                                           model=rng.choice(["a", "b"]), role=rng.choice(["aggregated"] * 3 + ["prefill", "decode"]),
                                           extra=extra)))
+
+    for _ in range(400):
+        if rng.random() < 0.2:          # some in a batch (a list), ordered at its end; the others one at a time
+            with pool.batch():
+                for _ in range(rng.randrange(1, 6)):
+                    change()
+        else:
+            change()
         for model in ("a", "b"):
             assert (pool.has_pd(model), pool.strategy_hint(model)) == _scan(pool, model)
             assert pool.has_model(model) == bool(pool.endpoints(model))
+            ordered = sorted(pool.endpoints(model), key=lambda e: e.url)     # stable: ties as they came
+            assert [ep.turn for ep in ordered] == list(range(len(ordered)))
+        assert pool.shares_names() == any(len({e.name for e in pool.endpoints(m)}) < len(pool.endpoints(m))
+                                          for m in ("a", "b"))
