@@ -144,6 +144,39 @@ def test_an_endpoint_that_left_keeps_its_series_until_its_time_is_up_and_a_names
     assert "b" in endpoints_exported() and id(b) not in breakers._by_ep and id(b2) in breakers._by_ep
 
 
+def test_a_sweep_that_lets_many_endpoints_go_walks_the_series_once_not_once_per_endpoint():
+    """A namespace of hundreds of pods emptied: their endpoints' series go in one sweep, which walks
+    each per-endpoint family's series and each cache of their children once, not once per endpoint
+    let go (O(endpoints x series): measured, 2000 pods held the loop 2.6 s in one sweep)."""
+    from gateway.endpoints import EndpointPool
+    from gateway.observability.metrics import RetiredSeries
+
+    class Walked(dict):
+        walks = 0
+
+        def __iter__(self):
+            Walked.walks += 1
+            return super().__iter__()
+
+    pool, m = EndpointPool(), GatewayMetrics()
+    outcomes = Counter("t_outcomes", "per endpoint", ["model", "endpoint", "outcome"], registry=m.registry)
+    cache: Walked = Walked()
+    m.add_per_endpoint([outcomes], cache)
+    outcomes._children = Walked(outcomes._children)
+    eps = [pool.add(endpoint(i + 1, name=f"p{i}")) for i in range(200)]
+    for ep in eps:
+        cache[(outcomes, ("m", ep.name, "success"))] = outcomes.labels("m", ep.name, "success")
+        m.child(m.upstream_errors, "m", ep.name, "timeout").inc()
+    for ep in eps[:150]:
+        pool.remove(ep)
+    Walked.walks = 0
+    assert RetiredSeries(pool, m, keep_s=1.0).sweep(time.monotonic() + 2) == 150
+    assert Walked.walks <= 2, f"{Walked.walks} walks of the series for 150 endpoints let go"
+    left = {dict(labels)["endpoint"] for (name, labels) in sample_map(m.render())
+            if name in ("switchyard_upstream_errors_total", "t_outcomes_total")}
+    assert left == {f"p{i}" for i in range(150, 200)} and len(cache) == 50
+
+
 def test_forgetting_an_endpoint_drops_its_series_and_the_cached_children_that_wrote_them():
     m = GatewayMetrics()
     gone = m.child(m.upstream_errors, "m", "a:1", "connect")
