@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -68,11 +68,16 @@ class _Family(Collector):
 
     def forget(self, model: str, endpoint: str) -> int:
         """Drop the series of one endpoint (labels ``model`` and ``endpoint``); how many went."""
+        return self.forget_each({(model, endpoint)})
+
+    def forget_each(self, endpoints: Collection[tuple[str, str]]) -> int:
+        """Drop the series of these endpoints, ``(model, endpoint)`` label pairs, in one walk of the
+        series; how many went."""
         try:
             mi, ei = self._labelnames.index("model"), self._labelnames.index("endpoint")
         except ValueError:
             return 0
-        gone = [k for k in self._children if k[mi] == model and k[ei] == endpoint]
+        gone = [k for k in self._children if (k[mi], k[ei]) in endpoints]
         for k in gone:
             del self._children[k]
         return len(gone)
@@ -325,13 +330,19 @@ class GatewayMetrics:
     def forget_endpoint(self, model: str, endpoint: str) -> int:
         """Drop every series labelled with this endpoint, and the cached children that wrote them
         (a child left cached would count into a series no longer exported)."""
-        n = sum(f.forget(model, endpoint) for f in self.per_endpoint)
+        return self.forget_endpoints({(model, endpoint)})
+
+    def forget_endpoints(self, endpoints: Collection[tuple[str, str]]) -> int:
+        """``forget_endpoint`` for each of these ``(model, endpoint)`` pairs, with one walk of each
+        family's series and of each cache, however many they are (a namespace of pods emptied)."""
+        n = sum(f.forget_each(endpoints) for f in self.per_endpoint)
         families = set(self.per_endpoint)
         for cache in self._caches:
-            for key in [k for k in cache if k[0] in families and k[1][:2] == (model, endpoint)]:
+            for key in [k for k in cache if k[0] in families and k[1][:2] in endpoints]:
                 del cache[key]
-        for listener in self.forget_listeners:
-            listener(model, endpoint)
+        for model, endpoint in endpoints:
+            for listener in self.forget_listeners:
+                listener(model, endpoint)
         return n
 
     def attach_live_state(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int],
@@ -555,15 +566,24 @@ class RetiredSeries(Periodic):
             return 0
         now = time.monotonic() if now is None else now
         kept, done = [], 0
+        # their series go in one walk, and each model's names are read once: a sweep may let go of
+        # a whole namespace's pods, and one walk per endpoint made it O(endpoints x series)
+        forget: set[tuple[str, str]] = set()
+        live: dict[str, set[str]] = {}
         for ep, at in retired:
             if now - at < self.keep_s or ep.in_flight > 0:
                 kept.append((ep, at))
                 continue
             done += 1
-            if ep.name not in self.pool.live_names(ep.model):
-                self.metrics.forget_endpoint(ep.model, ep.name)
+            names = live.get(ep.model)
+            if names is None:
+                names = live[ep.model] = self.pool.live_names(ep.model)
+            if ep.name not in names:
+                forget.add((ep.model, ep.name))
             for listener in self.listeners:
                 listener(ep)
+        if forget:
+            self.metrics.forget_endpoints(forget)
         retired[:] = kept
         return done
 
