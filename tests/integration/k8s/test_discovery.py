@@ -469,6 +469,30 @@ async def test_a_relist_the_api_server_leaves_hanging_keeps_the_pool_and_is_give
     await until(lambda: d.status()["watches"][0]["state"] == "watching")
 
 
+@pytest.mark.parametrize(("status", "counted", "result"), [
+    ({"kind": "Status", "code": 410}, "gone", "gone"),
+    ({"kind": "Status", "code": 500}, "errors", "server_error"),
+    ({"code": 403, "message": "watch denied"}, "errors", "forbidden"),
+], ids=["410", "500", "403"])
+async def test_an_error_event_of_few_words_is_read_by_its_code(emu, discover, status, counted, result):
+    """An ERROR event in a watch whose Status holds its code but not its reason or message (an
+    aggregated API server or a proxy that writes them short) is read by its code, as the full one
+    is: a 410 lists again at once as any 410 does, another code is that status's failure, and the
+    status page names it, not the client library's ``KeyError: 'reason'``."""
+    emu.create_pod("llm", "a", {M: "llama"})
+    d, pool = await discover(namespaces=["llm"], resync_interval_s=0)
+    await until(lambda: len(emu.watchers) == 1)
+    [w] = emu.watchers
+    w.queue.put_nowait({"type": "ERROR", "object": status})
+    await until(lambda: d.stats["lists"] == 2)
+    emu.create_pod("llm", "b", {M: "llama"})
+    await until(lambda: names(pool) == {"a", "b"})
+    assert d.stats[counted] == 1 and d.stats["gone"] + d.stats["errors"] == 1
+    err = d.status()["watches"][0]["last_error"]
+    assert err["result"] == result and "KeyError" not in err["message"]
+    assert str(status["code"]) in err["message"] or status["code"] == 410
+
+
 async def test_410_and_500_on_list_are_retried(emu, discover):
     emu.fail_next_lists = [410, 500]
     emu.create_pod("llm", "a", {M: "llama"})
