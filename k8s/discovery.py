@@ -495,8 +495,10 @@ class KubernetesDiscovery:
             watch = Watch(return_type="object")    # events as plain dicts, as lists are read
             read = watch.unmarshal_event
             # a bookmark whose resourceVersion cannot be read: kubernetes-asyncio raises, which
-            # would end the watch and list again for a line that changes nothing (``_bookmark_rv``)
-            watch.unmarshal_event = lambda data, rtype, read=read: _unreadable_bookmark(data) or read(data, rtype)
+            # would end the watch and list again for a line that changes nothing (``_bookmark_rv``); an
+            # ERROR event is read by its status code (``_error_event``)
+            watch.unmarshal_event = lambda data, rtype, read=read: (_unreadable_bookmark(data) or _error_event(data)
+                                                                    or read(data, rtype))
             idle = self.kcfg.watch_idle_timeout_s or None
             opened, lines = loop.time(), 0
             bad_bookmark = False            # one logged per watch, not one a minute
@@ -767,6 +769,30 @@ def _unreadable_bookmark(data: str | bytes) -> dict[str, Any] | None:
     if isinstance(rv, str) and rv:
         return None
     return {"type": "BOOKMARK", "object": obj, "raw_object": obj, _UNREADABLE: True}
+
+
+def _error_event(data: str | bytes) -> None:
+    """Raises what a watch line that is an ERROR event says: ``Gone`` for a 410, else ``ApiError``
+    with its code and its reason and message, those it has. kubernetes-asyncio reads an ERROR's
+    object as a full ``Status``: one with a code but no reason or message (an aggregated API
+    server's, a proxy's) raised ``KeyError``, a failure that named neither the code nor a 410.
+    Returns None for any other line (read as kubernetes-asyncio reads it)."""
+    if ("ERROR" if isinstance(data, str) else b"ERROR") not in data:
+        return None
+    try:
+        js = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(js, dict) or js.get("type") != "ERROR" or "object" not in js:
+        return None
+    obj = js["object"]
+    code = obj.get("code") if isinstance(obj, dict) else None
+    if not isinstance(code, int) or isinstance(code, bool):
+        raise ApiError(0, f"watch ERROR event with no status code: {str(obj)[:200]}")
+    if code == 410:
+        raise Gone()
+    words = [str(obj[k]) for k in ("reason", "message") if obj.get(k)]
+    raise ApiError(code, ": ".join(words)[:300])
 
 
 def _names_a_pod(obj: Any) -> bool:
