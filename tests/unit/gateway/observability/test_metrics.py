@@ -193,3 +193,40 @@ def test_forgetting_an_endpoint_drops_its_series_and_the_cached_children_that_wr
     assert m.child(m.upstream_errors, "m", "a:1", "connect") is not gone        # a new series, from 0
     assert m.child(m.upstream_errors, "m", "b:1", "connect") is kept
     assert m.child(m.requests, "m", "200", "random") is requests
+
+
+def test_a_sweep_that_lets_many_endpoints_go_drops_what_a_restarted_worker_carries_of_them_at_once(
+        tmp_path, monkeypatch):
+    """A restarted worker carries its predecessor's counts of every endpoint; a sweep that lets
+    hundreds of them go drops theirs from what it carries in one pass over the carried samples, not
+    one pass (and one rendering of what is left) per endpoint."""
+    import gateway.server.siblings as siblings_module
+    from gateway.endpoints import EndpointPool
+    from gateway.observability.merge import endpoints_of, parse
+    from gateway.observability.metrics import RetiredSeries
+    from gateway.server.siblings import Siblings
+    from gateway.server.workers import WorkerInfo
+
+    async def answer(_kind: str) -> bytes:
+        return b""
+
+    pool, m = EndpointPool(), GatewayMetrics()
+    eps = [pool.add(endpoint(i + 1, name=f"p{i}")) for i in range(200)]
+    carried = "".join(f'switchyard_upstream_errors_total{{model="m",endpoint="p{i}",kind="timeout"}} 3\n'
+                      for i in range(200))
+    sib = Siblings(WorkerInfo(index=0, count=2, run_dir=str(tmp_path)), answer)
+    sib._set_carried(parse("# TYPE switchyard_upstream_errors_total counter\n" + carried))
+    m.forget_listeners.append(sib.forget)
+    walks = 0
+
+    def counted(families):
+        nonlocal walks
+        walks += 1
+        return endpoints_of(families)
+
+    monkeypatch.setattr(siblings_module, "endpoints_of", counted)
+    for ep in eps[:150]:
+        pool.remove(ep)
+    assert RetiredSeries(pool, m, keep_s=1.0).sweep(time.monotonic() + 2) == 150
+    assert walks <= 2, f"{walks} walks of the carried samples for 150 endpoints let go"
+    assert endpoints_of(sib._carried) == {("m", f"p{i}") for i in range(150, 200)}
