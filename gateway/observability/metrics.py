@@ -317,9 +317,10 @@ class GatewayMetrics:
         self.per_endpoint: list[_Family] = [self.upstream_errors, self.health_probes, self.scrapes,
                                             self.engine_restarts]
         self._caches: list[dict[tuple, object]] = [self._children]
-        # told (model, endpoint) when an endpoint's series are dropped (with several workers, the
-        # counts a restarted worker carries from its predecessors: gateway/server/siblings.py)
-        self.forget_listeners: list[Callable[[str, str], None]] = []
+        # told the (model, endpoint) pairs whose series were dropped, all of a sweep's at once (with
+        # several workers, the counts a restarted worker carries from its predecessors:
+        # gateway/server/siblings.py)
+        self.forget_listeners: list[Callable[[Collection[tuple[str, str]]], None]] = []
 
     def add_per_endpoint(self, families: Iterable[_Family], cache: dict[tuple, object]) -> None:
         """Families of another part labelled (model, endpoint, ...) and its cache of their children,
@@ -340,9 +341,8 @@ class GatewayMetrics:
         for cache in self._caches:
             for key in [k for k in cache if k[0] in families and k[1][:2] in endpoints]:
                 del cache[key]
-        for model, endpoint in endpoints:
-            for listener in self.forget_listeners:
-                listener(model, endpoint)
+        for listener in self.forget_listeners:
+            listener(endpoints)
         return n
 
     def attach_live_state(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int],

@@ -49,7 +49,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any
 
 import orjson
@@ -141,12 +141,13 @@ class Siblings:
         self._carried = families
         self._carried_text = render(families) if families else b""
 
-    def forget(self, model: str, endpoint: str) -> None:
-        """This worker dropped an endpoint's series (gateway/observability/metrics.py
-        ``RetiredSeries``): the ones it carries go too."""
-        if (model, endpoint) in endpoints_of(self._carried):
-            keep = endpoints_of(self._carried) - {(model, endpoint)}
-            self._set_carried(without_endpoints(self._carried, keep))
+    def forget(self, endpoints: Collection[tuple[str, str]]) -> None:
+        """This worker dropped these endpoints' series, ``(model, endpoint)`` pairs
+        (gateway/observability/metrics.py ``RetiredSeries``): the ones it carries go too, in one
+        pass over what it carries however many they are."""
+        carried = endpoints_of(self._carried)
+        if not carried.isdisjoint(endpoints):
+            self._set_carried(without_endpoints(self._carried, carried.difference(endpoints)))
 
     def own(self, text: bytes) -> bytes:
         """This worker's report: its own exposition ``text`` and the endpoints it has series of, then
