@@ -102,6 +102,40 @@ async def test_refused_lines_go_to_the_error_file(sims, gateway, tmp_path):
     assert err["req-2"]["response"]["status_code"] == 400
 
 
+async def test_a_line_without_a_model_and_one_naming_an_empty_model_are_told_apart(sims, gateway, tmp_path):
+    """A body with no ``model`` misses a required parameter; one whose ``model`` is "" has it, with
+    an empty value: neither names a model that does not exist (``model_not_found``). A batch line
+    is answered as the plain ``/v1/chat/completions`` path answers the same body."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    msgs = [{"role": "user", "content": "hi"}]
+    want = {"absent": (400, "missing_required_parameter", "Missing required parameter: 'model'."),
+            "empty": (400, "empty_string", "Invalid 'model': empty string. Expected a string with minimum "
+                                           "length 1, but got an empty string instead.")}
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.chat.completions.create(model=openai.NOT_GIVEN, messages=msgs)     # sent without one
+    assert (ei.value.status_code, ei.value.body["code"], ei.value.body["message"]) == want["absent"]
+    assert ei.value.body["param"] == "model" and ei.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.chat.completions.create(model="", messages=msgs)
+    assert (ei.value.status_code, ei.value.body["code"], ei.value.body["message"]) == want["empty"]
+    assert ei.value.body["param"] == "model" and ei.value.body["type"] == "invalid_request_error"
+    rows = lines("/v1/chat/completions", 3)
+    del rows[1]["body"]["model"]
+    rows[2]["body"]["model"] = ""
+    f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    b = await run_to_end(c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h")).id)
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (1, 2)
+    err = {e["custom_id"]: e for e in (orjson.loads(x) for x in (await c.files.content(b.error_file_id)).content.splitlines())}
+    for cid, case in (("req-1", "absent"), ("req-2", "empty")):
+        resp = err[cid]["response"]
+        got = resp["body"]["error"]
+        assert (resp["status_code"], got["code"], got["message"]) == want[case], (cid, resp)
+        assert got["param"] == "model"
+
+
 async def test_a_line_asking_for_binary_embeddings_is_refused(sims, gateway, tmp_path):
     """A batch line's answer is written as JSON in the output file: vLLM's binary embeddings
     (``encoding_format`` "bytes" or "bytes_only", the vectors' bytes and a ``metadata`` header)
