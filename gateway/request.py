@@ -759,14 +759,25 @@ def slo_objectives(headers: Any) -> tuple[float | None, float | None]:
     return _slo_header(headers, SLO_TTFT_HEADER), _slo_header(headers, SLO_TPOT_HEADER)
 
 
+def no_model(model: str | None) -> GatewayError:
+    """The 400 of a body that names no model: none given (absent or null) misses a required
+    parameter; an empty string is a value, empty. Neither names a model that does not exist
+    (``model_not_found``, a 404, is for a name the gateway does not serve)."""
+    if model == "":
+        return GatewayError(400, "Invalid 'model': empty string. Expected a string with minimum length 1, but got "
+                            "an empty string instead.", param="model", code="empty_string",
+                            header=("x-error-no-model-backends", ""), error_class="validation")
+    return GatewayError(400, "Missing required parameter: 'model'.", param="model", code="missing_required_parameter",
+                        header=("x-error-no-model-backends", ""), error_class="validation")
+
+
 def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> InferenceRequest:
     """Validate and extract. ``headers`` are the client's, lower-cased names."""
     data = load_object(body)
 
     model = data.get("model")
     if model is None or model == "":
-        raise GatewayError(400, "'model' is a required property", param="model",
-                           code="model_not_found", header=("x-error-no-model-backends", ""))
+        raise no_model(model)
     if not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
 

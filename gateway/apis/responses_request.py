@@ -29,6 +29,7 @@ from gateway.request import (
     lax_float,
     lax_int,
     load_object,
+    no_model,
     slo_objectives,
     text_and_tools_tokens,
 )
@@ -200,8 +201,7 @@ def parse_responses(path: str, body: bytes, headers: Any, request_id: str) -> In
     data = load_object(body)
     model = data.get("model")
     if model is None or model == "":
-        raise GatewayError(400, "'model' is a required property", param="model", code="model_not_found",
-                           header=("x-error-no-model-backends", ""), error_class="validation")
+        raise no_model(model)
     if not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
     try:
