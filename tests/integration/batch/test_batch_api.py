@@ -451,6 +451,87 @@ async def test_files_and_batches_belong_to_their_creator(sims, gateway, tmp_path
         await alice.files.retrieve(b.output_file_id)
 
 
+async def test_stored_bytes_are_bounded_per_user_and_in_total(sims, gateway, tmp_path):
+    """``batch.max_stored_bytes_per_user`` bounds the bytes of one user's files (uploads, output and
+    error files), ``batch.max_stored_bytes`` everyone's: an upload past a user's share is a 400
+    ``storage_quota_exceeded`` naming the share, one past the total a 507 ``insufficient_storage``
+    (as a full disk is), nothing stored either way; a delete makes room. A batch's output and
+    error files are written whatever the bounds (refusing them would lose answered lines): they
+    count, so the uploads after them are refused sooner."""
+    data = jsonl(lines("/v1/chat/completions", 2))
+    size = len(data)
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       batch={**batch_cfg(tmp_path), "max_stored_bytes_per_user": 3 * size + size // 2,
+                              "max_stored_bytes": 4 * size + size // 2})
+    alice, bob = openai_client(gw, ALICE), openai_client(gw, BOB)
+    mine = [await alice.files.create(file=("in.jsonl", data), purpose="batch") for _ in range(3)]
+    with pytest.raises(openai.BadRequestError) as ei:
+        await alice.files.create(file=("in.jsonl", data), purpose="batch")
+    body = ei.value.body
+    assert (body["type"], body["code"], body["param"]) == ("invalid_request_error", "storage_quota_exceeded", "file")
+    assert "batch.max_stored_bytes_per_user" in body["message"], body
+    assert len((await alice.files.list()).data) == 3
+    await bob.files.create(file=("in.jsonl", data), purpose="batch")        # his share is his own
+    with pytest.raises(openai.InternalServerError) as ei:                   # the total is everyone's
+        await bob.files.create(file=("in.jsonl", data), purpose="batch")
+    body = ei.value.body
+    assert ei.value.status_code == 507 and (body["type"], body["code"]) == ("api_error", "insufficient_storage")
+    assert "batch.max_stored_bytes" in body["message"], body
+    assert len((await bob.files.list()).data) == 1
+    assert sorted(os.listdir(tmp_path / "batch" / "files")) == sorted(
+        [f.id for f in mine] + [x.id for x in (await bob.files.list()).data])
+
+    async def stored(n: int) -> bool:
+        return sample(await gw.metrics_text(), "switchyard_batch_stored_bytes") == n
+    await until(lambda: stored(4 * size), timeout=10)
+    assert (await alice.files.delete(mine[2].id)).deleted                  # room again
+    await bob.files.create(file=("in.jsonl", data), purpose="batch")
+    # alice's batch writes its output whatever her share, which it takes her past
+    b = await run_to_end(alice, (await alice.batches.create(input_file_id=mine[0].id, endpoint="/v1/chat/completions",
+                                                            completion_window="24h")).id)
+    assert b.status == "completed" and b.output_file_id
+    out = (await alice.files.retrieve(b.output_file_id)).bytes
+    await until(lambda: stored(4 * size + out), timeout=10)
+
+
+async def test_uploads_racing_at_a_bound_from_two_workers_do_not_both_land(sims, gateway, tmp_path, monkeypatch):
+    """The bound is checked in the transaction that stores the file: another worker's upload that
+    lands between this one's first look and its write (here stored on a connection of its own right
+    there) is counted, and this one is refused, its bytes removed: the files stored never hold more
+    than the bound."""
+    from gateway.batch import files as batch_files
+    from gateway.batch.store import BatchStore
+
+    data = jsonl(lines("/v1/chat/completions", 2))
+    size = len(data)
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       batch={**batch_cfg(tmp_path), "max_stored_bytes_per_user": 2 * size + size // 2})
+    alice = openai_client(gw, ALICE)
+    await alice.files.create(file=("in.jsonl", data), purpose="batch")
+    real = batch_files.publish
+    raced: list[str] = []
+
+    def publish_after_another(directory, tmp, file_id):
+        if not raced:
+            raced.append(batch_files.new_file_id())
+            other = BatchStore(str(tmp_path / "batch" / "batches.sqlite3"))
+            try:
+                other.add_file(batch_files.file_object(raced[0], "other.jsonl", "batch", size, 0), "alice", 2)
+            finally:
+                other.close()
+        return real(directory, tmp, file_id)
+
+    monkeypatch.setattr(batch_files, "publish", publish_after_another)
+    with pytest.raises(openai.BadRequestError) as ei:
+        await alice.files.create(file=("in.jsonl", data), purpose="batch")
+    assert ei.value.body["code"] == "storage_quota_exceeded"
+    listed = (await alice.files.list()).data
+    assert len(listed) == 2 and raced[0] in {f.id for f in listed}
+    assert sorted(os.listdir(tmp_path / "batch" / "files")) == sorted(f.id for f in listed if f.id != raced[0])
+
+
 async def _post_raw(gw, path: str, data: bytes, content_type: str) -> tuple[int, dict]:
     async with aiohttp.ClientSession() as s, s.post(gw.url + path, data=data,
                                                     headers={"Content-Type": content_type}) as r:
