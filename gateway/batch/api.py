@@ -30,7 +30,7 @@ from gateway.batch import files as batch_files
 from gateway.batch import ranges
 from gateway.batch.config import BatchConfig
 from gateway.batch.jsonl import ENDPOINTS, LineCheck, LineError, json_type
-from gateway.batch.store import ACTIVE, BatchDb, BatchStore, FileInUse, UnknownCursor, now_s
+from gateway.batch.store import ACTIVE, BatchDb, BatchStore, FileInUse, OverBound, UnknownCursor, now_s
 from gateway.errors import ErrorClass, GatewayError
 from gateway.tenants.service import NoTenancy, Tenancy
 
@@ -203,6 +203,12 @@ class BatchApi:
         if length is not None and length > most:
             raise _bad(f"the file exceeds batch.max_file_bytes ({cfg.max_file_bytes} bytes)", "file",
                        "file_too_large", 413)
+        bounds = (cfg.max_stored_bytes_per_user, cfg.max_stored_bytes)
+        if any(bounds):     # a first look, before the body is read: no room is known now for its file
+            try:
+                await self.db.run(BatchStore.check_bounds, owner, max(1, (length or 0) - MULTIPART_SLACK), *bounds)
+            except OverBound as e:
+                raise _over_bound(e, request) from None
         field_limit = request.client_max_size         # server.max_body_bytes (0: none); FIELD_MAX at most
         # held (locked) until it is published or removed: a process starting on the directory leaves it
         tmp, held = await _claimed(self.db.dir)
@@ -255,10 +261,12 @@ class BatchApi:
             file_id = batch_files.new_file_id()
             await asyncio.to_thread(batch_files.publish, self.db.dir, tmp, file_id)
             f = batch_files.file_object(file_id, filename, "batch", size, ttl_s)
-            try:
-                await self.db.run(BatchStore.add_file, f, owner, lines)
-            except BaseException:           # not stored: the published file goes too (no orphan)
+            try:        # the bounds looked at again in the insert's transaction: uploads racing in other workers count
+                await self.db.run(BatchStore.add_file, f, owner, lines, *bounds)
+            except BaseException as e:      # not stored: the published file goes too (no orphan)
                 await asyncio.shield(asyncio.to_thread(_unlink, batch_files.path_of(self.db.dir, file_id)))
+                if isinstance(e, OverBound):
+                    raise _over_bound(e, request, size) from None
                 raise
             return _json(f)
         finally:
@@ -463,6 +471,20 @@ class BatchApi:
             raise _bad(f"Cannot cancel a batch with status {doc['status']}", "batch_id", "invalid_batch_state")
         self.on_change(doc)
         return _json(doc)
+
+
+def _over_bound(e: OverBound, request: web.Request, size: int | None = None) -> GatewayError:
+    """The answer to an upload past a bound of the bytes stored: the owner's share a 400 they can
+    act on (delete files), the total a 507, as a full disk is (the SDKs retry it)."""
+    the_file = f", and the file has {size}" if size is not None else ""
+    if e.which == "user":
+        return _bad(f"The file would exceed your file storage quota: your files take {e.stored} bytes of the "
+                    f"{e.bound} that batch.max_stored_bytes_per_user allows{the_file}. Delete files you no longer "
+                    "need, or wait for them to expire, and try again.", "file", "storage_quota_exceeded")
+    log.warning("batch storage bound reached", path=request.path, stored=e.stored, max_stored_bytes=e.bound)
+    return GatewayError(507, f"The gateway has no room left to store this file: its files take {e.stored} bytes "
+                        f"of the {e.bound} that batch.max_stored_bytes allows{the_file}; try again later.",
+                        code="insufficient_storage")
 
 
 def _window_ended(doc: dict[str, Any], now: int) -> bool:

@@ -8,6 +8,8 @@
 - ``switchyard_batch_lines_in_flight{model}``: lines running now, for the models served (0 between
   batches) and those a reload removed while their lines ran, until none runs;
 - ``switchyard_batch_queue_age_seconds``: age of the oldest unfinished batch (0: none);
+- ``switchyard_batch_stored_bytes``: bytes of the files in the store (uploads, output and error
+  files), which ``batch.max_stored_bytes`` bounds (the runner's view, refreshed at each poll);
 - ``switchyard_batches_finished_total{status}``: batches that reached a final state;
 - ``switchyard_batch_runner_failures_total``: times the runner failed on a fault of its own and was
   started again from the job store.
@@ -37,13 +39,14 @@ class BatchMetrics(Collector):
         self.running = False                  # this process runs the batches
         self.counts: dict[str, int] = {}
         self.oldest: float | None = None      # created_at of the oldest unfinished batch (unix seconds)
+        self.stored = 0                       # bytes of the files in the store
         self.lines_in_flight: dict[str, int] = {}
         self.present = present                # the models served now: a gone one's series goes at 0
         registry.register(self)
 
-    def set_overview(self, counts: dict[str, int], oldest: float | None) -> None:
+    def set_overview(self, counts: dict[str, int], oldest: float | None, stored: int = 0) -> None:
         self.running = True
-        self.counts, self.oldest = counts, oldest
+        self.counts, self.oldest, self.stored = counts, oldest, stored
 
     def lines(self, model: str, outcome: str, n: int = 1) -> None:
         self.lines_total.labels(model or "-", outcome).inc(n)
@@ -65,10 +68,13 @@ class BatchMetrics(Collector):
                                    labels=["model"])
         age = GaugeMetricFamily("switchyard_batch_queue_age_seconds",
                                 "Age of the oldest unfinished batch, in seconds (0: none)")
+        stored = GaugeMetricFamily("switchyard_batch_stored_bytes", "Bytes of the files in the job store: "
+                                   "uploads, output and error files (exported by the worker that runs batches)")
         if self.running:
             for s in STATUSES:
                 by_status.add_metric([s], self.counts.get(s, 0))
             age.add_metric([], max(0.0, time.time() - self.oldest) if self.oldest is not None else 0.0)
+            stored.add_metric([], self.stored)
         gone = [m for m, n in self.lines_in_flight.items() if not n]
         if gone:
             present = set(self.present())
@@ -77,7 +83,7 @@ class BatchMetrics(Collector):
                     del self.lines_in_flight[model]
         for model, n in self.lines_in_flight.items():
             flying.add_metric([model], n)
-        yield from (by_status, flying, age)
+        yield from (by_status, flying, age, stored)
 
     def describe(self):
         return []

@@ -298,7 +298,8 @@ class BatchRunner:
 
     async def _overview(self) -> None:
         self.m.set_overview(await self.db.run(BatchStore.status_counts),
-                            min((j.doc["created_at"] for j in self.jobs.values()), default=None))
+                            min((j.doc["created_at"] for j in self.jobs.values()), default=None),
+                            await self.db.run(BatchStore.stored_bytes))
 
     def _validate_soon(self, job: _Job) -> None:
         """The batch's validation, in a task of its own: it reads the whole input file (seconds for

@@ -91,6 +91,16 @@ class FileInUse(Exception):
     """A file a delete would remove is the input of a batch that has not ended."""
 
 
+class OverBound(Exception):
+    """An upload that would take the files stored past a bound: ``which`` is ``user`` (the owner's
+    files, ``batch.max_stored_bytes_per_user``) or ``total`` (everyone's, ``batch.max_stored_bytes``);
+    ``stored`` the bytes stored now, ``bound`` the bound."""
+
+    def __init__(self, which: str, stored: int, bound: int) -> None:
+        super().__init__(which, stored, bound)
+        self.which, self.stored, self.bound = which, stored, bound
+
+
 class Result(tuple):
     """One answered line: (custom_id, line_no, ok, the output line's bytes, its usage: prompt,
     completion, cached and reasoning tokens)."""
@@ -175,14 +185,23 @@ class BatchStore:
 
     # -- files --------------------------------------------------------------------------------
 
-    def add_file(self, f: dict[str, Any], owner: str, lines: int = 0) -> None:
-        # its rowid above every file's and every gone file's place: SQLite gives the highest rowid
-        # of a deleted row to the next one, which would list it before a cursor naming that row
-        self._tx(lambda db: db.execute(
-            "INSERT INTO files (rowid, id, owner, filename, purpose, bytes, created_at, expires_at, lines)"
-            " VALUES (1 + MAX(IFNULL((SELECT MAX(rowid) FROM files), 0), IFNULL((SELECT MAX(pos) FROM gone_files), 0)),"
-            " ?, ?, ?, ?, ?, ?, ?, ?)",
-            (f["id"], owner, f["filename"], f["purpose"], f["bytes"], f["created_at"], f["expires_at"], lines)))
+    def add_file(self, f: dict[str, Any], owner: str, lines: int = 0, per_user: int = 0, total: int = 0) -> None:
+        """``per_user``, ``total``: the bounds of the bytes stored (0: none), checked in the insert's
+        transaction (``OverBound``), so uploads racing from several workers never store more."""
+        def tx(db: sqlite3.Connection) -> None:
+            if per_user or total:
+                _check_bounds(db, owner, f["bytes"], per_user, total)
+            _insert_file(db, f, owner, lines)
+        self._tx(tx)
+
+    def check_bounds(self, owner: str, size: int, per_user: int, total: int) -> None:
+        """``OverBound`` when ``size`` more bytes of ``owner``'s would pass a bound now (an upload's
+        first look, before its bytes are read; ``add_file`` looks again as it stores it)."""
+        _check_bounds(self.db, owner, size, per_user, total)
+
+    def stored_bytes(self) -> int:
+        """The bytes of every file in the store."""
+        return self.db.execute("SELECT IFNULL(SUM(bytes), 0) FROM files").fetchone()[0]
 
     def file_lines(self, file_id: str) -> int:
         """The requests an uploaded file holds, as its upload counted them (0: unknown)."""
@@ -424,6 +443,29 @@ class BatchStore:
         return self._tx(lambda db: db.execute(
             f"DELETE FROM results WHERE batch_id IN (SELECT id FROM batches WHERE status IN ({marks}))",
             TERMINAL).rowcount)
+
+
+def _insert_file(db: sqlite3.Connection, f: dict[str, Any], owner: str, lines: int) -> None:
+    # its rowid above every file's and every gone file's place: SQLite gives the highest rowid of a
+    # deleted row to the next one, which would list it before a cursor naming that row
+    db.execute(
+        "INSERT INTO files (rowid, id, owner, filename, purpose, bytes, created_at, expires_at, lines)"
+        " VALUES (1 + MAX(IFNULL((SELECT MAX(rowid) FROM files), 0), IFNULL((SELECT MAX(pos) FROM gone_files), 0)),"
+        " ?, ?, ?, ?, ?, ?, ?, ?)",
+        (f["id"], owner, f["filename"], f["purpose"], f["bytes"], f["created_at"], f["expires_at"], lines))
+
+
+def _check_bounds(db: sqlite3.Connection, owner: str, size: int, per_user: int, total: int) -> None:
+    """``OverBound`` when ``size`` more bytes of ``owner``'s would pass ``per_user`` (the owner's
+    files) or ``total`` (everyone's); 0: no bound."""
+    if per_user:
+        mine = db.execute("SELECT IFNULL(SUM(bytes), 0) FROM files WHERE owner = ?", (owner,)).fetchone()[0]
+        if mine + size > per_user:
+            raise OverBound("user", mine, per_user)
+    if total:
+        everyone = db.execute("SELECT IFNULL(SUM(bytes), 0) FROM files").fetchone()[0]
+        if everyone + size > total:
+            raise OverBound("total", everyone, total)
 
 
 def _migrate(db: sqlite3.Connection) -> None:

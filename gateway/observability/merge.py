@@ -68,6 +68,7 @@ GAUGE_RULES: dict[str, str] = {
     # the batch job store as the worker that runs batches sees it (the others export none)
     "switchyard_batches": MAX,
     "switchyard_batch_queue_age_seconds": MAX,
+    "switchyard_batch_stored_bytes": MAX,
     # healthy only if every worker is
     "switchyard_state_up": MIN,
     "switchyard_view_redis_up": MIN,
