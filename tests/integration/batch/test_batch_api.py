@@ -298,6 +298,23 @@ async def test_cancel_stops_the_batch_and_accounts_for_every_line(sims, gateway,
     assert sample(page, "switchyard_batch_lines_total", model="-") == 0
 
 
+async def test_a_cancelled_batch_counts_and_names_only_the_lines_that_ran(sims, gateway, tmp_path):
+    """As OpenAI documents a cancelled batch: its results so far in its output file, and in its
+    ``request_counts`` the lines that completed and those that failed, out of its ``total``; a line
+    it never ran neither completed nor failed, and has no answer to put in the error file."""
+    gw, c, rows, b = await _slow_batch(sims, gateway, tmp_path)
+    await c.batches.cancel(b.id)
+    b = await run_to_end(c, b.id)
+    counts = b.request_counts
+    assert b.status == "cancelled" and counts.total == 20 and counts.failed == 0, b
+    assert counts.completed < 20          # the line in flight at the cancel was stopped
+    done = [orjson.loads(x) for x in (await c.files.content(b.output_file_id)).content.splitlines()] \
+        if b.output_file_id else []
+    assert len(done) == counts.completed and b.error_file_id is None, b
+    page = await gw.metrics_text()
+    assert sample(page, "switchyard_batch_lines_total", model="m", outcome="failed") == 0
+
+
 async def test_no_line_reaches_the_engine_once_a_cancel_is_answered(sims, gateway, tmp_path):
     """A cancel takes effect in the worker that runs the batch before it is answered: no line of the
     batch is sent to the engine after the answer, however long the runner's poll_interval_s (a
