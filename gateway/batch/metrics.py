@@ -3,8 +3,9 @@
 - ``switchyard_batches{status}``: batches in the store by status (the runner's view, refreshed at
   each poll; workers that do not run batches export none);
 - ``switchyard_batch_lines_total{model, outcome}``: lines answered (``completed``: a 200; ``failed``:
-  anything else, including the unanswered lines of a cancelled or expired batch), tries that
-  will be tried again (``retried``) and lines stopped for an interactive request (``preempted``);
+  anything else, including the unanswered lines of an expired batch; a cancelled batch's count
+  nowhere), tries that will be tried again (``retried``) and lines stopped for an interactive
+  request (``preempted``);
 - ``switchyard_batch_lines_in_flight{model}``: lines running now, for the models served (0 between
   batches) and those a reload removed while their lines ran, until none runs;
 - ``switchyard_batch_queue_age_seconds``: age of the oldest unfinished batch (0: none);

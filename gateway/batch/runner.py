@@ -33,8 +33,10 @@ its lines wait in the queue uncounted, and the runner logs it once as the wait b
 it ends.
 
 The output and error files are written at the end by streaming the stored lines in input order,
-so memory stays flat whatever the batch's size; every input line has exactly one line in one of
-them (the unanswered lines of a cancelled or expired batch say so in the error file).
+so memory stays flat whatever the batch's size; every line that ran has exactly one line in one of
+them, and so has every line of an expired batch (those it never ran say so in the error file). A
+cancelled batch's lines that never ran are in neither, nor in its counts, as OpenAI documents a
+cancel: its results so far in the output file.
 """
 
 from __future__ import annotations
@@ -416,8 +418,7 @@ class BatchRunner:
                 return          # cancelled meanwhile: the next refresh halts it
         if final in ("cancelled", "expired"):
             if not doc["request_counts"]["total"]:
-                # cancelled before it was validated: every line counted before they are named (1024
-                # at a time), so its counts never hold more lines done than its total
+                # cancelled before it was validated: its total is its lines, as its upload counted them
                 total = await self.db.run(BatchStore.file_lines, doc["input_file_id"])
 
                 def counted(d: dict[str, Any]) -> bool:
@@ -427,8 +428,9 @@ class BatchRunner:
                     return True
                 if total:
                     job.doc = doc = await self.db.run(BatchStore.update_batch, bid, counted) or doc
+        if final == "expired":      # a cancelled batch's lines never run are neither completed nor failed
             try:
-                await self._unanswered(job, "batch_cancelled" if final == "cancelled" else "batch_expired")
+                await self._unanswered(job, "batch_expired")
             except OSError as e:        # the lines never answered cannot be named: the batch fails, saying why
                 log.error("batch input unreadable", batch_id=bid, exc_info=e)
                 job.unreadable = f"the input file could not be read on: {e.strerror or e}"
@@ -471,9 +473,8 @@ class BatchRunner:
                  failed=counts["failed"], output_file_id=out_id, error_file_id=err_id)
 
     async def _unanswered(self, job: _Job, code: str) -> None:
-        """A cancelled or expired batch: each line never answered gets its error line."""
-        message = "the batch was cancelled before this request ran" if code == "batch_cancelled" \
-            else "the batch expired before this request ran"
+        """An expired batch: each line never answered gets its error line."""
+        message = "the batch expired before this request ran"
         offset, line_no = 0, 0
         while True:
             lines, offset, line_no = await asyncio.to_thread(read_chunk, job.path, offset, line_no, 1024)

@@ -189,7 +189,7 @@ async def test_an_interactive_request_of_the_other_worker_takes_a_batch_lines_sl
         await c.batches.cancel(b.id)
         done = await run_to_end(c, b.id)
         counts = done.request_counts
-        assert done.status == "cancelled" and counts.completed + counts.failed == counts.total == 4
+        assert done.status == "cancelled" and counts.total == 4 and counts.completed + counts.failed <= 4
 
 
 @pytest.mark.timeout(120)
@@ -221,7 +221,7 @@ async def test_a_batch_created_and_cancelled_through_the_other_worker_is_taken_u
         done = await run_to_end(c, bid, timeout=30)
         counts = done.request_counts
         assert done.status == "cancelled" and counts.total == 40 and counts.completed < 40
-        assert counts.completed + counts.failed == 40
+        assert counts.failed == 0       # the lines it never ran are not counted, as OpenAI counts a cancel's
 
 
 @pytest.mark.timeout(60)
