@@ -72,6 +72,9 @@ def test_good_config_loads_typed_and_frozen(tmp_path):
     ("lora: {max_adapters_per_endpoint: -1}", "lora.max_adapters_per_endpoint"),
     ("lora: {max_adapters_per_endpoint: 1.5}", "lora.max_adapters_per_endpoint"),
     ("lora: {idle_unload_s: -1}", "lora.idle_unload_s"),
+    ("batch: {max_stored_bytes: -1}", "batch.max_stored_bytes"),
+    # a user's share above everyone's bound could never be used
+    ("batch: {max_stored_bytes: 1000, max_stored_bytes_per_user: 2000}", "batch.max_stored_bytes_per_user"),
 ])
 def test_errors_name_the_key_and_file(text, key):
     with pytest.raises(ConfigError) as ei:
