@@ -178,3 +178,40 @@ def test_the_listing_marks_loadable_only_the_adapters_its_parent_may_load():
     assert lora.describe()[0] == {"id": "x", "parent": "m", "ready_endpoints": 1}
     m1.adapters.served = m2.adapters.served = {}                           # nobody serves it: n's, loadable
     assert lora.describe()[0] == {"id": "x", "parent": "n", "ready_endpoints": 0, "loadable": True}
+
+
+def test_endpoints_that_leave_or_restart_in_a_burst_do_not_walk_every_endpoints_bookkeeping():
+    """A namespace of pods emptied (or a fleet restarted) takes its endpoints out one at a time:
+    each must find its own cooldowns, loads, unloads and siblings' uses, not walk those of every
+    endpoint, which made the burst O(endpoints²) once the gateway kept any."""
+    n = 2000
+    lora, eps = make(cap=0, n=n)
+    walked = [0]
+    names = ("_cooldown", "_loaded_at", "_unloaded_at", "_sibling_used", "_sibling_loads")
+    for name in names:
+        kind = type(getattr(lora, name))
+
+        def walk(self, _iter=kind.__iter__):
+            for k in _iter(self):
+                walked[0] += 1
+                yield k
+
+        def items(self, _items=kind.items):
+            walked[0] += len(self)
+            return _items(self)
+
+        setattr(lora, name, type("Counted", (kind,), {"__iter__": walk, "items": items})())
+    for i, ep in enumerate(eps):
+        lora.adopt_change(ep, 50.0, {"a": "m"}, True)
+        lora.adopt_use(ep, 60.0, {"a": "m", "b": "m"})
+        lora.adopt_load_failed(ep, "c", "m", 200.0, "failed")
+        lora.adopt_load_started(ep, "b", "g/1", 7)
+        if i % 2:
+            lora.adopt_change(ep, 70.0, {"a": "m"}, False)
+    walked[0] = 0
+    for ep in eps[: n // 2]:
+        lora.engine_restarted(ep)          # its cooldowns go
+    for ep in eps:
+        lora.pool.remove(ep)
+    assert walked[0] <= 4 * n, f"{n} endpoints that left walked {walked[0]} entries"
+    assert not any(getattr(lora, name) for name in names) and not lora._pending
