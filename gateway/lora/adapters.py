@@ -176,15 +176,16 @@ class Lora:
         self._rediscover = asyncio.Event()
         self.reconfigure(config)
         self._loads: dict[tuple[str, str, bool], asyncio.Future[Any]] = {}     # (model, adapter, pairs) -> its load
-        self._cooldown: dict[tuple[int, str], tuple[float, str]] = {}   # (id(ep), adapter) -> (until, message)
-        self._loaded_at: dict[tuple[int, str], float] = {}     # adapters this gateway loaded -> when
-        self._unloaded_at: dict[tuple[int, str], float] = {}
+        # keyed by (id(ep), adapter), each indexed by endpoint (``_PerEndpoint``)
+        self._cooldown: _PerEndpoint = _PerEndpoint()          # -> (until, message)
+        self._loaded_at: _PerEndpoint = _PerEndpoint()         # adapters this gateway loaded -> when
+        self._unloaded_at: _PerEndpoint = _PerEndpoint()
         self._pending: dict[int, set[str]] = {}                # id(ep) -> adapters being loaded there
         self._unloading: set[tuple[int, str]] = set()
         self._down: set[int] = set()                            # id(ep) of endpoints the probes found down
         self._counted: dict[tuple[str, str], int] = {}          # (model, adapter) -> what the serving gauge says
-        self._sibling_used: dict[tuple[int, str], float] = {}   # (id(ep), adapter) -> a sibling worker's last use
-        self._sibling_loads: dict[tuple[int, str], _SiblingLoad] = {}   # (id(ep), adapter) -> a sibling's load under way
+        self._sibling_used: _PerEndpoint = _PerEndpoint()       # -> a sibling worker's last use
+        self._sibling_loads: _PerEndpoint = _PerEndpoint()      # -> a sibling's load under way (_SiblingLoad)
         self._uses_told_at = -math.inf
         # keyed by id(ep): an endpoint that left the pool leaves them, or a new one at its address
         # would inherit its cooldowns and its loads
@@ -737,8 +738,7 @@ class Lora:
             log.info(event, model=self._not_served(ep, a), adapter=a, endpoint=ep.name)
         # a load that failed there failed on the engine before (often as it went down): the new one
         # was never asked
-        for key in [k for k in self._cooldown if k[0] == i]:
-            del self._cooldown[key]
+        self._cooldown.take(i)
 
     def _forget(self, ep: Endpoint) -> None:
         i = id(ep)
@@ -746,10 +746,10 @@ class Lora:
         left: dict[str, dict] = {}
         for name, d in (("cooldown", self._cooldown), ("loaded_at", self._loaded_at),
                         ("unloaded_at", self._unloaded_at), ("sibling_used", self._sibling_used)):
-            left[name] = {k[1]: d.pop(k) for k in [k for k in d if k[0] == i]}
+            left[name] = d.take(i)
         self._left = (ep, left)     # until the next removal: a reload's replacement comes right after it
-        for key in [k for k in self._sibling_loads if k[0] == i]:
-            self._sibling_loads.pop(key).end("ended")      # whoever waits chooses among those left
+        for entry in self._sibling_loads.take(i).values():
+            entry.end("ended")      # whoever waits chooses among those left
         self._pending.pop(i, None)
 
     def _replaced(self, old: Endpoint, new: Endpoint) -> None:
@@ -1005,6 +1005,52 @@ _STATES = frozenset({"running", "resident", "free_slot", "waiting", "full"})
 # a P/D request's prefill leg failed (gateway/pd/orchestrator.py), not its decode
 _PREFILL_FAILED = frozenset({ErrorClass.PD_PREFILL_HTTP_STATUS, ErrorClass.PD_PREFILL_BAD_RESPONSE,
                              ErrorClass.PD_PREFILL_TIMEOUT, ErrorClass.PD_PREFILL_TRANSPORT})
+
+
+class _PerEndpoint(dict):
+    """A dict keyed by ``(id(ep), adapter)`` that knows each endpoint's adapters: an endpoint that
+    leaves the pool (or restarts) takes its own entries (``take``) without a walk of every
+    endpoint's, which made a burst of thousands of pods leaving O(endpoints²). Written through
+    ``d[key] = v``, ``del d[key]`` and ``pop`` only; reads are the dict's own."""
+
+    __slots__ = ("_of",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._of: dict[int, set[str]] = {}
+
+    def __setitem__(self, key: tuple[int, str], value: Any) -> None:
+        super().__setitem__(key, value)
+        self._of.setdefault(key[0], set()).add(key[1])
+
+    def __delitem__(self, key: tuple[int, str]) -> None:
+        super().__delitem__(key)
+        self._drop(key)
+
+    def pop(self, key: tuple[int, str], *default: Any) -> Any:
+        if key in self:
+            self._drop(key)
+        return super().pop(key, *default)
+
+    def _drop(self, key: tuple[int, str]) -> None:
+        held = self._of.get(key[0])
+        if held is not None:
+            held.discard(key[1])
+            if not held:
+                del self._of[key[0]]
+
+    def take(self, i: int) -> dict[str, Any]:
+        """Remove the entries of endpoint ``i``: {adapter: value}."""
+        return {a: super(_PerEndpoint, self).pop((i, a)) for a in self._of.pop(i, ())}
+
+    def setdefault(self, *_: Any) -> Any:
+        raise NotImplementedError("write through d[key] = value")
+
+    update = popitem = setdefault
+
+    def clear(self) -> None:
+        super().clear()
+        self._of.clear()
 
 
 class _SiblingLoad:
