@@ -593,6 +593,47 @@ async def test_pods_that_come_and_go_one_watch_event_at_a_time_are_not_ordered_p
     assert sum(walked.values()) <= 600, f"the watch's changes walked {dict(walked)} endpoints"
 
 
+async def test_a_burst_of_pod_changes_is_logged_in_summaries_and_a_rare_one_line_by_line(emu, discover):
+    """Each endpoint added, removed, or made (not) routable was one info line: a Deployment scaled
+    to hundreds gave hundreds of lines in a second. A change alone still has its own line; in a
+    burst the first few have theirs, and the rest are summed up, how many, of which models, the
+    first pods named, so that no change goes untold."""
+    import structlog
+
+    def told(logs, single, summary):
+        lines = [e for e in logs if e["event"] in (single, summary)]
+        return lines, sum(1 if e["event"] == single else e["count"] for e in lines)
+
+    n = 300
+    d, pool = await discover(namespaces=["llm"], resync_interval_s=0)
+    await until(lambda: len(emu.watchers) == 1)
+    with structlog.testing.capture_logs() as logs:
+        emu.create_pod("llm", "solo", {M: "llama"})
+        await until(lambda: len(pool.endpoints("llama")) == 1)
+        assert [(e["event"], e["pod"]) for e in logs] == [("kubernetes endpoint added", "llm/solo")]
+    with structlog.testing.capture_logs() as logs:
+        for i in range(n):
+            emu.create_pod("llm", f"p{i}", {M: "llama"})
+        await until(lambda: len(pool.endpoints("llama")) == n + 1)
+        await until(lambda: told(logs, "kubernetes endpoint added", "kubernetes endpoints added")[1] == n)
+        lines, _ = told(logs, "kubernetes endpoint added", "kubernetes endpoints added")
+        assert len(lines) <= n // 5, f"{len(lines)} lines for {n} pods added"
+        summary = next(e for e in lines if e["event"] == "kubernetes endpoints added")
+        assert summary["models"] == {"llama": summary["count"]} and 0 < len(summary["pods"]) <= 5
+        for i in range(n):
+            emu.set_ready("llm", f"p{i}", False)
+        await until(lambda: told(logs, "kubernetes endpoint not routable", "kubernetes endpoints not routable")[1] == n)
+        lines, _ = told(logs, "kubernetes endpoint not routable", "kubernetes endpoints not routable")
+        assert len(lines) <= n // 5, f"{len(lines)} lines for {n} pods made not routable"
+        for i in range(n):
+            emu.delete_pod("llm", f"p{i}")
+        await until(lambda: len(pool.endpoints("llama")) == 1)
+        await until(lambda: told(logs, "kubernetes endpoint removed", "kubernetes endpoints removed")[1] == n)
+        lines, _ = told(logs, "kubernetes endpoint removed", "kubernetes endpoints removed")
+        assert len(lines) <= n // 5, f"{len(lines)} lines for {n} pods removed"
+        assert all(e["reasons"] == {"deleted": e["count"]} for e in lines if e["event"].endswith("endpoints removed"))
+
+
 async def test_pd_rolesets_are_assembled_from_labels(emu, discover):
     prof = json.dumps({"profiles": {"default": {"combined": True, "promptLenBucketMaxLength": 512}}})
     sg = {M: "qwen", "model.aibrix.ai/engine": "sglang", "model.aibrix.ai/port": "30000"}
