@@ -72,6 +72,11 @@ LIST_TIMEOUT_S = 60.0
 FIRST_LIST_WAIT_S = 10.0  # how long a starting worker waits for its first list before it serves anyway
 SHORT_WATCH_S = 1.0       # a watch that ends sooner having brought nothing failed (client-go's reflector: the same)
 LEFT_GRACE_S = 30.0       # a model whose last pod left is awaited this long (a 503, not a 404): its pod may come again
+# endpoint changes of one kind: the first LOG_BURST within LOG_WINDOW_S have a line each, the rest
+# one line at the window's end (``_Changes``), naming its first LOG_NAMED pods
+LOG_WINDOW_S = 1.0
+LOG_BURST = 5
+LOG_NAMED = 5
 
 
 class Gone(Exception):
@@ -151,6 +156,64 @@ class WatchState:
         self.state, self.since, self.retry_at = state, time.time(), retry_at
 
 
+class _Changes:
+    """The info lines of one kind of endpoint change (added, removed, made routable or not). While
+    they are rare, one line per change, as it is made. In a burst (a Deployment scaled to hundreds,
+    a namespace emptied: a line each was hundreds in a second) the first ``LOG_BURST`` within
+    ``LOG_WINDOW_S`` of the first have their lines, and the rest one line at the window's end: how
+    many, of which models, for which reasons, the first ``LOG_NAMED`` pods named (and what ``sums``
+    counts, the requests in flight on those removed), so that no change goes untold."""
+
+    def __init__(self, single: str, summary: str) -> None:
+        self.single, self.summary = single, summary
+        self.opened = -math.inf     # the loop time the window opened
+        self.logged = 0             # lines of their own within it
+        self.count = 0              # the changes summed up since
+        self.pods: list[str] = []
+        self.models: Counter[str] = Counter()
+        self.reasons: Counter[str] = Counter()
+        self.sums: Counter[str] = Counter()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def note(self, pod: str, model: str, reason: str | None, sums: Mapping[str, int] | None = None,
+             **fields: Any) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:        # no loop (a pool fed outside the server): a line each
+            log.info(self.single, pod=pod, model=model, reason=reason, **(sums or {}), **fields)
+            return
+        now = loop.time()
+        if now - self.opened >= LOG_WINDOW_S:
+            self.flush()
+            self.opened, self.logged = now, 0
+        if self.logged < LOG_BURST:
+            self.logged += 1
+            log.info(self.single, pod=pod, model=model, reason=reason, **(sums or {}), **fields)
+            return
+        self.count += 1
+        if len(self.pods) < LOG_NAMED:
+            self.pods.append(pod)
+        self.models[model] += 1
+        if reason:
+            self.reasons[reason] += 1
+        if sums:
+            self.sums.update(sums)
+        if self._timer is None:
+            self._timer = loop.call_at(self.opened + LOG_WINDOW_S, self.flush)
+
+    def flush(self) -> None:
+        """The line of the changes summed up so far, if any."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self.count:
+            return
+        log.info(self.summary, count=self.count, models=dict(self.models), reasons=dict(self.reasons),
+                 pods=self.pods, **self.sums)
+        self.count, self.pods = 0, []
+        self.models, self.reasons, self.sums = Counter(), Counter(), Counter()
+
+
 class KubernetesDiscovery:
     """Feeds ``pool`` with the pods that ``kcfg`` selects; see the module docstring."""
 
@@ -179,6 +242,8 @@ class KubernetesDiscovery:
         self._waiting_models: Counter[str] = Counter()
         self._left_at: dict[str, float] = {}
         pool.awaited = self._awaits
+        self._changes = {kind: _Changes(f"kubernetes endpoint {kind}", f"kubernetes endpoints {kind}")
+                         for kind in ("added", "removed", "routable", "not routable")}
         self._tasks: list[asyncio.Task] = []       # one per scope, in the order of ``scopes``
         self._ending: list[asyncio.Task] = []      # the loops stopped for a relist (``_relist_watching``)
         self._api_client: Any = None
@@ -273,6 +338,8 @@ class KubernetesDiscovery:
                 await t
         self._tasks.clear()
         self._ending.clear()
+        for changes in self._changes.values():
+            changes.flush()
         if self._api_client is not None:
             await self._api_client.close()
             self._api_client = None
@@ -690,9 +757,9 @@ class KubernetesDiscovery:
             self._drop(key, "pod changed")
             self.pool.replaced(was, ep)
         self._tracked[key] = _Tracked(view, ep)
-        log.info("kubernetes endpoint added", pod=key, model=view.model, url=view.url, engine=view.engine,
-                 role=view.role, roleset=view.roleset, routable=view.routable,
-                 reason=view.not_routable_reason or None)
+        self._changes["added"].note(key, view.model, view.not_routable_reason or None, url=view.url,
+                                    engine=view.engine, role=view.role, roleset=view.roleset,
+                                    routable=view.routable)
 
     def _name(self, view: PodView, name: str | None = None) -> str:
         """The endpoint's name (or, given ``name``, its roleset's): the pod's name, or
@@ -711,8 +778,8 @@ class KubernetesDiscovery:
             ep.consecutive_failures = 0
         else:
             ep.draining = True
-        log.info("kubernetes endpoint routable" if view.routable else "kubernetes endpoint not routable",
-                 pod=view.key, model=view.model, reason=view.not_routable_reason or None)
+        self._changes["routable" if view.routable else "not routable"].note(
+            view.key, view.model, view.not_routable_reason or None)
 
     def _drop(self, key: str, reason: str) -> None:
         cur = self._tracked.pop(key, None)
@@ -723,8 +790,8 @@ class KubernetesDiscovery:
             now = time.monotonic()
             self._left_at = {m: t for m, t in self._left_at.items() if now - t < LEFT_GRACE_S}
             self._left_at[cur.view.model] = now
-        log.info("kubernetes endpoint removed", pod=key, model=cur.view.model, url=cur.view.url, reason=reason,
-                 in_flight=cur.ep.in_flight)
+        self._changes["removed"].note(key, cur.view.model, reason, {"in_flight": cur.ep.in_flight},
+                                      url=cur.view.url)
 
 
 def _opened(fn):
