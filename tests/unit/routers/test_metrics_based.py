@@ -164,6 +164,35 @@ def test_throughput_counts_its_own_decisions_until_the_engines_show_them():
     assert router.sent_rate(eps[0], clock.t) == 0.0
 
 
+def test_throughput_window_does_not_reach_back_across_a_pause():
+    """After a pause longer than the window, the snapshot last seen before it is no start for the
+    window: the burst before the pause is not in the true 10 s rates (all 0), so it weighs nothing
+    (the endpoint busiest in the burst took nothing of the next 30 requests, split 19/11/0)."""
+    clock = Clock(990.0)
+    ctx, _ = ctx_for(clock=clock, metrics_window_s=10.0)
+    router = ThroughputRouter(ctx)
+    eps = make_eps(3)
+    per_s = (300.0, 150.0, 0.0)                     # the burst's prompt tokens/s on each engine
+    for t in (990.0, 992.0, 994.0, 996.0, 998.0, 1000.0):          # scraped every 2 s, routed between
+        clock.t = t
+        for ep, rate in zip(eps, per_s, strict=True):
+            ep.metrics = snap(t=t, prompt_tokens_total=rate * (t - 990.0), generation_tokens_total=0.0,
+                              prompt_throughput=rate, gen_throughput=0.0)
+        router.score(make_req(), eps)
+    # the engines finish the burst within a second, then nothing for 12 s; a scrape as the traffic resumes
+    clock.t = 1012.0
+    for ep, rate in zip(eps, per_s, strict=True):
+        ep.metrics = snap(t=1012.0, prompt_tokens_total=rate * 11.0, generation_tokens_total=0.0,
+                          prompt_throughput=0.0, gen_throughput=0.0)
+    assert router.score(make_req(), eps) == [0.0, 0.0, 0.0]
+    picks = Counter()
+    for _ in range(30):
+        ep = router.route(make_req(), eps).endpoint
+        ep.in_flight += 1
+        picks[ep] += 1
+    assert [picks[ep] for ep in eps] == [10, 10, 10]
+
+
 def test_throughput_single_snapshot_uses_the_scrapers_rates():
     ctx, _ = ctx_for()
     router = ThroughputRouter(ctx)
