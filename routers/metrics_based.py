@@ -253,12 +253,14 @@ class LeastWaitingRouter(MetricRouter):
 
 
 class _Window:
-    """The snapshots of one endpoint within the window, and values derived from them."""
+    """The snapshots of one endpoint within the window, the newest one dropped from before it, and
+    values derived from them."""
 
-    __slots__ = ("snaps", "derived_for", "derived")
+    __slots__ = ("snaps", "before", "derived_for", "derived")
 
     def __init__(self) -> None:
         self.snaps: deque[EngineMetrics] = deque()
+        self.before: EngineMetrics | None = None
         self.derived_for: EngineMetrics | None = None
         self.derived: tuple = ()
 
@@ -273,9 +275,13 @@ def _increase(new: float | None, old: float | None) -> float | None:
 class WindowedRouter(MetricRouter):
     """A metric router whose signal is computed over ``metrics_window_s`` of snapshots.
 
-    Each new snapshot of an endpoint is appended to its window (the oldest kept one is the last
-    at or before the window's start, so a rate spans the whole window); ``derive`` runs once per
-    new snapshot and its result is cached.
+    Each new snapshot of an endpoint is appended to its window, whose first is the oldest one at
+    or after the window's start; ``derive`` runs once per new snapshot and its result is cached.
+    The router sees snapshots only when it routes, so one from before the start may be the last
+    it saw before a pause in traffic: counting from it would bring a burst from before the pause
+    into the window. With no other snapshot inside the window, the newest alone is used (the
+    scraper's last-interval rates and means; ``before``, the newest one dropped, tells whether the
+    engine's counters moved at all since).
     """
 
     def __init__(self, ctx: RouterContext) -> None:
@@ -284,7 +290,7 @@ class WindowedRouter(MetricRouter):
         self._windows: dict[Endpoint, _Window] = {}
         self._windows_at = _PRUNE_AT
 
-    def derive(self, first: EngineMetrics, last: EngineMetrics) -> tuple:
+    def derive(self, first: EngineMetrics, last: EngineMetrics, before: EngineMetrics | None) -> tuple:
         raise NotImplementedError
 
     def derived(self, ep: Endpoint, m: EngineMetrics) -> tuple:
@@ -299,12 +305,13 @@ class WindowedRouter(MetricRouter):
         if not snaps or snaps[-1] is not m:
             if snaps and m.scraped_at < snaps[-1].scraped_at:
                 snaps.clear()                  # an older snapshot than we have: start over
+                w.before = None
             snaps.append(m)
             start = m.scraped_at - self.window_s
-            while len(snaps) > 1 and snaps[1].scraped_at <= start:
-                snaps.popleft()
+            while len(snaps) > 1 and snaps[0].scraped_at < start:
+                w.before = snaps.popleft()
         w.derived_for = m
-        w.derived = self.derive(snaps[0], m)
+        w.derived = self.derive(snaps[0], m, w.before)
         return w.derived
 
 
@@ -346,7 +353,7 @@ class ThroughputRouter(WindowedRouter):
         self._demand_at = _PRUNE_AT
         self._now = 0.0
 
-    def derive(self, first: EngineMetrics, last: EngineMetrics) -> tuple:
+    def derive(self, first: EngineMetrics, last: EngineMetrics, before: EngineMetrics | None) -> tuple:
         dt = last.scraped_at - first.scraped_at
         prompt = gen = None
         if dt > 0:
@@ -411,12 +418,15 @@ class LeastLatencyRouter(WindowedRouter):
         super().__init__(ctx)
         self._fleet_service = 0.0
 
-    def derive(self, first: EngineMetrics, last: EngineMetrics) -> tuple:
+    def derive(self, first: EngineMetrics, last: EngineMetrics, before: EngineMetrics | None) -> tuple:
         ttft = queue = None
         dc = _increase(last.ttft_count, first.ttft_count)
         ds = _increase(last.ttft_sum, first.ttft_sum)
         if first is last:                     # a single snapshot: the scraper's last interval
-            ttft, queue = last.ttft_recent_mean, last.queue_time_recent_mean
+            if before is None or _increase(last.ttft_count, before.ttft_count) != 0:
+                ttft, queue = last.ttft_recent_mean, last.queue_time_recent_mean
+            # else no first token since a snapshot from before the window (whose mean the scraper
+            # carries over its quiet intervals): idle
         else:
             if dc and ds is not None:
                 ttft = ds / dc

@@ -137,7 +137,8 @@ def test_throughput_window_slides_and_survives_a_restart():
         router.score(make_req(), ep)
     assert router.score(make_req(), ep) == [pytest.approx(2 * 100 / 10)]     # only the last 10 s
     ep[0].metrics = snap(t=1005.0, prompt_tokens_total=50.0, generation_tokens_total=0.0)   # restarted
-    assert router.score(make_req(), ep) == [pytest.approx(2 * 50 / 15)]
+    # the window starts at its first snapshot inside it (1000): 50 tokens since over 5 s
+    assert router.score(make_req(), ep) == [pytest.approx(2 * 50 / 5)]
 
 
 def test_throughput_counts_its_own_decisions_until_the_engines_show_them():
@@ -230,6 +231,29 @@ def test_least_latency_expected_ttft_from_histogram_deltas_and_queue():
     assert router.route(make_req(), eps).endpoint is eps[2]
     # one more sent to eps[2] before the next scrape doubles its queue estimate
     assert router.score(make_req(), eps)[2] == pytest.approx(0.55)
+
+
+def test_least_latency_after_a_pause_an_engine_without_a_first_token_since_is_idle():
+    """Across a pause longer than the window only the newest snapshot is in it; its TTFT mean, which
+    the scraper carries over intervals that saw no first token, is not read when the engine's count
+    has not moved since the snapshot before the window: it counts as idle."""
+    clock = Clock()
+    ctx, _ = ctx_for(clock=clock, metrics_window_s=10.0)
+    router = LeastLatencyRouter(ctx)
+    eps = make_eps(2)
+    for t, count in ((995.0, 100.0), (1000.0, 110.0)):
+        clock.t = t
+        eps[0].metrics = snap(t=t, waiting=0.0, ttft_sum=count * 0.5, ttft_count=count,
+                              ttft_recent_mean=0.5, queue_time_recent_mean=0.0)
+        eps[1].metrics = snap(t=t, waiting=0.0, ttft_sum=count * 0.2, ttft_count=count,
+                              ttft_recent_mean=0.2, queue_time_recent_mean=0.0)
+        router.score(make_req(), eps)
+    clock.t = 1012.0
+    eps[0].metrics = snap(t=1012.0, waiting=0.0, ttft_sum=55.0, ttft_count=110.0, ttft_recent_mean=0.5,
+                          queue_time_recent_mean=0.0)                  # nothing since 1000: idle
+    eps[1].metrics = snap(t=1012.0, waiting=0.0, ttft_sum=22.4, ttft_count=112.0, ttft_recent_mean=0.2,
+                          queue_time_recent_mean=0.0)                  # 2 first tokens since 1000
+    assert router.score(make_req(), eps) == [0.0, pytest.approx(0.2)]
 
 
 def test_least_latency_with_one_snapshot_uses_the_last_interval():
