@@ -277,6 +277,32 @@ def test_metric_strategies_combine():
     assert router.route(make_req(), eps).endpoint is eps[2]
 
 
+def test_weighted_list_counts_a_fallback_when_it_picks_an_engine_without_metrics():
+    """As the single strategy does: each metric part that had no usable value for the chosen engine
+    counts a fallback with its reason; none when the chosen engine had them."""
+    clock = Clock()
+    ctx, fallbacks = ctx_for(clock=clock)
+    router = default_registry(ctx).get("least-kv-cache:2,least-waiting:1")
+    eps = make_eps(3, in_flight=[1, 1, 0])
+    eps[0].metrics = snap(kv_usage=0.2, waiting=1.0)
+    eps[1].metrics = snap(kv_usage=0.5, waiting=0.0)
+    # kv → [2/3, 0, 2/3 (its share: fewer in flight)]; waiting → [0, 1/3, 1/3]
+    assert router.route(make_req(), eps).endpoint is eps[2]
+    assert fallbacks == {("least-kv-cache", "no_metrics"): 1, ("least-waiting", "no_metrics"): 1}
+    eps[2].in_flight = 5                               # busier: no share, the numbers decide
+    assert router.route(make_req(), eps).endpoint is eps[0]
+    assert sum(fallbacks.values()) == 2
+    eps[2].in_flight = 0
+    eps[2].metrics = snap(t=clock.t - 20, kv_usage=0.0, waiting=0.0)      # stale
+    assert router.route(make_req(), eps).endpoint is eps[2]
+    assert fallbacks[("least-kv-cache", "stale_metrics")] == 1
+    assert fallbacks[("least-waiting", "stale_metrics")] == 1
+    eps[1].metrics = eps[0].metrics = None            # nobody scores: counted once by each part
+    router.route(make_req(), eps)
+    assert fallbacks[("least-kv-cache", "stale_metrics")] == 2
+    assert fallbacks[("least-waiting", "stale_metrics")] == 2
+
+
 @pytest.mark.parametrize("router_cls", [LeastKVCacheRouter, LeastWaitingRouter, ThroughputRouter,
                                         LeastLatencyRouter])
 def test_endpoints_that_left_the_pool_are_not_kept(router_cls):
