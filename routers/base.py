@@ -222,3 +222,7 @@ class ScoringRouter(Router):
 
     def score(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float | None]:
         raise NotImplementedError
+
+    def count_unscored(self, endpoint: Endpoint) -> None:
+        """A weighted list with this part (``unscored_share``) chose ``endpoint``, which it could not
+        score while others it could: count the fallback, where the strategy counts them."""

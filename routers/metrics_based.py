@@ -9,7 +9,8 @@ They read ``Endpoint.metrics``, the scraper's latest ``EngineMetrics`` snapshot.
   (snapshots exist but are too old). An endpoint without one among endpoints with one is chosen
   instead of the best scored when it has fewer requests in flight (at random when as many), and
   the fallback is counted with its reason: left out, it would get nothing while its numbers are
-  missing. (In a weighted list it scores ``None``, i.e. 0.)
+  missing. (In a weighted list it scores ``None`` and takes the strategy's share on the same
+  condition; the list counts the fallback when it chooses it.)
 * Between two scrapes the snapshot does not move, so a burst would herd onto the endpoint that
   looked best at the last scrape (AIBrix issue #2422 in another guise). Each router therefore adds
   what *it* has sent to an endpoint since that endpoint's current snapshot (requests and their
@@ -144,10 +145,15 @@ class MetricRouter(ScoringRouter):
                 if self._random() * ties < 1.0:
                     pick = ep
         if pick is not best:
-            m = pick.metrics
-            stale = m is not None and m.scraped_at < self.clock() - self.max_age
-            self.ctx.on_fallback(self.name, "stale_metrics" if stale else "no_metrics")
+            self.count_unscored(pick)
         return pick
+
+    def count_unscored(self, ep: Endpoint) -> None:
+        """Count the fallback of a decision for ``ep``, chosen without a usable value of it (also
+        called by weighted lists)."""
+        m = ep.metrics
+        stale = m is not None and m.scraped_at < self.clock() - self.max_age
+        self.ctx.on_fallback(self.name, "stale_metrics" if stale else "no_metrics")
 
     def _pick(self, candidates: Sequence[Endpoint], scores: list[float | None]) -> Endpoint:
         best: Endpoint | None = None

@@ -160,6 +160,9 @@ class WeightedRouter(ScoringRouter):
     ``rng=None`` the first tied candidate in the given order wins (AIBrix's rule, where the
     candidate list was shuffled beforehand).
 
+    When the chosen candidate had no value from such a part while others had, that part counts a
+    fallback (``count_unscored``), as it does routing alone.
+
     After the choice, each part's ``post_route(req, endpoint)`` hook is called, so a strategy that
     learns from decisions (a prefix index) learns from combined decisions too, and each part's
     ``response_headers(req, endpoint)`` adds its response headers. Only parts that override a hook
@@ -183,6 +186,12 @@ class WeightedRouter(ScoringRouter):
 
     def score(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float | None]:
         """The combined score of every candidate (higher is better, within [0, 1])."""
+        return self._total(req, candidates, None)
+
+    def _total(self, req: InferenceRequest, candidates: Sequence[Endpoint],
+               unscored: list | None) -> list[float | None]:
+        """``score``; the parts that gave some candidates their share without a value (``_unscored``)
+        are added to ``unscored`` with their scores, when given."""
         n = len(candidates)
         total = [0.0] * n
         for router, coef, most in self.parts:
@@ -204,6 +213,8 @@ class WeightedRouter(ScoringRouter):
             span = hi - lo
             if missing and getattr(router, "unscored_share", False):
                 _unscored(candidates, scores, hi if most else lo, coef, total)
+                if unscored is not None:
+                    unscored.append((router, scores))
             for i, s in enumerate(scores):
                 if s is None or s != s or s in (math.inf, -math.inf):
                     continue
@@ -220,7 +231,8 @@ class WeightedRouter(ScoringRouter):
 
     def decide(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
         """``route`` with the parts' learning (``post_route`` of each) left in ``Decision.learn``."""
-        total = self.score(req, candidates)
+        unscored: list = []
+        total = self._total(req, candidates, unscored)
         best_i = 0
         best = total[0]
         ties = 1
@@ -234,6 +246,10 @@ class WeightedRouter(ScoringRouter):
                 if rand() * ties < 1.0:
                     best_i = i
         ep = candidates[best_i]
+        for router, scores in unscored:   # a part had no value for the chosen engine: its fallback
+            s = scores[best_i]
+            if s is None or s != s or s in (math.inf, -math.inf):
+                router.count_unscored(ep)
         decision = Decision(ep, self.name, learn=partial(self._learn, req, ep) if self._learners else None)
         for router in self._headers:      # e.g. session-affinity's x-session-id for the chosen endpoint
             decision.headers.update(router.response_headers(req, ep))
