@@ -345,3 +345,41 @@ async def test_a_decode_that_sends_its_head_and_then_stalls_is_the_decodes_timeo
         assert lines[0]["error"].startswith(f"decode endpoint {name}"), lines[0]
         if engine == "sglang" and shape != "whole_broken":     # a stalled decode is told to drop the request
             assert await until(lambda: name in aborted, timeout=10), aborted
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("shape", ["page", "stream_to_whole", "whole_to_stream"])
+async def test_a_decode_whose_200_no_client_can_read_is_the_decodes_bad_response(gateway, engine, shape):
+    """A decode that answers 200 with what no client could read (a page that is not a JSON object,
+    an event stream to a request for a whole body, a whole body to a stream) is the decode's
+    protocol fault: 502 ``upstream_bad_response`` with ``x-error-pd-decode: bad_response`` (not the
+    whole-request engine's ``x-error-upstream``), its message (and the log line's error) naming the
+    decode endpoint, as docs/pd.md's failures table says."""
+    stream = shape == "whole_to_stream"
+
+    async def prefill(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({**ANSWER, "kv_transfer_params": {"remote_engine_id": "p"}} if engine == "vllm"
+                                 else ANSWER)
+
+    async def decode(request: web.Request) -> web.Response:
+        await request.read()
+        if shape == "page":
+            return web.Response(body=b"<html>maintenance</html>", content_type="text/html")
+        if shape == "stream_to_whole":
+            return web.Response(body=CHUNK + b"data: [DONE]\n\n", content_type="text/event-stream")
+        return web.json_response(ANSWER)
+
+    async with fake_engine(prefill) as p, fake_engine(decode) as d:
+        pe = {"url": p, "bootstrap_port": 9} if engine == "sglang" else p
+        gw = await gateway([pd_model(engine, [{"name": "rs", "prefill": [pe], "decode": [d]}])],
+                           health={"interval_s": 60})
+        with gw.gw.request_log.capture() as lines:
+            st, hdrs, raw = await asyncio.wait_for(post(gw, body(stream=stream)), 20)
+        assert st == 502, raw[:300]
+        assert hdrs.get("x-error-pd-decode") == "bad_response" and "x-error-upstream" not in hdrs, dict(hdrs)
+        err = orjson.loads(raw)["error"]
+        assert err["code"] == "upstream_bad_response", err
+        name = _pod(d)
+        assert err["message"].startswith(f"decode endpoint {name}: "), err
+        assert lines[0]["error"].startswith(f"decode endpoint {name}: "), lines[0]
