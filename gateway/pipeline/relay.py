@@ -518,6 +518,9 @@ class Relay:
         rec = ctx.rec
         rec.error_class = ErrorClass.UPSTREAM_PROTOCOL
         self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "protocol").inc()
+        if (decode := _decode_of(ctx)) is not None:     # a P/D decode's: the header and message say which leg
+            raise GatewayError(502, f"decode endpoint {decode}: {message}", code="upstream_bad_response",
+                               header=("x-error-pd-decode", "bad_response"), error_class=ErrorClass.UPSTREAM_PROTOCOL)
         raise GatewayError(502, message, code="upstream_bad_response", header=("x-error-upstream", "protocol"),
                            error_class=ErrorClass.UPSTREAM_PROTOCOL)
 
@@ -596,10 +599,7 @@ class Relay:
             # a success other than 200 (201, 203, ...) or a status no body may follow (204, 205, 304):
             # relayed with its status, an error body would read as a success (or, bodiless, not be
             # written at all); no client of these APIs can read it, so it is the engine's protocol fault
-            rec.error_class = ErrorClass.UPSTREAM_PROTOCOL
-            self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "protocol").inc()
-            raise GatewayError(502, f"upstream answered with status {resp.status}", code="upstream_bad_response",
-                               header=("x-error-upstream", "protocol"), error_class=ErrorClass.UPSTREAM_PROTOCOL)
+            self._protocol_fault(ctx, f"upstream answered with status {resp.status}")
         ep = ctx.decision.endpoint if ctx.decision is not None else None
         if ep is not None and key_refused(resp.status, ep.api_key is not None):
             # the gateway's key for the engine is wrong: the operator's to fix, so a 502, and the

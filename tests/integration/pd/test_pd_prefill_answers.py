@@ -383,3 +383,5 @@ async def test_a_decode_whose_200_no_client_can_read_is_the_decodes_bad_response
         name = _pod(d)
         assert err["message"].startswith(f"decode endpoint {name}: "), err
         assert lines[0]["error"].startswith(f"decode endpoint {name}: "), lines[0]
+        page = await gw.metrics_text()
+        assert metric(page, "switchyard_upstream_errors_total", endpoint=name, error_class="protocol") == 1
