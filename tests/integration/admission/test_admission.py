@@ -1297,3 +1297,36 @@ async def test_a_request_the_empty_queue_cannot_take_is_not_tokenized_for_the_kv
     await cancel(blocker)
     assert (await post(gw.url, chat_body(long)))[0] == 200      # room: tokenized, served
     assert tokenizer.segments_off_loop > before
+
+
+async def test_a_reload_that_removes_the_model_answers_its_queue_as_a_newcomer_is(sims, gateway):
+    """A reload that removes a model while requests for it wait in its queue answers them as it
+    answers a request sent after the reload: 404 ``model_not_found`` (Anthropic's shape on
+    /v1/messages), not a 503 that tells the client to retry a model that is no longer served."""
+    import msgspec
+
+    from gateway.server.app import RELOAD_KEY
+
+    sim, other = await sims("vllm", "m"), await sims("vllm", "n")
+    gw = await gateway([model_block("m", "vllm", [sim.url]), model_block("n", "vllm", [other.url])],
+                       admission={"enabled": True, "max_in_flight_per_endpoint": 1})
+    reloader = gw.runner.app[RELOAD_KEY]
+    config = reloader.live.config
+    blocker = await hold(gw)
+    chat = asyncio.create_task(post(gw.url, body()))
+    messages = asyncio.create_task(post(gw.url, {"model": "m", "messages": CHAT, "max_tokens": 4},
+                                        path="/v1/messages"))
+    assert await wait_for(lambda: len(queue(gw)) == 2)
+    without_m = msgspec.structs.replace(config, models=[m for m in config.models if m.name != "m"])
+    assert reloader.reload("test", without_m).result == "ok"
+    after = await post(gw.url, body())
+    assert after.status == 404 and after.json()["error"]["code"] == "model_not_found", after.body[:300]
+    queued = await asyncio.wait_for(chat, 20)
+    assert queued.status == 404, queued.body[:300]
+    assert queued.json()["error"] == after.json()["error"]
+    queued = await asyncio.wait_for(messages, 20)
+    assert queued.status == 404, queued.body[:300]
+    err = queued.json()
+    assert err["type"] == "error" and err["error"]["type"] == "not_found_error", err
+    await cancel(blocker)
+
