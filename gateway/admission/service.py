@@ -57,6 +57,7 @@ from gateway.apis.paths import COUNT_TOKENS
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import LATENCY_BUCKETS, Counter, Histogram
+from gateway.pipeline.context import model_not_found
 from gateway.tenants.directory import header_field
 from gateway.tenants.limits import fmt_duration
 
@@ -543,7 +544,7 @@ class Admission:
             eps = self._ready(model, w)
             if not eps:
                 q.remove(w)
-                w.fut.set_exception(_no_endpoint(model))
+                w.fut.set_exception(self._no_endpoint(model))
                 continue
             free = [ep for ep in eps if ep not in reserved] if reserved else eps
             if free and total_headroom(free, w.pairs, by_class[w.rank], now) - mq.granted >= 1:
@@ -626,6 +627,13 @@ class Admission:
             err = ctx.api.unserved_while_queued(ctx)
             if err is not None:
                 return err
+        return self._no_endpoint(model)
+
+    def _no_endpoint(self, model: str) -> GatewayError:
+        """The error of a waiter left with no endpoint: the model's 503, or, once a reload removed
+        the model, the 404 a request for it sent now gets."""
+        if not self.pool.has_model(model) and self.config.model(model) is None:
+            return model_not_found(model)
         return _no_endpoint(model)
 
     def _waited(self, model: str, rank: int, outcome: str, w: Waiter) -> None:
