@@ -925,3 +925,24 @@ async def test_a_tool_only_answers_ttft_is_at_its_tools_name_on_messages_as_on_c
                         assert b'"get_weather"' in await r.read()
             await wait_for(lambda: lines if len(lines) == 2 else None, 10)
         assert {x["path"]: x["ttft_ms"] is not None for x in lines} == {"/v1/messages": True, "/v1/chat/completions": True}
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_a_messages_stream_whose_engine_died_logs_no_completion_count(sims, gateway, engine):
+    """A Messages stream the engine breaks off before its ``message_delta`` has no output count
+    from the engine: ``message_start``'s (0, or 1) is not the answer's. Its log line's
+    ``completion_tokens`` is null, as a chat stream's is, not a 0 that says nothing was generated
+    while tokens reached the client; ``prompt_tokens`` is ``message_start``'s input count where
+    the engine reported one (vLLM's; SGLang's are zeros: null)."""
+    sim = await sims(engine, "m")
+    gw = await gateway([model_block("m", engine, [sim.url])])
+    with gw.gw.request_log.capture() as lines:
+        async with aiohttp.ClientSession() as s, s.post(
+                gw.url + "/v1/messages", json={"model": "m", "messages": MSGS, "max_tokens": 16, "stream": True},
+                headers={"x-sim-fault": "drop_after=5"}) as r:
+            raw = await r.read()
+        assert await wait_for(lambda: len(lines) == 1)
+    assert r.status == 200 and b"content_block_delta" in raw, raw[:300]
+    line = lines[0]
+    assert line["completion_tokens"] is None, line
+    assert (line["prompt_tokens"] or 0) > 0 if engine == "vllm" else line["prompt_tokens"] is None, line
