@@ -757,7 +757,9 @@ class MessagesScanner:
             if isinstance(usage, dict):
                 self._start_usage = usage
                 if _reports(usage):
-                    self.usage = openai_usage(usage, inclusive=self._inclusive)
+                    # its output count is not the answer's (message_delta's is): none until that comes,
+                    # so a stream broken before it logs no completion count, as a chat stream's
+                    self.usage = {**openai_usage(usage, inclusive=self._inclusive), "completion_tokens": None}
         elif kind == "message_delta":
             usage = obj.get("usage")
             if isinstance(usage, dict):

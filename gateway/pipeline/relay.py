@@ -1123,6 +1123,8 @@ class Relay:
             return
         p, c, cached = usage_tokens(usage)
         rec.prompt_tokens, rec.completion_tokens, rec.cached_tokens = p, c, cached
+        if not c and usage.get("completion_tokens", 0) is None:
+            rec.completion_tokens = None    # a usage that reports no output count yet (a Messages stream's start)
         m = self.metrics
         if p:
             m.child(m.prompt_tokens, rec.model).inc(p)
