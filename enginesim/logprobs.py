@@ -236,3 +236,33 @@ def sglang_echo_logprobs(tokenizer: Any, seed: int, prompt_ids: list[int], top: 
     for key, values in (generated or {}).items():
         out[key].extend(values)
     return out
+
+
+def responses_requested(body: dict[str, Any]) -> int | None:
+    """The top logprobs a vLLM Responses request asks for, None when it asks for none: only an
+    ``include`` naming ``message.output_text.logprobs`` turns them on, ``top_logprobs`` (default 0)
+    saying how many alternatives each token carries."""
+    include = body.get("include")
+    if not isinstance(include, list) or "message.output_text.logprobs" not in include:
+        return None
+    top = body.get("top_logprobs")
+    try:
+        top = lax_int(top) if top is not None else 0
+    except ValueError as e:
+        raise ApiError(400, f"1 validation error:\n  top_logprobs: {e}", type_="Bad Request",
+                       param="top_logprobs") from None
+    return _within_max(max(top, 0))
+
+
+def responses_logprobs(tokenizer: Any, seed: int, ids: list[int] | tuple[int, ...], start: int, top: int,
+                       *, with_bytes: bool) -> list[dict[str, Any]]:
+    """An output text's ``logprobs`` for ``ids`` (from position ``start``): in a whole answer's
+    ``output_text`` part each entry carries ``bytes`` (as chat's do); a stream's
+    ``response.output_text.delta`` carries them without (vLLM's delta event type has no ``bytes``)."""
+    out = chat_logprobs(tokenizer, seed, ids, start, top)["content"]
+    if not with_bytes:
+        for entry in out:
+            del entry["bytes"]
+            for alt in entry["top_logprobs"]:
+                del alt["bytes"]
+    return out

@@ -59,6 +59,7 @@ from enginesim.frontend import (
     request_priority,
     slow_headers,
 )
+from enginesim.logprobs import responses_logprobs, responses_requested
 from enginesim.protocol import bool_field, lax_int
 from enginesim.sequence import SamplingParams, Sequence
 from enginesim.tokenizer import content_text
@@ -220,6 +221,8 @@ class ResponsesApi:
                     raise ApiError(400, f"max_tokens must be at least 1, got {limit}.", type_=_BAD,
                                    param="max_output_tokens")
             max_tokens = max(1, min(limit or self.cfg.max_tokens_default("chat"), self.cfg.max_model_len - n))
+            if not self.sglang:
+                responses_requested(body)       # its refusals (a top_logprobs past the engine's maximum)
             fault = request_fault(engine, request)
             check_fault_status(engine, fault)
             rid = body.get("request_id") if isinstance(body.get("request_id"), str) else f"resp_{uuid.uuid4().hex}"
@@ -286,8 +289,9 @@ class ResponsesApi:
             out["input_messages"] = out["output_messages"] = None
         return out
 
-    def _message_item(self, item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-        content = [{"annotations": [], "text": text, "type": "output_text", "logprobs": None}] if text or \
+    def _message_item(self, item_id: str, text: str, status: str = "completed",
+                      logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        content = [{"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}] if text or \
             status == "completed" else []
         return {"id": item_id, "content": content, "role": "assistant", "status": status, "type": "message"}
 
@@ -303,7 +307,8 @@ class ResponsesApi:
             ids = item_ids or [f"fc_{uuid.uuid4().hex}" for _ in calls.names]
             output = [self._call_item(calls, i, ids[i], calls.arguments(i, text)) for i in range(len(calls.names))]
         else:
-            output = [self._message_item(f"msg_{uuid.uuid4().hex}", text)] if text else []
+            output = [self._message_item(f"msg_{uuid.uuid4().hex}", text, logprobs=self._logprobs(body, seq))] \
+                if text else []
         cut = seq.finish_reason == "length" and not self.sglang and calls is None
         resp = self._response(body, seq, max_tokens, "incomplete" if cut else "completed", output,
                               self._usage(seq, responses_shape=responses_usage))
@@ -314,6 +319,17 @@ class ResponsesApi:
             if stored is None or stored.get("status") != "cancelled":
                 self.response_store[seq.id] = resp
         return resp
+
+    def _logprobs(self, body: dict[str, Any], seq: Sequence, ids: list[int] | None = None, start: int = 0,
+                  *, whole: bool = True) -> list[dict[str, Any]] | None:
+        """The logprobs of output tokens ``ids`` (all the answer's when None) the request's
+        ``include`` asked for (vLLM alone): a whole answer's part carries None, a delta ``[]``, when
+        it asked for none."""
+        top = None if self.sglang else responses_requested(body)
+        if top is None:
+            return None if whole else []
+        return responses_logprobs(self.engine.tokenizer, self.cfg.seed, seq.output_ids if ids is None else ids,
+                                  start, top, with_bytes=whole)
 
     async def _drain(self, seq: Sequence) -> tuple[str, bool]:
         """The whole output; False when the engine failed or aborted the request."""
@@ -412,8 +428,9 @@ class ResponsesApi:
                         "content_index": 0, "item_id": item_id, "output_index": 0,
                         "part": {"annotations": [], "text": "", "type": "output_text", "logprobs": []}})
                 text.append(out.text)
+                lps = self._logprobs(body, seq, list(out.token_ids), sent - len(out.token_ids), whole=False)
                 await send("response.output_text.delta", {"content_index": 0, "delta": out.text, "item_id": item_id,
-                                                          "logprobs": [], "output_index": 0})
+                                                          "logprobs": lps, "output_index": 0})
             if out.finish_reason is not None:
                 break
         full = "".join(text)
@@ -437,12 +454,13 @@ class ResponsesApi:
                                                                             item_ids=call_ids)})
             return
         if started:
-            part = {"annotations": [], "text": full, "type": "output_text", "logprobs": None}
+            part = {"annotations": [], "text": full, "type": "output_text", "logprobs": self._logprobs(body, seq)}
             await send("response.output_text.done", {"content_index": 0, "item_id": item_id, "logprobs": [],
                                                      "output_index": 0, "text": full})
             await send("response.content_part.done", {"content_index": 0, "item_id": item_id, "output_index": 0,
                                                       "part": part})
-            await send("response.output_item.done", {"output_index": 0, "item": self._message_item(item_id, full)})
+            await send("response.output_item.done", {"output_index": 0, "item": self._message_item(
+                item_id, full, logprobs=part["logprobs"])})
         final = self._finished(body, seq, max_tokens, full, store)
         if started:                                 # the stream's message id is the stored one
             final["output"][0]["id"] = item_id
