@@ -1809,3 +1809,35 @@ async def test_streaming_a_response_sglang_holds_is_refused_naming_stream(sims, 
     async def completed():
         return (await c.responses.retrieve(queued.id)).status == "completed"
     await until(completed, timeout=10.0, interval=0.05)
+
+
+async def test_a_stream_cut_midway_keeps_the_logprobs_it_streamed_in_its_failed_output(sims, gateway):
+    """Logprobs asked for with ``include`` come on each text delta (vLLM's shape: token, logprob,
+    top_logprobs) and pass through; a stream the engine's connection cut carries them, as streamed,
+    in its response.failed's in-progress message, beside the text, not the part's empty ``[]``."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    c = openai_client(gw)
+    ask = {"model": "m", "input": "x", "max_output_tokens": 8, "include": ["message.output_text.logprobs"],
+           "top_logprobs": 2}
+    whole = await c.responses.create(**ask)
+    events = [ev async for ev in await c.responses.create(**ask, stream=True)]
+    deltas = [ev for ev in events if ev.type == "response.output_text.delta"]
+    streamed = [lp.model_dump() for ev in deltas for lp in ev.logprobs]
+    assert len(streamed) == 8 and all(len(lp["top_logprobs"]) == 2 for lp in streamed)
+    done = events[-1].response.output[0].content[0]
+    assert [(lp.token, lp.logprob) for lp in done.logprobs] == [(lp["token"], lp["logprob"]) for lp in streamed]
+    assert [lp.model_dump() for lp in done.logprobs] == [lp.model_dump() for lp in whole.output[0].content[0].logprobs]
+
+    events = [ev async for ev in await c.responses.create(**ask, stream=True,
+                                                          extra_headers={"x-sim-fault": "drop_after=3"})]
+    assert [e.type for e in events][-2:] == ["error", "response.failed"]
+    deltas = [ev for ev in events if ev.type == "response.output_text.delta"]
+    streamed = [lp.model_dump() for ev in deltas for lp in ev.logprobs]
+    assert len(streamed) == 3
+    part = events[-1].response.output[0].content[0]
+    assert part.text == "".join(ev.delta for ev in deltas)
+    assert [(lp.token, lp.logprob, [(t.token, t.logprob) for t in lp.top_logprobs]) for lp in part.logprobs] == [
+        (lp["token"], lp["logprob"], [(t["token"], t["logprob"]) for t in lp["top_logprobs"]]) for lp in streamed]
+    # the same tokens as the whole answer's first three (seed and prompt alike), shaped as its part's (bytes too)
+    assert [lp.model_dump() for lp in part.logprobs] == [lp.model_dump() for lp in whole.output[0].content[0].logprobs[:3]]
