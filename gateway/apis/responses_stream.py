@@ -90,6 +90,7 @@ class ResponsesScanner:
         self._lf: bytearray | None = None      # with _cr: _buf as LFs, converted as its reads came
         self._items: dict[int, dict] = {}      # output index -> the item as last sent
         self._open: dict[tuple[int, int], list[str]] = {}  # (output, content) index -> text deltas since
+        self._lps: dict[tuple[int, int], list] = {}         # (output, content) index -> the deltas' logprobs since
         self._args: dict[int, list[str]] = {}  # output index -> a call's argument deltas since
 
     def feed(self, chunk: bytes, now: float) -> bytes:
@@ -182,6 +183,10 @@ class ResponsesScanner:
                     deltas = self._open.get((i, ci))
                     if deltas and isinstance(part, dict):
                         content[ci] = {**part, "text": (part.get("text") or "") + "".join(deltas)}
+                        lps = self._lps.get((i, ci))
+                        if lps:
+                            had = part.get("logprobs")
+                            content[ci]["logprobs"] = (had if isinstance(had, list) else []) + _with_bytes(lps)
                 item = {**item, "content": content}
             out.append(item)
         return out
@@ -205,6 +210,7 @@ class ResponsesScanner:
         self._args.pop(i, None)
         for k in [k for k in self._open if k[0] == i]:
             del self._open[k]
+            self._lps.pop(k, None)
 
     def _part(self, obj: Any, payload: bytes) -> None:
         ev = self._decoded(obj, payload)
@@ -223,6 +229,7 @@ class ResponsesScanner:
             return
         self._items[i] = {**item, "content": content}
         self._open.pop((i, ci), None)
+        self._lps.pop((i, ci), None)
 
     def _fold(self, name: str, obj: Any, payload: bytes) -> None:
         ev = self._decoded(obj, payload)
@@ -237,6 +244,9 @@ class ResponsesScanner:
         ci = ev.get("content_index")
         if ci.__class__ is int:
             self._open.setdefault((i, ci), []).append(delta)
+            lps = ev.get("logprobs")
+            if lps and isinstance(lps, list):       # asked for with include: the client has them
+                self._lps.setdefault((i, ci), []).extend(lps)
 
     @property
     def last_token_at(self) -> float | None:
@@ -325,6 +335,23 @@ class ResponsesScanner:
             self.error = err if isinstance(err, dict) else {"message": "the response failed"}
         self.done = True
         return True
+
+
+def _with_bytes(lps: list) -> list:
+    """A stream's delta logprobs as a finished ``output_text`` part carries them: a delta's entries
+    (vLLM's) have no ``bytes``, a part's do, the token's UTF-8 (as the engines write them), at
+    each entry and at each of its ``top_logprobs``."""
+    out = []
+    for lp in lps:
+        if isinstance(lp, dict) and "bytes" not in lp and isinstance(lp.get("token"), str):
+            lp = {**lp, "bytes": list(lp["token"].encode())}
+            top = lp.get("top_logprobs")
+            if isinstance(top, list):
+                lp["top_logprobs"] = [{**t, "bytes": list(t["token"].encode())}
+                                      if isinstance(t, dict) and "bytes" not in t and isinstance(t.get("token"), str)
+                                      else t for t in top]
+        out.append(lp)
+    return out
 
 
 def failed_after_error(scanner: ResponsesScanner) -> tuple[bytes, dict] | None:
