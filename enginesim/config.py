@@ -104,6 +104,10 @@ class SimConfig:
         "", "vLLM --enable-auto-tool-choice --tool-call-parser, SGLang --tool-call-parser: answer a request "
         "that offers function tools with simulated calls (chat, Messages, Responses; see enginesim/tools.py); "
         "empty: the answer is text (the tools still count in the prompt, as the engine renders them)")
+    reasoning_parser: str = _knob(
+        "", "vLLM --reasoning-parser: the Responses API answers the first half of its max_output_tokens as "
+        "reasoning (a reasoning item with reasoning_text, counted in reasoning_tokens), the rest as its message; "
+        "empty: no reasoning")
     # -- LoRA adapters --------------------------------------------------------------------------
     enable_lora: bool = _knob(False, "serve LoRA adapters (vLLM --enable-lora; SGLang --enable-lora)")
     max_loras: int = _knob(4, "GPU slots for adapters (vLLM --max-loras, SGLang --max-loras-per-batch)")

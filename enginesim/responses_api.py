@@ -254,7 +254,14 @@ class ResponsesApi:
         finally:
             engine.client_gone(seq)
 
-    def _usage(self, seq: Sequence, *, responses_shape: bool = True) -> dict[str, Any]:
+    def _reasoning_budget(self, seq: Sequence, max_tokens: int) -> int:
+        """How many of the answer's first tokens are reasoning: with ``--reasoning-parser`` (vLLM),
+        half its ``max_output_tokens``; none on a call or without the parser."""
+        if self.sglang or not self.cfg.reasoning_parser or seq.tool_calls is not None:
+            return 0
+        return max_tokens // 2
+
+    def _usage(self, seq: Sequence, *, responses_shape: bool = True, reasoning: int = 0) -> dict[str, Any]:
         p, c, cached = seq.prompt_tokens, seq.completion_tokens, seq.cached_tokens
         if self.sglang and not responses_shape:
             return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c,
@@ -264,7 +271,7 @@ class ResponsesApi:
                     "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
         return {"input_tokens": p, "input_tokens_details": {"cached_tokens": cached, "input_tokens_per_turn": [],
                                                             "cached_tokens_per_turn": []},
-                "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
+                "output_tokens": c, "output_tokens_details": {"reasoning_tokens": reasoning, "tool_output_tokens": 0,
                                                               "output_tokens_per_turn": [],
                                                               "tool_output_tokens_per_turn": []},
                 "total_tokens": p + c}
@@ -296,6 +303,12 @@ class ResponsesApi:
         return {"id": item_id, "content": content, "role": "assistant", "status": status, "type": "message"}
 
     @staticmethod
+    def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+        content = [{"text": text, "type": "reasoning_text"}] if status == "completed" else []
+        return {"id": item_id, "summary": [], "type": "reasoning", "content": content, "encrypted_content": None,
+                "status": status}
+
+    @staticmethod
     def _call_item(calls: ToolCalls, i: int, item_id: str, arguments: str, status: str = "completed") -> dict[str, Any]:
         return {"arguments": arguments, "call_id": calls.ids[i], "name": calls.names[i], "type": "function_call",
                 "id": item_id, "status": status}
@@ -307,11 +320,19 @@ class ResponsesApi:
             ids = item_ids or [f"fc_{uuid.uuid4().hex}" for _ in calls.names]
             output = [self._call_item(calls, i, ids[i], calls.arguments(i, text)) for i in range(len(calls.names))]
         else:
-            output = [self._message_item(f"msg_{uuid.uuid4().hex}", text, logprobs=self._logprobs(body, seq))] \
-                if text else []
+            k = min(self._reasoning_budget(seq, max_tokens), len(seq.output_ids))
+            ids = seq.output_ids[k:] if k else None
+            lps = self._logprobs(body, seq, ids, k)
+            if k:                   # the reasoning first (its tokens' text), then the message of the rest
+                thought = "".join(self.engine.tokenizer.piece(t) for t in seq.output_ids[:k])[:len(text)]
+                text = text[len(thought):]
+            output = [self._message_item(f"msg_{uuid.uuid4().hex}", text, logprobs=lps)] if text else []
+            if k:
+                output.insert(0, self._reasoning_item(f"rs_{uuid.uuid4().hex}", thought))
         cut = seq.finish_reason == "length" and not self.sglang and calls is None
+        reasoning = min(self._reasoning_budget(seq, max_tokens), seq.completion_tokens) if calls is None else 0
         resp = self._response(body, seq, max_tokens, "incomplete" if cut else "completed", output,
-                              self._usage(seq, responses_shape=responses_usage))
+                              self._usage(seq, responses_shape=responses_usage, reasoning=reasoning))
         if cut:
             resp["incomplete_details"] = {"reason": "max_output_tokens"}
         if store:
@@ -395,6 +416,20 @@ class ResponsesApi:
         item_id = f"{'item' if self.sglang else 'msg'}_{uuid.uuid4().hex}"
         call_ids = [f"fc_{uuid.uuid4().hex}" for _ in (seq.tool_calls.names if seq.tool_calls is not None else ())]
         text, started, sent = [], False, 0
+        budget = self._reasoning_budget(seq, max_tokens)
+        rs_id, thought, thinking = f"rs_{uuid.uuid4().hex}", [], False
+        mi = 0                                      # the message's output index: 1 after a reasoning item
+
+        async def close_reasoning() -> None:
+            nonlocal thinking
+            thinking = False
+            full = "".join(thought)
+            await send("response.reasoning_text.done", {"content_index": 0, "item_id": rs_id, "output_index": 0,
+                                                        "text": full})
+            await send("response.reasoning_part.done", {"content_index": 0, "item_id": rs_id, "output_index": 0,
+                                                        "part": {"text": full, "type": "reasoning_text"}})
+            await send("response.output_item.done", {"output_index": 0, "item": self._reasoning_item(rs_id, full)})
+
         drop_after = seq.fault.drop_after
         while True:
             out = await seq.channel.get(self.cfg.sse_keepalive_s or None)
@@ -419,20 +454,34 @@ class ResponsesApi:
                     text.append(out.text)
                     await send("response.function_call_arguments.delta", {
                         "delta": calls.piece(out.text), "item_id": call_ids[0], "output_index": 0})
+            elif out.text and sent - len(out.token_ids) < budget:
+                if not thinking and not thought:
+                    thinking, mi = True, 1
+                    await send("response.output_item.added", {"output_index": 0, "item": self._reasoning_item(
+                        rs_id, "", "in_progress")})
+                    await send("response.reasoning_part.added", {"content_index": 0, "item_id": rs_id, "output_index": 0,
+                                                                 "part": {"text": "", "type": "reasoning_text"}})
+                thought.append(out.text)
+                await send("response.reasoning_text.delta", {"content_index": 0, "delta": out.text, "item_id": rs_id,
+                                                             "output_index": 0})
             elif out.text:
+                if thinking:
+                    await close_reasoning()
                 if not started:
                     started = True
-                    await send("response.output_item.added", {"output_index": 0, "item": self._message_item(
+                    await send("response.output_item.added", {"output_index": mi, "item": self._message_item(
                         item_id, "", "in_progress")})
                     await send("response.content_part.added", {
-                        "content_index": 0, "item_id": item_id, "output_index": 0,
+                        "content_index": 0, "item_id": item_id, "output_index": mi,
                         "part": {"annotations": [], "text": "", "type": "output_text", "logprobs": []}})
                 text.append(out.text)
                 lps = self._logprobs(body, seq, list(out.token_ids), sent - len(out.token_ids), whole=False)
                 await send("response.output_text.delta", {"content_index": 0, "delta": out.text, "item_id": item_id,
-                                                          "logprobs": lps, "output_index": 0})
+                                                          "logprobs": lps, "output_index": mi})
             if out.finish_reason is not None:
                 break
+        if thinking:
+            await close_reasoning()
         full = "".join(text)
         calls = seq.tool_calls
         if calls is not None:
@@ -454,16 +503,18 @@ class ResponsesApi:
                                                                             item_ids=call_ids)})
             return
         if started:
-            part = {"annotations": [], "text": full, "type": "output_text", "logprobs": self._logprobs(body, seq)}
+            k = min(budget, len(seq.output_ids))
+            part = {"annotations": [], "text": full, "type": "output_text",
+                    "logprobs": self._logprobs(body, seq, seq.output_ids[k:] if k else None, k)}
             await send("response.output_text.done", {"content_index": 0, "item_id": item_id, "logprobs": [],
-                                                     "output_index": 0, "text": full})
-            await send("response.content_part.done", {"content_index": 0, "item_id": item_id, "output_index": 0,
+                                                     "output_index": mi, "text": full})
+            await send("response.content_part.done", {"content_index": 0, "item_id": item_id, "output_index": mi,
                                                       "part": part})
-            await send("response.output_item.done", {"output_index": 0, "item": self._message_item(
+            await send("response.output_item.done", {"output_index": mi, "item": self._message_item(
                 item_id, full, logprobs=part["logprobs"])})
-        final = self._finished(body, seq, max_tokens, full, store)
-        if started:                                 # the stream's message id is the stored one
-            final["output"][0]["id"] = item_id
+        final = self._finished(body, seq, max_tokens, "".join(thought) + full, store)
+        for item in final["output"]:                # the stream's item ids are the stored ones
+            item["id"] = rs_id if item["type"] == "reasoning" else item_id
         await send("response.completed", {"response": final})
 
     # -- background ---------------------------------------------------------------------------

@@ -81,3 +81,40 @@ async def test_a_huge_max_output_tokens_is_clamped_to_the_context_left(sims):
                 out = usage.get("output_tokens", usage.get("completion_tokens"))
                 assert out == 64 - prompt and done["max_output_tokens"] == out, (engine, stream, done)
                 assert done["status"] == ("incomplete" if engine == "vllm" else "completed"), (engine, stream, done)
+
+
+async def test_vllm_logprobs_and_reasoning_as_vllm_streams_them(sims):
+    """With ``--reasoning-parser`` the first half of max_output_tokens is a reasoning item
+    (reasoning_part / reasoning_text events), counted in reasoning_tokens; logprobs asked for with
+    ``include`` come on the message's deltas (no bytes) and in its finished part (with bytes)."""
+    sim = await sims("vllm", "m", reasoning_parser="deepseek_r1")
+    body = {"model": "m", "input": "hi", "max_output_tokens": 5, "include": ["message.output_text.logprobs"],
+            "top_logprobs": 2}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(sim.url + "/v1/responses", json={**body, "stream": True}) as r:
+            events = sse_frames(await r.read())
+        async with s.post(sim.url + "/v1/responses", json=body) as r:
+            whole = await r.json()
+        async with s.post(sim.url + "/v1/responses", json={**body, "top_logprobs": 21}) as r:
+            assert r.status == 400
+    names = [n for n, _ in events]
+    assert names == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.reasoning_part.added"] + ["response.reasoning_text.delta"] * 2 + [
+        "response.reasoning_text.done", "response.reasoning_part.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added"] + ["response.output_text.delta"] * 3 + [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed"]
+    thought = "".join(d["delta"] for n, d in events if n == "response.reasoning_text.delta")
+    deltas = [d for n, d in events if n == "response.output_text.delta"]
+    assert all(d["output_index"] == 1 and len(d["logprobs"]) == 1 for d in deltas)
+    assert all("bytes" not in lp and len(lp["top_logprobs"]) == 2 for d in deltas for lp in d["logprobs"])
+    done = events[-1][1]["response"]
+    assert [o["type"] for o in done["output"]] == [o["type"] for o in whole["output"]] == ["reasoning", "message"]
+    assert done["output"][0]["content"] == whole["output"][0]["content"] == [{"text": thought,
+                                                                              "type": "reasoning_text"}]
+    part = done["output"][1]["content"][0]
+    assert [lp["token"] for lp in part["logprobs"]] == [lp["token"] for d in deltas for lp in d["logprobs"]]
+    assert part["logprobs"] == whole["output"][1]["content"][0]["logprobs"]
+    assert all(lp["bytes"] == list(lp["token"].encode()) for lp in part["logprobs"])
+    assert done["usage"]["output_tokens"] == 5 and done["usage"]["output_tokens_details"]["reasoning_tokens"] == 2
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == 2
