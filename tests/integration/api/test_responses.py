@@ -1841,3 +1841,34 @@ async def test_a_stream_cut_midway_keeps_the_logprobs_it_streamed_in_its_failed_
         (lp["token"], lp["logprob"], [(t["token"], t["logprob"]) for t in lp["top_logprobs"]]) for lp in streamed]
     # the same tokens as the whole answer's first three (seed and prompt alike), shaped as its part's (bytes too)
     assert [lp.model_dump() for lp in part.logprobs] == [lp.model_dump() for lp in whole.output[0].content[0].logprobs[:3]]
+
+
+async def test_reasoning_passes_through_is_counted_and_a_cut_keeps_what_was_thought(sims, gateway):
+    """vLLM's reasoning (a reasoning item: reasoning_part and reasoning_text events) reaches the
+    openai SDK's ``responses.stream`` as the engine sent it, its ``reasoning_tokens`` in the usage
+    and its deltas timed as tokens; a stream cut while it reasons carries the reasoning item in
+    progress, with the text streamed so far, in its response.failed output."""
+    sim = await sims("vllm", "m", reasoning_parser="deepseek_r1")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    c = openai_client(gw)
+    async with c.responses.stream(model="m", input="think", max_output_tokens=8) as stream:
+        events = [ev async for ev in stream]
+        final = await stream.get_final_response()
+    thought = "".join(ev.delta for ev in events if ev.type == "response.reasoning_text.delta")
+    assert [ev.type for ev in events].count("response.reasoning_text.delta") == 4 and thought
+    assert [(o.type, o.status) for o in final.output] == [("reasoning", "completed"), ("message", "completed")]
+    assert final.output[0].content[0].text == thought
+    assert final.usage.output_tokens == 8 and final.usage.output_tokens_details.reasoning_tokens == 4
+    text = await gw.metrics_text()
+    assert 'switchyard_completion_tokens_total{model="m"} 8.0' in text
+    assert 'switchyard_inter_token_latency_seconds_count{model="m"} 7.0' in text   # reasoning deltas too
+
+    stream = await c.responses.create(model="m", input="think", max_output_tokens=8, stream=True,
+                                      extra_headers={"x-sim-fault": "drop_after=2"})
+    events = [ev async for ev in stream]
+    assert [e.type for e in events][-2:] == ["error", "response.failed"]
+    thought = "".join(ev.delta for ev in events if ev.type == "response.reasoning_text.delta")
+    assert thought
+    failed = events[-1].response
+    assert [(o.type, o.status, [p.text for p in o.content]) for o in failed.output] == [
+        ("reasoning", "in_progress", [thought])], failed.output
