@@ -12,8 +12,9 @@ that line) and decodes the few events it needs:
   stream); ``response.completed`` / ``response.incomplete`` / ``response.failed`` give the usage,
   the final status and the output, and end the stream; an ``error`` event is an in-stream error
   (the stream's error, also when a ``response.failed`` follows it);
-* ``response.output_item.added`` / ``.done``, ``response.content_part.added`` / ``.done`` and the
-  text and argument deltas build the output as the client was sent it, which a response the
+* ``response.output_item.added`` / ``.done``, ``response.content_part.added`` / ``.done`` (and
+  vLLM's ``response.reasoning_part.added`` / ``.done``) and the text, reasoning and argument deltas
+  build the output as the client was sent it, which a response the
   gateway fails carries (``output``).
 
 The terminal event is *held back* until the upstream ends, so that the gateway can record what the
@@ -40,7 +41,9 @@ TERMINAL = frozenset({"response.completed", "response.incomplete", "response.fai
 _OUTPUT_ITEM = frozenset({"response.output_item.added", "response.output_item.done"})
 _DECODED = TERMINAL | {"response.created", "error"}
 # the events that build the output a failed response carries, as the client was sent it
-_PART = frozenset({"response.content_part.added", "response.content_part.done"})
+# (vLLM opens and closes a reasoning item's reasoning_text part with events of their own)
+_PART = frozenset({"response.content_part.added", "response.content_part.done",
+                   "response.reasoning_part.added", "response.reasoning_part.done"})
 _FOLDED = frozenset({"response.output_text.delta", "response.reasoning_text.delta",
                      "response.function_call_arguments.delta"})
 
