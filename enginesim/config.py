@@ -105,9 +105,9 @@ class SimConfig:
         "that offers function tools with simulated calls (chat, Messages, Responses; see enginesim/tools.py); "
         "empty: the answer is text (the tools still count in the prompt, as the engine renders them)")
     reasoning_parser: str = _knob(
-        "", "vLLM --reasoning-parser: the Responses API answers the first half of its max_output_tokens as "
-        "reasoning (a reasoning item with reasoning_text, counted in reasoning_tokens), the rest as its message; "
-        "empty: no reasoning")
+        "", "vLLM --reasoning-parser: the first half of an answer's max tokens is reasoning (a chat's "
+        "reasoning, in its message and deltas; a Responses reasoning item, counted in reasoning_tokens), the rest "
+        "its content; empty: no reasoning")
     # -- LoRA adapters --------------------------------------------------------------------------
     enable_lora: bool = _knob(False, "serve LoRA adapters (vLLM --enable-lora; SGLang --enable-lora)")
     max_loras: int = _knob(4, "GPU slots for adapters (vLLM --max-loras, SGLang --max-loras-per-batch)")

@@ -293,6 +293,10 @@ class VllmApi:
         else:
             choice["text"] = text
         calls: ToolCalls | None = seq.tool_calls
+        k = min(self._reasoning_budget(req, seq), len(seq.output_ids))
+        if k:                   # the reasoning parser's split: the first tokens' text, then the content
+            thought = "".join(self.engine.tokenizer.piece(t) for t in seq.output_ids[:k])[:len(text)]
+            choice["message"]["reasoning"], choice["message"]["content"] = thought, text[len(thought):]
         if calls is not None and req.kind == "chat":
             choice["message"]["content"] = None
             choice["message"]["tool_calls"] = [
@@ -315,6 +319,14 @@ class VllmApi:
             choice["prompt_logprobs"] = self._prompt_logprobs(req, seq)
             choice["prompt_token_ids"] = seq.prompt_ids if token_ids else None
         return choice
+
+    def _reasoning_budget(self, req: OpenAIRequest, seq: Sequence) -> int:
+        """How many of a chat answer's first tokens are reasoning: with ``--reasoning-parser``, half
+        its ``max_tokens``; none on a call, an echo, several choices or without the parser."""
+        if (not self.cfg.reasoning_parser or req.kind != "chat" or req.n != 1 or seq.tool_calls is not None
+                or req.echo):
+            return 0
+        return seq.params.max_tokens // 2
 
     def _prompt_logprobs(self, req: OpenAIRequest, seq: Sequence) -> list[dict[str, Any] | None] | None:
         if req.prompt_logprobs is None:
@@ -395,7 +407,8 @@ class VllmApi:
                 await writer.send(self._delta_chunk(chunk, chat, seq, out, req.include_usage,
                                                     req.return_token_ids, prompt_ids if first else None, echo=echo,
                                                     logprobs=self._chunk_logprobs(req, seq, out.token_ids, done,
-                                                                                  offset, echo)))
+                                                                                  offset, echo),
+                                                    reasoning=done < self._reasoning_budget(req, seq)))
                 done += len(out.token_ids)
                 offset += len(out.text) + len(echo or "")
                 first = False
@@ -422,13 +435,14 @@ class VllmApi:
     def _delta_chunk(self, chunk: Any, chat: bool, seq: Sequence, out: StepOutput,
                      has_usage_chunk: bool, token_ids: bool = False,
                      prompt_ids: list[int] | None = None, index: int = 0,
-                     echo: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                     echo: str | None = None, logprobs: dict[str, Any] | None = None,
+                     reasoning: bool = False) -> dict[str, Any]:
         """``echo``: the prompt's text a completion's first chunk begins with (vLLM: the prompt's
         text and the first output's; its ``token_ids`` stay the output's, its usage counts them only)."""
         finishing = out.finish_reason is not None
         choice: dict[str, Any] = {"index": index}
         if chat:
-            choice["delta"] = {"content": out.text}
+            choice["delta"] = {"reasoning": out.text} if reasoning else {"content": out.text}
         else:
             choice["text"] = out.text if echo is None else echo + out.text
         choice["logprobs"] = logprobs

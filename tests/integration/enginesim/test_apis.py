@@ -885,3 +885,19 @@ async def test_vllm_ignores_best_of(sims):
                 async with s.post(v.url + path, json={"model": "llama", "max_tokens": 1, **body, **extra}) as r:
                     got = await r.json()
                 assert r.status == 200 and len(got["choices"]) == extra.get("n", 1), (path, extra, got)
+
+
+async def test_vllm_chat_reasoning_with_a_reasoning_parser(sims):
+    """``--reasoning-parser``: the first half of max_tokens is the message's ``reasoning``, streamed
+    as ``{"reasoning": ...}`` deltas before the content's; the two answers split alike."""
+    sim = await sims("vllm", "m", reasoning_parser="deepseek_r1")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(sim.url + "/v1/chat/completions", json=body) as r:
+            msg = (await r.json())["choices"][0]["message"]
+        async with s.post(sim.url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+            raw = await r.read()
+    deltas = [d["choices"][0]["delta"] for _, d in sse_frames(raw[:-len(b"data: [DONE]\n\n")])][1:]
+    assert [next(iter(d)) for d in deltas] == ["reasoning"] * 2 + ["content"] * 3
+    assert msg["reasoning"] == "".join(d["reasoning"] for d in deltas[:2]) and msg["reasoning"]
+    assert msg["content"] == "".join(d["content"] for d in deltas[2:]) and msg["content"]
