@@ -1803,3 +1803,18 @@ async def test_an_sglang_stream_continued_on_a_pair_that_fails_before_its_first_
     async def told(url: str) -> bool:
         return bool((await sim_state(url))["abort_requests"])
     await until(lambda: told(d2.url))
+
+
+async def test_a_stream_that_streamed_reasoning_is_not_continued(sims, gateway):
+    """vLLM's reasoning parser splits the answer: a continuation (a completion of the text so far)
+    would run no parser, so a stream broken after its ``reasoning`` deltas is refused (reasoning),
+    its client given the reasoning it had and the error event, the other engine never asked."""
+    gw, good = await setup(sims, gateway, "vllm", "drop_after=2", reasoning_parser="deepseek_r1")
+    st, got = await raw_post(gw.url, "/v1/chat/completions",
+                             {"model": "m", "messages": MSG, "max_tokens": 10, "stream": True})
+    assert st == 200 and isinstance(got[-1], dict) and "error" in got[-1], got[-2:]
+    thought = "".join((e["choices"][0]["delta"].get("reasoning") or "") for e in got
+                      if isinstance(e, dict) and e.get("choices"))
+    assert thought and text_of(got) == ""
+    assert migrations(await gw.metrics_text(), "refused_reasoning") == 1
+    assert (await sim_state(good.url))["counts"]["started"] == 0
