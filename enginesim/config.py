@@ -106,7 +106,7 @@ class SimConfig:
         "empty: the answer is text (the tools still count in the prompt, as the engine renders them)")
     reasoning_parser: str = _knob(
         "", "vLLM --reasoning-parser: the first half of an answer's max tokens is reasoning (a chat's "
-        "reasoning, in its message and deltas; a Responses reasoning item, counted in reasoning_tokens), the rest "
+        "reasoning, in its message and deltas; a Messages thinking block; a Responses reasoning item, counted in reasoning_tokens), the rest "
         "its content; empty: no reasoning")
     # -- LoRA adapters --------------------------------------------------------------------------
     enable_lora: bool = _knob(False, "serve LoRA adapters (vLLM --enable-lora; SGLang --enable-lora)")

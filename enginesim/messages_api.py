@@ -20,6 +20,10 @@ messages), runs it, and converts the answer. What a gateway sees, reproduced her
   ``content_block_stop``, ``message_delta`` (``stop_reason``, ``stop_sequence``: the matched string
   or null, and the cumulative usage, input tokens included), ``message_stop``. No ``ping`` frames,
   no ``[DONE]``.
+- With a reasoning parser, the chat's reasoning is a ``thinking`` block before the text: whole,
+  ``{"type": "thinking", "thinking", "signature": <uuid hex>}``; streamed, its block start
+  ``{"type": "thinking", "thinking": ""}``, ``thinking_delta`` deltas, then a ``signature_delta``
+  and its ``content_block_stop`` before the text block (index 1) starts.
 - Errors: ``{"type": "error", "error": {"type", "message"}}`` where ``type`` is vLLM's exception
   name (``NotFoundError``, ``BadRequestError``) and the status is the error's. A failure
   mid-stream is ``event: error`` with ``{"type": "error", "error": {"type": "internal_error",
@@ -391,12 +395,26 @@ class MessagesApi:
         finally:
             engine.client_gone(seq)
 
+    def _reasoning_budget(self, seq: Sequence) -> int:
+        """How many of the answer's first tokens are reasoning (the chat's, with vLLM's
+        ``--reasoning-parser``: half its ``max_tokens``), a ``thinking`` block here."""
+        if not self.cfg.reasoning_parser or self.cfg.engine != "vllm" or seq.tool_calls is not None:
+            return 0
+        return seq.params.max_tokens // 2
+
     async def _complete(self, request: web.Request, seq: Sequence) -> web.StreamResponse:
         result = await collect(self.engine, request, seq)
         await slow_headers(self.engine, seq.fault)
         if result.final.finish_reason == "error" or result.final.status is not None:
             return _error_response(ApiError(500, "Internal server error", type_="InternalServerError"))
         content = [{"type": "text", "text": result.text}] if result.text else []
+        k = min(self._reasoning_budget(seq), len(seq.output_ids))
+        if k:       # the chat's reasoning first, a thinking block with a signature of vLLM's (a uuid's hex)
+            thought = "".join(self.engine.tokenizer.piece(t) for t in seq.output_ids[:k])[:len(result.text)]
+            rest = result.text[len(thought):]
+            content = [{"type": "thinking", "thinking": thought, "signature": uuid.uuid4().hex}]
+            if rest:
+                content.append({"type": "text", "text": rest})
         if seq.tool_calls is not None:
             content = _tool_use_blocks(seq.tool_calls, result.text)
         out: dict[str, Any] = {"id": seq.id, "type": "message", "role": "assistant", "content": content,
@@ -419,6 +437,7 @@ class MessagesApi:
         await slow_headers(self.engine, seq.fault)
         await resp.prepare(request)             # vLLM: headers once the request is admitted
         started = block_open = False
+        budget, done, index, thinking = self._reasoning_budget(seq), 0, 0, False
         async with aclosing(outputs(self.engine, request, seq, self.cfg.sse_keepalive_s)) as stream:
             async for out in stream:
                 if out is None:
@@ -437,15 +456,32 @@ class MessagesApi:
                 if seq.tool_calls is not None:
                     for frame in _tool_use_frames(seq.tool_calls, out.text, out.finish_reason is not None):
                         await resp.write(frame)
+                elif out.text and done < budget:
+                    if not thinking:            # a thinking block, its signature sent as it closes
+                        thinking = True
+                        await resp.write(_frame("content_block_start", {
+                            "type": "content_block_start", "index": 0,
+                            "content_block": {"type": "thinking", "thinking": ""}}))
+                    await resp.write(_frame("content_block_delta", {
+                        "type": "content_block_delta", "index": 0,
+                        "delta": {"type": "thinking_delta", "thinking": out.text}}))
                 elif out.text:
+                    if thinking:
+                        await resp.write(self._end_thinking())
+                        thinking, index = False, 1
                     if not block_open:
                         block_open = True
                         await resp.write(_frame("content_block_start", {
-                            "type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}))
+                            "type": "content_block_start", "index": index,
+                            "content_block": {"type": "text", "text": ""}}))
                     await resp.write(_frame("content_block_delta", {
-                        "type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": out.text}}))
+                        "type": "content_block_delta", "index": index,
+                        "delta": {"type": "text_delta", "text": out.text}}))
+                done += len(out.token_ids)
+        if thinking:
+            await resp.write(self._end_thinking())
         if block_open:
-            await resp.write(_frame("content_block_stop", {"type": "content_block_stop", "index": 0}))
+            await resp.write(_frame("content_block_stop", {"type": "content_block_stop", "index": index}))
         reason, matched = _stop(seq) if seq.tool_calls is None else ("tool_use", None)
         await resp.write(_frame("message_delta", {
             "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": matched},
@@ -454,6 +490,14 @@ class MessagesApi:
         await at_end(self.engine, request, seq.fault)
         await resp.write_eof()
         return resp
+
+
+    @staticmethod
+    def _end_thinking() -> bytes:
+        """The close of the thinking block (index 0): its signature, then its stop."""
+        return (_frame("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                               "delta": {"type": "signature_delta", "signature": uuid.uuid4().hex}})
+                + _frame("content_block_stop", {"type": "content_block_stop", "index": 0}))
 
 
 class SGLangMessagesApi(MessagesApi):
