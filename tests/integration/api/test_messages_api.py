@@ -946,3 +946,31 @@ async def test_a_messages_stream_whose_engine_died_logs_no_completion_count(sims
     line = lines[0]
     assert line["completion_tokens"] is None, line
     assert (line["prompt_tokens"] or 0) > 0 if engine == "vllm" else line["prompt_tokens"] is None, line
+
+
+async def test_vllm_reasoning_reaches_the_sdk_as_a_thinking_block_and_counts_its_tokens(sims, gateway):
+    """vLLM's Messages answer of a reasoning parser's output: a thinking block (its thinking
+    deltas, then its signature) before the text block, whole and streamed, through the gateway
+    to the anthropic SDK's ``messages.stream`` with ``thinking``; the output tokens count both
+    blocks' and the inter-token gaps are those of the thinking and text deltas, the signature none."""
+    sim = await sims("vllm", "llama", reasoning_parser="deepseek_r1")
+    gw = await gateway([model_block("llama", "vllm", [sim.url])])
+    c = anthropic_client(gw)
+    ask = {"model": "llama", "max_tokens": 8, "messages": MSGS, "thinking": {"type": "enabled", "budget_tokens": 4}}
+    whole = await c.messages.create(**ask)
+    with gw.gw.request_log.capture() as lines:
+        async with c.messages.stream(**ask) as stream:
+            events = [ev async for ev in stream]
+            final = await stream.get_final_message()
+    for msg in (whole, final):
+        assert [b.type for b in msg.content] == ["thinking", "text"], msg.content
+        assert msg.content[0].thinking and msg.content[0].signature and msg.content[1].text
+        assert msg.usage.output_tokens == 8 and msg.stop_reason == "max_tokens"
+    assert final.content[0].thinking == whole.content[0].thinking and final.content[1].text == whole.content[1].text
+    kinds = [ev.delta.type for ev in events if ev.type == "content_block_delta"]
+    assert kinds == ["thinking_delta"] * 4 + ["signature_delta"] + ["text_delta"] * 4
+    line = await wait_for(lambda: next((x for x in lines if x["path"] == "/v1/messages"), None), 10)
+    assert line["completion_tokens"] == 8 and line["ttft_ms"] is not None and line["finish_reason"] == "max_tokens"
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+        page = await r.text()
+    assert metric(page, "switchyard_inter_token_latency_seconds_count", model="llama") <= 7
