@@ -526,6 +526,16 @@ async def test_a_stored_response_larger_than_max_response_bytes_is_a_502_when_re
     assert 'error_class="too_large"' in text
 
 
+async def _to_first_delta(stream) -> list:
+    """The events of a Responses ``stream`` up to and with its first text delta."""
+    seen = []
+    async for event in stream:
+        seen.append(event)
+        if event.type == "response.output_text.delta":
+            break
+    return seen
+
+
 async def test_a_background_stream_its_client_left_is_resumed_through_the_gateway(sims, gateway):
     """Engine state, ``background`` with ``stream``: the response goes on on its engine when its
     client leaves, and the client resumes it with a GET (``stream=true&starting_after=N``). The
@@ -536,11 +546,7 @@ async def test_a_background_stream_its_client_left_is_resumed_through_the_gatewa
     c = openai_client(gw)
     stream = await c.responses.create(model="m", input="tell me a long story", background=True, stream=True,
                                       max_output_tokens=40)
-    seen = []
-    async for event in stream:
-        seen.append(event)
-        if event.type == "response.output_text.delta":
-            break
+    seen = await _to_first_delta(stream)
     await stream.close()                        # the client leaves after its first token
     rid, last = seen[0].response.id, seen[-1].sequence_number
     rest = await c.responses.retrieve(rid, stream=True, starting_after=last)
@@ -566,11 +572,7 @@ async def test_a_background_stream_its_response_cancelled_ends_as_cancelled_and_
     c = openai_client(gw)
     stream = await c.responses.create(model="m", input="tell me a long story", background=True, stream=True,
                                       max_output_tokens=200)
-    seen = []
-    async for event in stream:
-        seen.append(event)
-        if event.type == "response.output_text.delta":
-            break
+    seen = await _to_first_delta(stream)
     rid = seen[0].response.id
     assert (await c.responses.cancel(rid)).status == "cancelled"
     seen += [event async for event in stream]
@@ -597,11 +599,7 @@ async def test_a_resumed_background_stream_whose_response_is_cancelled_ends_with
     c = openai_client(gw)
     stream = await c.responses.create(model="m", input="tell me a long story", background=True, stream=True,
                                       max_output_tokens=200)
-    seen = []
-    async for event in stream:
-        seen.append(event)
-        if event.type == "response.output_text.delta":
-            break
+    seen = await _to_first_delta(stream)
     await stream.close()                        # the client leaves, and resumes
     rid, last = seen[0].response.id, seen[-1].sequence_number
     rest = await c.responses.retrieve(rid, stream=True, starting_after=last)
@@ -625,11 +623,7 @@ async def test_a_background_stream_and_its_replay_ended_by_a_cancel_log_finish_r
         with gw.gw.request_log.capture() as lines:
             stream = await c.responses.create(model="m", input="tell me a long story", background=True,
                                               stream=True, max_output_tokens=200)
-            seen = []
-            async for event in stream:
-                seen.append(event)
-                if event.type == "response.output_text.delta":
-                    break
+            seen = await _to_first_delta(stream)
             rid, last = seen[0].response.id, seen[-1].sequence_number
             if replayed:
                 await stream.close()        # the client leaves, resumes, then cancels

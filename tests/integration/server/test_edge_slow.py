@@ -504,22 +504,7 @@ async def test_a_whole_answer_whose_client_resets_while_its_body_goes_out_is_log
 
     async with fake_engine(chat) as url, edge_gateway(endpoint=url) as gw:
         with gw.app[GATEWAY_KEY].request_log.capture() as lines:
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            s.setblocking(False)
-            loop = asyncio.get_running_loop()
-            try:
-                await loop.sock_connect(s, ("127.0.0.1", gw.port))
-                await loop.sock_sendall(s, request("POST", CHAT, BODY))
-                head = b""
-                while b"\r\n\r\n" not in head:
-                    got = await loop.sock_recv(s, 4096)
-                    assert got, head
-                    head += got
-                assert head.startswith(b"HTTP/1.1 200"), head[:200]
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-            finally:
-                s.close()       # with SO_LINGER 0: a reset, MBs of the answer still unsent
+            await _reset_after_head(gw.port, request("POST", CHAT, BODY), b"HTTP/1.1 200")
             assert await wait_for(lambda: [x for x in lines if x["event"] == "request"], timeout=10.0, interval=0.01)
         line = next(x for x in lines if x["event"] == "request")
         assert (line["status"], line["error_class"]) == (499, "client_cancel"), line
@@ -527,17 +512,7 @@ async def test_a_whole_answer_whose_client_resets_while_its_body_goes_out_is_log
         assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
         # a client as slow that reads it all: its line, written once the body went, is the 200
         with gw.app[GATEWAY_KEY].request_log.capture() as lines:
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            s.setblocking(False)
-            try:
-                await loop.sock_connect(s, ("127.0.0.1", gw.port))
-                await loop.sock_sendall(s, request("POST", CHAT, BODY, {"Connection": "close"}))
-                got = bytearray()
-                while chunk := await loop.sock_recv(s, 1 << 20):
-                    got += chunk
-            finally:
-                s.close()
+            got = await _read_all(gw.port, request("POST", CHAT, BODY, {"Connection": "close"}))
             assert got.endswith(big), bytes(got[:200])
             assert await wait_for(lambda: [x for x in lines if x["event"] == "request"], timeout=10.0, interval=0.01)
         line = next(x for x in lines if x["event"] == "request")
@@ -560,41 +535,16 @@ async def test_a_whole_answer_to_an_http_1_0_client_that_resets_while_its_body_g
         return web.Response(body=big, content_type="application/json")
 
     raw = request("POST", CHAT, BODY).replace(b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", 1)
-    loop = asyncio.get_running_loop()
     async with fake_engine(chat) as url, edge_gateway(endpoint=url) as gw:
         with gw.app[GATEWAY_KEY].request_log.capture() as lines:
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            s.setblocking(False)
-            try:
-                await loop.sock_connect(s, ("127.0.0.1", gw.port))
-                await loop.sock_sendall(s, raw)
-                head = b""
-                while b"\r\n\r\n" not in head:
-                    got = await loop.sock_recv(s, 4096)
-                    assert got, head
-                    head += got
-                assert head.startswith(b"HTTP/1.0 200"), head[:200]
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-            finally:
-                s.close()       # with SO_LINGER 0: a reset, MBs of the answer still unsent
+            await _reset_after_head(gw.port, raw, b"HTTP/1.0 200")
             assert await wait_for(lambda: [x for x in lines if x["event"] == "request"], timeout=10.0, interval=0.01)
         line = next(x for x in lines if x["event"] == "request")
         assert (line["status"], line["error_class"]) == (499, "client_cancel"), line
         assert sum(v for k, v in gw.samples().items() if k.startswith("switchyard_client_cancels_total")) == 1
         assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
         with gw.app[GATEWAY_KEY].request_log.capture() as lines:
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            s.setblocking(False)
-            try:
-                await loop.sock_connect(s, ("127.0.0.1", gw.port))
-                await loop.sock_sendall(s, raw)
-                got = bytearray()
-                while chunk := await loop.sock_recv(s, 1 << 20):
-                    got += chunk
-            finally:
-                s.close()
+            got = await _read_all(gw.port, raw)
             assert got.startswith(b"HTTP/1.0 200") and got.endswith(big), bytes(got[:200])
             assert await wait_for(lambda: [x for x in lines if x["event"] == "request"], timeout=10.0, interval=0.01)
         line = next(x for x in lines if x["event"] == "request")
@@ -646,3 +596,41 @@ async def test_a_client_reset_read_with_its_whole_answer_is_logged_as_its_cancel
             assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
         ex = await exchange(gw.port, request("POST", CHAT, BODY, close=True))
         assert [r.status for r in ex.responses] == [200] and ex.first.body == small
+
+
+async def _reset_after_head(port: int, raw: bytes, status: bytes) -> None:
+    """Send ``raw`` from a client with a 4 KiB receive buffer, read the answer's head (it starts
+    with ``status``), then reset the connection (SO_LINGER 0) with MBs of the answer unsent."""
+    loop = asyncio.get_running_loop()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.setblocking(False)
+    try:
+        await loop.sock_connect(s, ("127.0.0.1", port))
+        await loop.sock_sendall(s, raw)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            got = await loop.sock_recv(s, 4096)
+            assert got, head
+            head += got
+        assert head.startswith(status), head[:200]
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    finally:
+        s.close()
+
+
+async def _read_all(port: int, raw: bytes) -> bytearray:
+    """What a client with a 4 KiB receive buffer reads after sending ``raw``, to the close."""
+    loop = asyncio.get_running_loop()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.setblocking(False)
+    got = bytearray()
+    try:
+        await loop.sock_connect(s, ("127.0.0.1", port))
+        await loop.sock_sendall(s, raw)
+        while chunk := await loop.sock_recv(s, 1 << 20):
+            got += chunk
+    finally:
+        s.close()
+    return got
