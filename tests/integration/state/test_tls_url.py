@@ -1,10 +1,13 @@
 """A TLS URL (``rediss://``, ``rediss+sentinel://``) for a real redis-server: one serving plain TCP
 takes the connection and never answers the TLS handshake, which the error says in those words
 (not the client library's "Timeout connecting to server", which reads as a Redis out of reach);
-one serving TLS is reached as before."""
+one serving TLS is reached as before; one whose certificate fails verification (an unknown CA, another
+host's name) says so, and is not tried again."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import subprocess
 
 import aiohttp
@@ -118,3 +121,41 @@ async def test_a_responses_store_does_not_send_again_a_call_that_got_no_tls_answ
     after = int(plain.info("stats")["total_connections_received"])
     plain.close()
     assert after - before == 1, after - before
+
+
+@pytest.mark.parametrize(("host", "trusted", "why"), [
+    ("127.0.0.1", False, "unable to get local issuer certificate"),     # state.tls_ca_file not set
+    ("example.invalid", True, "IP address mismatch"),                            # another host's certificate
+])
+async def test_a_responses_store_does_not_send_again_a_call_whose_tls_certificate_fails_verification(
+        tmp_path, host, trusted, why):
+    """A TLS server whose certificate the gateway does not trust fails the same way on every try:
+    the store's call fails at its first connection (the connections the server took: one), and its
+    failure names the cause, with the reason ``tls_verify``."""
+    ca = CertificateAuthority(tmp_path)
+    ctx = ca.issue(host).server_context()
+    accepted = 0
+
+    async def take(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        with contextlib.suppress(OSError):
+            await writer.start_tls(ctx)
+        writer.close()
+
+    port = listen_port()
+    server = await asyncio.start_server(take, "127.0.0.1", port)
+    cfg = StateConfig(redis_url=f"rediss://127.0.0.1:{port}/0", tls_ca_file=str(ca.cert) if trusted else None,
+                      timeout_s=0.5)
+    store = RedisStore(redis_client(cfg), "sy:resp:", ttl_s=60, timeout_s=0.5, owns_client=True)
+    try:
+        with pytest.raises(StoreUnavailable) as si:
+            await store.get("resp_1")
+    finally:
+        await store.close()
+        server.close()
+        await server.wait_closed()
+    assert accepted == 1, accepted
+    assert si.value.reason == "tls_verify", si.value
+    assert f"the TLS certificate of 127.0.0.1:{port} fails verification: " in str(si.value), si.value
+    assert why in str(si.value), si.value
