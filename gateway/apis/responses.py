@@ -235,6 +235,7 @@ _REFUSED = {
 _OUT_OF_REACH = {
     "unreachable": "the Responses state store is unreachable",
     "no_tls": "the Responses state store is unreachable: it gave no TLS handshake answer",
+    "tls_verify": "the Responses state store is unreachable: its TLS certificate fails verification",
 }
 
 

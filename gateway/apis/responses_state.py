@@ -11,7 +11,8 @@ most ``TRIES`` times in all within that bound, ``RETRY_PAUSES_S`` between: a Clu
 after a failover each idle replica's first call on a moved slot would fail on a Cluster healthy
 again, and a Sentinel-managed client asks the Sentinels again on its next connection. Every call
 (GET, SET with PX, DEL) may be sent twice. A refused password or user (``auth``) and a TLS
-handshake that got no answer (``no_tls``: a Redis serving plain TCP) are no passing faults: that
+handshake that got no answer (``no_tls``: a Redis serving plain TCP) or a TLS certificate that
+failed verification (``tls_verify``: a CA not trusted, another host's name) are no passing faults: that
 call is not sent again, and fails after one connect timeout. A failure still there raises ``StoreUnavailable`` and
 the caller decides (a lookup answers 503 with Retry-After, a write is counted and logged). Every
 call touches one key, so on a Redis Cluster the records spread over its shards (no hash tag); the
@@ -36,6 +37,7 @@ from gateway.state.redis import (
     held_loop_timeout,
     no_tls_answer,
     refusal,
+    tls_verify_failed,
     transport_reason,
 )
 
@@ -45,7 +47,8 @@ RETRY_PAUSES_S = (0.05, 0.25)   # before the second and the third
 
 class StoreUnavailable(Exception):
     """The backing store could not answer. ``reason``: ``unreachable`` (``no_tls``: a TLS URL's
-    server took the connection and never answered the handshake), ``auth`` (it refused the
+    server took the connection and never answered the handshake; ``tls_verify``: its certificate
+    failed verification), ``auth`` (it refused the
     connection's password or user), or why a Redis that answered refused the call (gateway/state/redis.py ``refusal``: ``wrongtype``, ``noperm``,
     ``readonly``, ...; ``error`` for another error it answered)."""
 
@@ -172,6 +175,15 @@ def sibling_key_ok(key: str) -> bool:
     return 0 < len(key) <= 256 and key.isprintable() and " " not in key
 
 
+def _out_of_reach(e: BaseException) -> str:
+    """The ``StoreUnavailable.reason`` of a call that got no answer (``e`` is one of ``UNAVAILABLE``)."""
+    if no_tls_answer(e):
+        return "no_tls"
+    if tls_verify_failed(e):
+        return "tls_verify"
+    return transport_reason(e)
+
+
 class RedisStore:
     def __init__(self, client: Client, prefix: str, ttl_s: float, timeout_s: float,
                  owns_client: bool = False) -> None:
@@ -196,7 +208,7 @@ class RedisStore:
                         raise
                     except UNAVAILABLE as e:
                         # the same password refused again; a plain-TCP server silent again
-                        if transport_reason(e) == "auth" or no_tls_answer(e):
+                        if transport_reason(e) == "auth" or no_tls_answer(e) or tls_verify_failed(e):
                             raise
                         failed = e
                 assert failed is not None
@@ -209,8 +221,7 @@ class RedisStore:
                 e = failed                          # the bound ran out between tries: the last failure
             answered = isinstance(e, RedisError) and not isinstance(e, UNAVAILABLE)
             raise StoreUnavailable(f"{type(e).__name__}: {e}",
-                                   (refusal(e) or "error") if answered
-                                   else "no_tls" if no_tls_answer(e) else transport_reason(e)) from None
+                                   (refusal(e) or "error") if answered else _out_of_reach(e)) from None
 
     async def put(self, key: str, value: bytes) -> None:
         await self._call(lambda: self.client.set(self.prefix + key, value, px=self.ttl_ms))

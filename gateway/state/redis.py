@@ -38,6 +38,7 @@ import asyncio
 import functools
 import re
 import socket
+import ssl
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
@@ -128,17 +129,27 @@ def transport_reason(e: BaseException) -> str:
     return "unreachable"
 
 
-def no_tls_answer(e: BaseException) -> bool:
-    """Whether ``e`` (a failed connect, as the client library wraps it) is a TLS URL's server that
-    took the connection and never answered the handshake (:class:`NoTLSAnswer`)."""
+def _caused_by(e: BaseException, cls: type[BaseException]) -> bool:
     seen: BaseException | None = e
     for _ in range(4):
         if seen is None:
             return False
-        if isinstance(seen, NoTLSAnswer):
+        if isinstance(seen, cls):
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def no_tls_answer(e: BaseException) -> bool:
+    """Whether ``e`` (a failed connect, as the client library wraps it) is a TLS URL's server that
+    took the connection and never answered the handshake (:class:`NoTLSAnswer`)."""
+    return _caused_by(e, NoTLSAnswer)
+
+
+def tls_verify_failed(e: BaseException) -> bool:
+    """Whether ``e`` (a failed connect) is a TLS server whose certificate failed verification
+    (:class:`TLSVerifyFailed`): a CA not trusted, another host's name, expired."""
+    return _caused_by(e, TLSVerifyFailed)
 
 
 # A timer that fires this much later than its deadline means the loop was held meanwhile
@@ -429,6 +440,12 @@ class NoTLSAnswer(RedisConnectionError):
     the rest)."""
 
 
+class TLSVerifyFailed(RedisConnectionError):
+    """A TLS server's certificate failed verification: signed by a CA ``state.tls_ca_file`` (or
+    the system's store) does not hold, made for another host than the URL's, or expired. Another
+    try meets the same certificate."""
+
+
 class _TLSSaysWhy:
     """A TLS connection made in two steps, TCP then the TLS handshake, within the one connect
     timeout as before, so that a handshake that got no answer says so: the client library's
@@ -454,6 +471,10 @@ class _TLSSaysWhy:
                 raise
             raise NoTLSAnswer(f"no TLS handshake answer from {host}:{port}; is this Redis serving TLS? "
                               "use redis:// for plain TCP") from None
+        except ssl.SSLCertVerificationError as e:
+            why = (e.verify_message or str(e)).rstrip(".")
+            raise TLSVerifyFailed(f"the TLS certificate of {host}:{port} fails verification: {why}; check "
+                                  "state.tls_ca_file and the URL's host") from None
         self._reader, self._writer = reader, writer             # type: ignore[attr-defined]
         sock = writer.transport.get_extra_info("socket")
         if sock is not None:
