@@ -16,7 +16,7 @@ from gateway.config.schema import StateConfig
 from gateway.state.redis import redis_client
 from tests.support.gateway_process import gateway_process
 from tests.support.ports import listen_port
-from tests.support.waiting import until
+from tests.support.waiting import process_stopped, until
 
 
 class CuttingProxy:
@@ -99,6 +99,8 @@ async def test_a_delete_that_meets_the_store_unreachable_after_its_lookup_is_the
                 assert (e.status_code, e.body["code"], e.body["type"]) == (503, "service_unavailable", "overloaded_error")
                 assert e.response.headers.get("x-error-state-unavailable") == "true"
                 assert e.response.headers.get("Retry-After") == "1"
+                # the connection closed after the DEL was sent: whether Redis ran it, the gateway cannot know
+                assert "whether the response was deleted is unknown" in e.body["message"], e.body
                 # nothing changed: the record is there, and the DELETE sent again takes it away
                 assert (await client.responses.retrieve(first.id)).id == first.id
                 await until(lambda: _deleted(client, first.id), timeout=10)
@@ -140,3 +142,40 @@ async def test_a_refused_password_is_not_sent_again(redis_server):
         await store.close()
     assert ei.value.reason == "auth"
     assert _auth_refusals(redis_server.port) - before == 1
+
+
+async def test_a_deletion_redis_took_but_did_not_answer_in_time_is_of_unknown_outcome(redis_server):
+    """A Redis paused (SIGSTOP) as the DEL is sent keeps it in its socket, and runs it once it
+    resumes: the store's failure says the outcome is unknown (not that nothing was deleted), and
+    indeed the key is gone after the resume."""
+    plain = redis.Redis(port=redis_server.port)
+    store = RedisStore(redis_client(StateConfig(redis_url=redis_server.url, timeout_s=0.2)), "sy:resp:",
+                       ttl_s=60, timeout_s=0.2, owns_client=True)
+    try:
+        await store.put("resp_1", b"{}")            # its connection, open
+        redis_server.pause()
+        await until(lambda: process_stopped(redis_server.proc.pid), timeout=10)
+        try:
+            with pytest.raises(StoreUnavailable) as ei:
+                await store.delete("resp_1")
+        finally:
+            redis_server.resume()
+        assert ei.value.reason == "unreachable" and ei.value.outcome_unknown, ei.value
+        await until(lambda: plain.exists("sy:resp:resp_1") == 0, timeout=10)
+    finally:
+        await store.close()
+        plain.close()
+
+
+async def test_a_deletion_whose_connection_was_refused_is_known_not_done(redis_server):
+    """A Redis that refuses the connection ran nothing: that failure is no unknown outcome."""
+    port = redis_server.port
+    redis_server.stop()
+    store = RedisStore(redis_client(StateConfig(redis_url=f"redis://127.0.0.1:{port}/0", timeout_s=0.2)),
+                       "sy:resp:", ttl_s=60, timeout_s=0.2, owns_client=True)
+    try:
+        with pytest.raises(StoreUnavailable) as ei:
+            await store.delete("resp_1")
+    finally:
+        await store.close()
+    assert ei.value.reason == "unreachable" and not ei.value.outcome_unknown, ei.value
