@@ -239,6 +239,11 @@ _OUT_OF_REACH = {
 }
 
 
+# a deletion sent to the store that got no answer (a timeout, a lost connection)
+_DELETION_UNKNOWN = ("the Responses state store did not answer the deletion: whether the response was deleted is "
+                     "unknown; send the DELETE again (a 404 then means it is deleted)")
+
+
 def _store_unreachable(e: StoreUnavailable | None = None) -> GatewayError:
     """The 503 of a call that met the state store unreachable, or refusing it, at its lookup or at
     its deletion."""
@@ -1288,6 +1293,10 @@ class ResponsesApi(ApiShape):
             await store.delete(rid)
         except StoreUnavailable as e:
             self._unreachable(e)
+            if e.outcome_unknown:           # sent, unanswered: Redis may have run it (or run it later)
+                raise GatewayError(503, _DELETION_UNKNOWN, code="service_unavailable", headers={"Retry-After": "1"},
+                                   header=("x-error-state-unavailable", "true"),
+                                   error_class=ErrorClass.STATE_UNAVAILABLE) from None
             raise _store_unreachable(e) from None
         return {"id": rid, "object": "response", "deleted": True}
 

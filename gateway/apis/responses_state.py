@@ -33,6 +33,7 @@ from gateway.state.redis import (
     UNAVAILABLE,
     Client,
     PoolTimeout,
+    caused_by,
     close_client,
     held_loop_timeout,
     no_tls_answer,
@@ -50,11 +51,13 @@ class StoreUnavailable(Exception):
     server took the connection and never answered the handshake; ``tls_verify``: its certificate
     failed verification), ``auth`` (it refused the
     connection's password or user), or why a Redis that answered refused the call (gateway/state/redis.py ``refusal``: ``wrongtype``, ``noperm``,
-    ``readonly``, ...; ``error`` for another error it answered)."""
+    ``readonly``, ...; ``error`` for another error it answered). ``outcome_unknown``: a try was sent
+    and got no answer (it timed out, or its connection was lost), so Redis may have run it."""
 
-    def __init__(self, message: str = "", reason: str = "unreachable") -> None:
+    def __init__(self, message: str = "", reason: str = "unreachable", outcome_unknown: bool = False) -> None:
         super().__init__(message)
         self.reason = reason
+        self.outcome_unknown = outcome_unknown      # a try may have run on Redis (see ``_not_sent``)
 
 
 class MemoryStore:
@@ -175,6 +178,16 @@ def sibling_key_ok(key: str) -> bool:
     return 0 < len(key) <= 256 and key.isprintable() and " " not in key
 
 
+def _not_sent(e: BaseException) -> bool:
+    """Whether the failed try ``e`` is known not to have run on Redis: it got no connection (a
+    pool timeout, a refused connection, a refused password or user, a TLS handshake that failed),
+    or Redis answered it with an error. A timeout or a lost connection cannot tell."""
+    if isinstance(e, PoolTimeout) or (isinstance(e, RedisError) and not isinstance(e, UNAVAILABLE)):
+        return True
+    return (transport_reason(e) == "auth" or no_tls_answer(e) or tls_verify_failed(e)
+            or caused_by(e, ConnectionRefusedError))
+
+
 def _out_of_reach(e: BaseException) -> str:
     """The ``StoreUnavailable.reason`` of a call that got no answer (``e`` is one of ``UNAVAILABLE``)."""
     if no_tls_answer(e):
@@ -197,16 +210,21 @@ class RedisStore:
         """``call()``'s answer; one that met a lost connection or a failover is made again (see
         the module's description), all within the call's bound."""
         failed: BaseException | None = None
+        unknown = False                             # a try that may have run (``_not_sent``)
+        sending = False                             # a try under way
         try:
             async with held_loop_timeout(self.timeout):
                 for pause in (0.0, *RETRY_PAUSES_S)[:TRIES]:
                     if failed is not None:
                         await asyncio.sleep(pause)
+                    sending = True
                     try:
                         return await call()
                     except PoolTimeout:             # it waited its time for a connection already
                         raise
                     except UNAVAILABLE as e:
+                        sending = False
+                        unknown = unknown or not _not_sent(e)
                         # the same password refused again; a plain-TCP server silent again
                         if transport_reason(e) == "auth" or no_tls_answer(e) or tls_verify_failed(e):
                             raise
@@ -217,11 +235,12 @@ class RedisStore:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise asyncio.CancelledError from None
+            unknown = unknown or (sending and not _not_sent(e))   # the bound ran out as it waited
             if isinstance(e, TimeoutError) and failed is not None:
                 e = failed                          # the bound ran out between tries: the last failure
             answered = isinstance(e, RedisError) and not isinstance(e, UNAVAILABLE)
             raise StoreUnavailable(f"{type(e).__name__}: {e}",
-                                   (refusal(e) or "error") if answered else _out_of_reach(e)) from None
+                                   (refusal(e) or "error") if answered else _out_of_reach(e), unknown) from None
 
     async def put(self, key: str, value: bytes) -> None:
         await self._call(lambda: self.client.set(self.prefix + key, value, px=self.ttl_ms))

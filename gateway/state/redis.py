@@ -129,7 +129,8 @@ def transport_reason(e: BaseException) -> str:
     return "unreachable"
 
 
-def _caused_by(e: BaseException, cls: type[BaseException]) -> bool:
+def caused_by(e: BaseException, cls: type[BaseException]) -> bool:
+    """Whether ``e``, or what it was raised from (as the client library wraps it), is a ``cls``."""
     seen: BaseException | None = e
     for _ in range(4):
         if seen is None:
@@ -143,13 +144,13 @@ def _caused_by(e: BaseException, cls: type[BaseException]) -> bool:
 def no_tls_answer(e: BaseException) -> bool:
     """Whether ``e`` (a failed connect, as the client library wraps it) is a TLS URL's server that
     took the connection and never answered the handshake (:class:`NoTLSAnswer`)."""
-    return _caused_by(e, NoTLSAnswer)
+    return caused_by(e, NoTLSAnswer)
 
 
 def tls_verify_failed(e: BaseException) -> bool:
     """Whether ``e`` (a failed connect) is a TLS server whose certificate failed verification
     (:class:`TLSVerifyFailed`): a CA not trusted, another host's name, expired."""
-    return _caused_by(e, TLSVerifyFailed)
+    return caused_by(e, TLSVerifyFailed)
 
 
 # A timer that fires this much later than its deadline means the loop was held meanwhile
