@@ -20,7 +20,7 @@ from tests.support.fake_engine import cutting_stream, fake_engine
 from tests.support.http import openai_client, sim_state
 from tests.support.metrics import metric
 from tests.support.tenancy import ALICE, BOB, KEYS
-from tests.support.waiting import until, wait_for
+from tests.support.waiting import process_stopped, until, wait_for
 
 
 def posts(state: dict) -> list[dict]:
@@ -962,6 +962,36 @@ async def test_a_stored_stream_still_generating_on_one_replica_is_in_progress_on
         assert seen[-1] == "response.completed"
         assert (await c2.responses.retrieve("resp_cut1")).status == "completed"
         assert (await c1.responses.retrieve("resp_cut1")).status == "completed"
+
+
+async def test_a_stored_stream_still_generating_is_in_progress_while_redis_does_not_answer(gateway, redis_server):
+    """Gateway state on Redis: a GET of a stored stream still generating on this gateway, while
+    Redis does not answer (paused), was the store's 503, though the gateway serving the stream
+    knows it in progress: it answers from the stream, without the store."""
+    go_on = asyncio.Event()
+    async with fake_engine(_held_stream(go_on), paths=("/v1/responses",)) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], state={"redis_url": redis_server.url, "timeout_s": 0.2},
+                           responses={"state": "gateway"})
+        c = openai_client(gw)
+        stream = await c.responses.create(model="m", input="weather?", stream=True)
+        seen = []
+        async for ev in stream:
+            seen.append(ev.type)
+            if ev.type == "response.function_call_arguments.delta":
+                break
+        redis_server.pause()
+        await until(lambda: process_stopped(redis_server.proc.pid), timeout=10)
+        try:
+            got = await c.responses.retrieve("resp_cut1")
+            items = await c.responses.input_items.list("resp_cut1")
+        finally:
+            redis_server.resume()
+            go_on.set()
+        assert (got.id, got.status, got.model) == ("resp_cut1", "in_progress", "m")
+        assert [i.content[0].text for i in items.data] == ["weather?"]
+        seen += [ev.type async for ev in stream]
+        assert seen[-1] == "response.completed"
+        assert (await c.responses.retrieve("resp_cut1")).status == "completed"
 
 
 async def test_a_stored_stream_its_client_leaves_is_no_longer_in_progress_on_another_replica(gateway, redis_server):
