@@ -1117,10 +1117,15 @@ class ResponsesApi(ApiShape):
                 user = (await self.tenancy.authenticate(request, rec)).user
             try:
                 if self.gateway_held and action != "cancel":
+                    ctx = self._running.get(rid) if action != "delete" else None
+                    if ctx is not None and self._running_record(ctx) is not None:   # running here: its stream says
+                        return await self._in_progress(rec, rid, action, user, request, _not_found(rid))
                     return await self._from_history(rec, rid, action, user, request)
                 return await self._on_owner(rec, rid, user, request)
             except GatewayError as e:
-                if e.status != 404:
+                # a miss, or a read the store could not answer: a stored stream still running (on a
+                # sibling) is answered all the same
+                if e.status != 404 and (e.error_class is not ErrorClass.STATE_UNAVAILABLE or action == "delete"):
                     raise
                 return await self._in_progress(rec, rid, action, user, request, e)
         except GatewayError as e:
