@@ -190,6 +190,39 @@ async def test_a_stored_stream_still_generating_is_retrieved_in_progress_from_ev
 
 
 @pytest.mark.timeout(90)
+async def test_a_stored_stream_still_generating_is_in_progress_from_every_worker_while_redis_does_not_answer(
+        sims, tmp_path, redis_server):
+    """Gateway state on Redis: while Redis does not answer (paused), a GET of a stored stream still
+    running was the store's 503 on either worker. The worker serving it answers from its stream,
+    and its sibling, whose lookup the store could not answer, asks it."""
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "listen": {"host": "127.0.0.1", "port": port}, "server": {"drain_delay_s": 0, "log_level": "warning"},
+        "state": {"redis_url": redis_server.url, "timeout_s": 0.2}, "responses": {"state": "gateway"},
+        "models": [{"name": "m", "engine": "vllm", "endpoints": [sim.url]}]}))
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        stream = await client.responses.create(model="m", input="a long story", stream=True, max_output_tokens=2000)
+        async for ev in stream:
+            if ev.type == "response.created":
+                rid = ev.response.id
+                break
+        redis_server.pause()
+        try:
+            answers = await per_worker(port, 2, f"/v1/responses/{rid}")
+        finally:
+            redis_server.resume()
+            await stream.close()
+            await client.close()
+    assert len(answers) == 2
+    for text in answers.values():
+        body = orjson.loads(text)
+        assert (body.get("id"), body.get("status")) == (rid, "in_progress"), text
+
+
+@pytest.mark.timeout(90)
 async def test_the_calls_on_a_stored_stream_still_generating_are_answered_by_every_worker(sims, tmp_path):
     """With gateway state in memory the worker serving a stored stream still generating holds it:
     its sibling asks it, so a cancel (a 400: not background) and ``input_items`` are answered by
