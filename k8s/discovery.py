@@ -242,8 +242,14 @@ class KubernetesDiscovery:
         self._waiting_models: Counter[str] = Counter()
         self._left_at: dict[str, float] = {}
         pool.awaited = self._awaits
-        self._changes = {kind: _Changes(f"kubernetes endpoint {kind}", f"kubernetes endpoints {kind}")
-                         for kind in ("added", "removed", "routable", "not routable")}
+        # each kind's events, a change alone and a burst's summary, written out whole: the manual
+        # quotes them and operators grep for them
+        self._changes = {
+            "added": _Changes("kubernetes endpoint added", "kubernetes endpoints added"),
+            "removed": _Changes("kubernetes endpoint removed", "kubernetes endpoints removed"),
+            "routable": _Changes("kubernetes endpoint routable", "kubernetes endpoints routable"),
+            "not routable": _Changes("kubernetes endpoint not routable", "kubernetes endpoints not routable"),
+        }
         self._tasks: list[asyncio.Task] = []       # one per scope, in the order of ``scopes``
         self._ending: list[asyncio.Task] = []      # the loops stopped for a relist (``_relist_watching``)
         self._api_client: Any = None
