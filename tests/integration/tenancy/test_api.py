@@ -303,29 +303,9 @@ async def test_a_background_response_whose_engine_is_known_down_gives_its_concur
     assert await wait_for(lambda: not ep.healthy)
     assert (await state.usage("alice"))["concurrent"] == 0      # in the step the probe found it down
     # the user's next request runs on the live engine, holding the slot
-    held = asyncio.create_task(c.chat.completions.create(
-        model="m", messages=CHAT, extra_headers={"x-sim-fault": "stall_before_first=inf"}))
-
-    async def holding():
-        return (await state.usage("alice"))["concurrent"] == 1
-    await until(holding)
-    back = await start_sim(SimConfig(engine="vllm", model="m", port=dead.port, host="127.0.0.1",
-                                     enable_responses_store=True))
-    try:
-        api = gw.gw.apis["/v1/responses"]
-
-        async def poll_ended():
-            got = [q for q in (await sim_state(back.url))["received"] if q["path"].endswith(r.id)]
-            return bool(got) and not api._watched
-        await until(poll_ended, timeout=30)              # the poll's 404: it ended
-        assert (await state.usage("alice"))["concurrent"] == 1     # the running request's slot, still held
+    async with _held_while_the_engine_returns(gw, c, dead, r.id):
         with pytest.raises(openai.RateLimitError):
             await c.chat.completions.create(model="m", messages=CHAT)
-    finally:
-        held.cancel()
-        with contextlib.suppress(asyncio.CancelledError, openai.APIError):
-            await held
-        await back.close()
 
 
 async def test_a_background_response_whose_engine_a_breaker_holds_out_gives_its_concurrency_slot_back_at_its_poll(
@@ -356,6 +336,16 @@ async def test_a_background_response_whose_engine_a_breaker_holds_out_gives_its_
     async def freed():
         return (await state.usage("alice"))["concurrent"] == 0
     await until(freed, timeout=10)           # a poll comes within 2 s; giving up takes ten
+    async with _held_while_the_engine_returns(gw, c, dead, r.id):
+        pass
+
+
+@contextlib.asynccontextmanager
+async def _held_while_the_engine_returns(gw, c, dead, rid: str):
+    """alice's next request holds her concurrency slot while her background response's dead engine
+    comes back on its port without the response: entered once the response's poll ended (its 404),
+    the running request's slot still held, so the poll's end gave nothing back twice."""
+    state = gw.gw.tenancy.state
     held = asyncio.create_task(c.chat.completions.create(
         model="m", messages=CHAT, extra_headers={"x-sim-fault": "stall_before_first=inf"}))
 
@@ -368,10 +358,11 @@ async def test_a_background_response_whose_engine_a_breaker_holds_out_gives_its_
         api = gw.gw.apis["/v1/responses"]
 
         async def poll_ended():
-            got = [q for q in (await sim_state(back.url))["received"] if q["path"].endswith(r.id)]
+            got = [q for q in (await sim_state(back.url))["received"] if q["path"].endswith(rid)]
             return bool(got) and not api._watched
         await until(poll_ended, timeout=30)              # the poll's 404: it ended
         assert (await state.usage("alice"))["concurrent"] == 1     # the running request's slot, still held
+        yield
     finally:
         held.cancel()
         with contextlib.suppress(asyncio.CancelledError, openai.APIError):
