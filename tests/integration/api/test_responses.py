@@ -822,6 +822,17 @@ def _function_call_events() -> list[bytes]:
             for i, (name, data) in enumerate(events)]
 
 
+async def _to_first_arguments(stream) -> list[str]:
+    """The types of a Responses ``stream``'s events up to and with its first function-call
+    arguments delta."""
+    seen = []
+    async for ev in stream:
+        seen.append(ev.type)
+        if ev.type == "response.function_call_arguments.delta":
+            break
+    return seen
+
+
 def _held_stream(go_on: asyncio.Event):
     """An engine streaming a stored response's first four events, then the rest once ``go_on`` is set."""
     async def engine(request: web.Request) -> web.StreamResponse:
@@ -856,11 +867,7 @@ async def test_a_stored_stream_still_generating_is_retrieved_in_progress(gateway
         gw = await gateway([model_block("m", "vllm", [url])], responses={"state": state})
         c = openai_client(gw)
         stream = await c.responses.create(model="m", input="weather?", stream=True)
-        seen = []
-        async for ev in stream:
-            seen.append(ev.type)
-            if ev.type == "response.function_call_arguments.delta":
-                break
+        seen = await _to_first_arguments(stream)
         try:
             got = await c.responses.retrieve("resp_cut1")
         finally:
@@ -895,11 +902,7 @@ async def test_the_calls_on_a_stored_stream_still_generating_answer_as_on_the_re
         gw = await gateway([model_block("m", "vllm", [url])], responses={"state": state})
         c = openai_client(gw)
         stream = await c.responses.create(model="m", input="weather?", stream=True)
-        seen = []
-        async for ev in stream:
-            seen.append(ev.type)
-            if ev.type == "response.function_call_arguments.delta":
-                break
+        seen = await _to_first_arguments(stream)
         try:
             with pytest.raises(openai.BadRequestError) as ei:
                 await c.responses.cancel("resp_cut1")
@@ -935,11 +938,7 @@ async def _held_on_one_replica(gateway, redis_server, url: str, state: str = "ga
     g1 = await gateway([model_block("m", "vllm", [url])], **blocks)
     g2 = await gateway([model_block("m", "vllm", [url])], **blocks)
     stream = await openai_client(g1).responses.create(model="m", input="weather?", stream=True)
-    seen = []
-    async for ev in stream:
-        seen.append(ev.type)
-        if ev.type == "response.function_call_arguments.delta":
-            break
+    seen = await _to_first_arguments(stream)
     return openai_client(g1), openai_client(g2), stream, seen
 
 
@@ -974,11 +973,7 @@ async def test_a_stored_stream_still_generating_is_in_progress_while_redis_does_
                            responses={"state": "gateway"})
         c = openai_client(gw)
         stream = await c.responses.create(model="m", input="weather?", stream=True)
-        seen = []
-        async for ev in stream:
-            seen.append(ev.type)
-            if ev.type == "response.function_call_arguments.delta":
-                break
+        seen = await _to_first_arguments(stream)
         redis_server.pause()
         await until(lambda: process_stopped(redis_server.proc.pid), timeout=10)
         try:
@@ -1114,11 +1109,7 @@ async def test_a_stored_stream_deleted_while_generating_is_not_kept_when_it_fail
         gw = await gateway([model_block("m", "vllm", [url])], responses={"state": "gateway"})
         c = openai_client(gw)
         stream = await c.responses.create(model="m", input="weather?", stream=True)
-        seen = []
-        async for ev in stream:
-            seen.append(ev.type)
-            if ev.type == "response.function_call_arguments.delta":
-                break
+        await _to_first_arguments(stream)
         try:
             await c.responses.delete("resp_cut1")
         finally:
